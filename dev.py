@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Project tasks that set themselves up: a local virtual environment in .venv, reused when
+it is up to date. Needs nothing but Python 3.10+.
+
+    python3 dev.py demo            # the main job: the demo
+    python3 dev.py test [args]     # the whole test suite (extra args go to pytest)
+    python3 dev.py bench NAME ...  # a benchmark from bench/ (see bench/README.md)
+    python3 dev.py shell CMD ...   # run CMD inside the environment
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+# The CPU build lies on these machines' disk; a bare "torch" would download a CUDA build.
+TORCH = "torch==2.13.0"
+EXTRAS = "test,bench"
+
+
+def _venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _wanted_stamp() -> str:
+    h = hashlib.sha256()
+    for name in ("pyproject.toml", "constraints.txt", "dev.py"):
+        h.update((ROOT / name).read_bytes())
+    return h.hexdigest()
+
+
+def _pip(py: Path, *args: str) -> None:
+    cmd = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def ensure_env() -> Path:
+    py = _venv_python()
+    stamp = VENV / ".flexckpt-installed"
+    wanted = _wanted_stamp()
+    if py.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return py
+    if not py.exists():
+        print(f"creating virtual environment in {VENV}", flush=True)
+        venv.create(VENV, with_pip=True)
+    constraints = str(ROOT / "constraints.txt")
+    _pip(py, TORCH)  # first, alone: the CPU build from the local disk
+    _pip(py, "-c", constraints, "-e", f".[{EXTRAS}]")
+    stamp.write_text(wanted)
+    return py
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__)
+        return 0
+    task, rest = argv[0], argv[1:]
+    py = str(ensure_env())
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if task == "demo":
+        cmd = [py, "-m", "flexckpt.demo", *rest]
+    elif task == "test":
+        cmd = [py, "-m", "pytest", *rest]
+    elif task == "bench":
+        if not rest:
+            print("usage: python3 dev.py bench NAME [args]; see bench/README.md")
+            return 2
+        cmd = [py, str(ROOT / "bench" / f"{rest[0]}.py"), *rest[1:]]
+    elif task == "shell":
+        cmd = [py, *rest] if rest and rest[0].endswith(".py") else rest or [py]
+        cmd = [str(VENV / "bin" / cmd[0]) if (VENV / "bin" / cmd[0]).exists() else cmd[0], *cmd[1:]]
+    else:
+        print(f"unknown task {task!r}; expected demo, test, bench or shell\n{__doc__}")
+        return 2
+    return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
