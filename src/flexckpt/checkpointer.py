@@ -1,0 +1,553 @@
+"""The checkpointer: ``save`` stages into reused buffers and returns; background threads
+write, and the coordinator commits. ``load`` restores at any world size.
+
+Threads (started on the first save):
+  stager  - copies this rank's pieces into a staging buffer, then releases the fence;
+  writer  - chunks, compresses, checksums and writes the rank's file, then its record;
+  commit  - rank 0 only: waits for every record by reading storage, writes the manifest,
+            applies retention.
+No thread ever enters a collective on the save path.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import re
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from flexckpt.codec import parse_compression
+from flexckpt.commit import (
+    apply_retention,
+    build_manifest,
+    check_records,
+    commit,
+    committed_steps,
+    mark_failed,
+    read_manifest,
+    wait_for_records,
+)
+from flexckpt.errors import LoadError, SaveError
+from flexckpt.load import LoadStats, PendingLoad, encode_per_rank
+from flexckpt.manifest import MANIFEST, check_run_id, data_file, failed_file, record_file, step_dir
+from flexckpt.plan import RankPlan, WritePlan, make_write_plan
+from flexckpt.staging import BufferPool, StagingBuffer, copy_into
+from flexckpt.storage import Storage
+from flexckpt.structure import Walk, encode_plain, fingerprint, walk
+from flexckpt.writer import record_bytes, write_data_file
+from flexshard import current_world
+
+log = logging.getLogger("flexckpt")
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+class SaveHandle:
+    """One save in flight. ``wait_staged()`` is the fence after which the caller may
+    change the state; ``result()`` returns once the checkpoint is committed."""
+
+    def __init__(self, step: int, wait_commit: "Any") -> None:
+        self.step = step
+        self.save_seconds = 0.0  # time spent inside save()
+        self.fence_seconds = 0.0  # time spent inside wait_staged()
+        self.timings: dict[str, float] = {}
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._wait_commit = wait_commit  # non-coordinators: poll storage for the manifest
+
+    @property
+    def trainer_wait(self) -> float:
+        """Seconds the training thread spent on this save: inside save() plus at the fence."""
+        return self.save_seconds + self.fence_seconds
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until the state has been copied out (a failed staging also releases the
+        fence; the failure is reported by :meth:`result`). Returns False on timeout."""
+        t0 = time.perf_counter()
+        ok = self._staged.wait(timeout)
+        self.fence_seconds += time.perf_counter() - t0
+        return ok
+
+    def staged(self) -> bool:
+        return self._staged.is_set()
+
+    def done(self) -> bool:
+        """This rank's part is finished (on rank 0: the checkpoint is committed)."""
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self, timeout: float | None = None) -> int:
+        """Wait until the checkpoint is committed; return its step or raise ``SaveError``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} not finished after {timeout} s")
+        if self._error is not None:
+            raise SaveError(f"save of step {self.step} failed: {self._error}") from self._error
+        if self._wait_commit is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._wait_commit(self.step, left)
+        return self.step
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._staged.set()
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "done" if self.done() else "staged" if self.staged() else "staging"
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+@dataclass(eq=False)
+class _PlanEntry:
+    id: int
+    plan: WritePlan
+    rank_plan: RankPlan
+    fingerprint: str
+    structure: dict
+    structure_bytes: bytes
+    order: list[int]  # walk indices of this rank's pieces, in stream order
+    shapes: list[tuple]
+    cuda: bool
+
+
+@dataclass(eq=False)
+class _Job:
+    step: int
+    handle: SaveHandle
+    entry: _PlanEntry
+    buffer: StagingBuffer
+    srcs: list[torch.Tensor] | None
+    plain: dict[str, Any]
+    lanes: dict[str, bytes]
+    per_rank: dict[str, bytes]
+    cuda: Any
+    chunks: list = field(default_factory=list)
+
+
+class Checkpointer:
+    """Async checkpoints of a training state under one storage URL.
+
+    Args:
+        url: ``file:///path``, a plain path, ``memory://name`` (one process only) or
+            ``s3://bucket/prefix`` (``storage_options`` go to fsspec, e.g. an endpoint).
+        keep_last: keep only the newest N committed checkpoints (None keeps all).
+        compression: None, ``"zstd"`` or ``"zstd:LEVEL"``, applied per chunk.
+        max_in_flight: staging buffers, i.e. saves staged but not yet written; a save
+            beyond that waits (bounded memory).
+        chunk_bytes: raw bytes per chunk; each is compressed and checksummed alone.
+        run_id: the same string on every rank of this job; by default taken from
+            ``FLEXCKPT_RUN_ID`` or torchrun's run id and restart count, else rank 0's random id
+            is broadcast once, here (never during a save).
+        rank, world_size: override the ``torch.distributed`` world (both or neither).
+        commit_timeout: seconds the coordinator waits for the other ranks' records.
+        fsync: make files durable before the commit (turn off only for throwaway runs).
+        read_threads: parallel chunk reads during load.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep_last: int | None = None,
+        compression: str | None = None,
+        max_in_flight: int = 1,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        run_id: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        commit_timeout: float = 600.0,
+        storage_options: dict[str, Any] | None = None,
+        fsync: bool = True,
+        read_threads: int = 4,
+        process_group: "dist.ProcessGroup | None" = None,
+    ) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        if not isinstance(chunk_bytes, int) or not 64 <= chunk_bytes <= 256 << 20:
+            raise ValueError(f"chunk_bytes must be an int in [64, 256 MiB], got {chunk_bytes!r}")
+        if (rank is None) != (world_size is None):
+            raise ValueError("pass both rank= and world_size=, or neither (to use torch.distributed's)")
+        self.group = process_group
+        if rank is None:
+            rank, world_size = current_world(process_group)
+        if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank!r} world_size={world_size!r}")
+        self.rank, self.world_size = rank, world_size
+        self.storage = Storage(url, storage_options)
+        if world_size > 1 and self.storage.fs.protocol in ("memory", ("memory",)):
+            raise ValueError(
+                f"{url!r}: memory:// lives inside one process; a {world_size}-rank job needs a shared "
+                f"folder (file://) or an object store (s3://)"
+            )
+        self.keep_last = keep_last
+        self.compression = parse_compression(compression)
+        self.chunk_bytes = chunk_bytes
+        self.commit_timeout = float(commit_timeout)
+        self.fsync = fsync
+        self.read_threads = max(1, int(read_threads))
+        self.is_coordinator = rank == 0
+        self.run_id = self._resolve_run_id(run_id)
+        self.last_load_stats: LoadStats | None = None
+        self._pool = BufferPool(max_in_flight)
+        self._plan_key: list | None = None
+        self._plan_entry: _PlanEntry | None = None
+        self._plan_ids = 0
+        self._stage_q: queue.Queue = queue.Queue()
+        self._write_q: queue.Queue = queue.Queue()
+        self._commit_q: queue.Queue = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._handles: list[SaveHandle] = []
+        self._closed = False
+        self._cuda_stream = None
+        self._lock = threading.Lock()
+        ref = weakref.ref(self)
+        self._atexit = lambda: (ref() and ref().close())
+        atexit.register(self._atexit)
+
+    # -- run id ------------------------------------------------------------------------------
+    def _resolve_run_id(self, run_id: str | None) -> str:
+        if run_id is not None:
+            return check_run_id(run_id)
+        if os.environ.get("FLEXCKPT_RUN_ID"):
+            return check_run_id(os.environ["FLEXCKPT_RUN_ID"])
+        elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+        if elastic and elastic != "none":
+            raw = f"{elastic}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:64]
+        if self.world_size == 1:
+            return uuid.uuid4().hex[:16]
+        if dist.is_available() and dist.is_initialized():
+            # once per job, at construction: rank 0's random id for everyone
+            t = torch.tensor(list(uuid.uuid4().bytes[:8]), dtype=torch.uint8, device=_collective_device(self.group))
+            dist.broadcast(t, src=_global_rank(0, self.group), group=self.group)
+            return bytes(t.cpu().tolist()).hex()
+        raise ValueError(
+            f"rank {self.rank} of {self.world_size} without torch.distributed cannot agree on a run id: "
+            f"pass run_id= (the same on every rank) or set FLEXCKPT_RUN_ID"
+        )
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, step: int, state: dict) -> SaveHandle:
+        """Start saving ``state`` as ``step``; returns once the copy is queued.
+
+        Call ``handle.wait_staged()`` before changing the state (the optimizer step).
+        Storage failures are reported by the handle and the log, never raised here; a
+        state that cannot be checkpointed at all (an unsupported type) raises at once.
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed")
+        folder = step_dir(step)  # validates the step
+        del folder
+        w = walk(state, self.rank, self.world_size)
+        entry = self._plan_for(w)
+        srcs = [w.tensors[i] for i in entry.order]
+        plain = {k: encode_plain(v) for k, v in w.plain.items()} if self.is_coordinator else {}
+        lanes = {k: orjson.dumps(v.values) for k, v in w.lanes.items()}
+        per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
+        handle = SaveHandle(step, None if self.is_coordinator else self._wait_for_commit)
+        cuda = None
+        if entry.cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+            if self._cuda_stream is None:
+                self._cuda_stream = torch.cuda.Stream()
+            cuda = (self._cuda_stream, ready)
+        self._ensure_threads()
+        buffer = self._pool.acquire(entry.rank_plan.nbytes, pin=entry.cuda)  # waits while max_in_flight are busy
+        job = _Job(step, handle, entry, buffer, srcs, plain, lanes, per_rank, cuda)
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()] + [handle]
+        self._stage_q.put(job)
+        handle.save_seconds = time.perf_counter() - t0
+        return handle
+
+    def _plan_for(self, w: Walk) -> _PlanEntry:
+        if w.key == self._plan_key and self._plan_entry is not None:
+            return self._plan_entry
+        structure = w.structure_json()
+        plan = make_write_plan(w.specs, self.world_size, self.chunk_bytes)
+        rank_plan = plan.ranks[self.rank]
+        walk_index = {s.name: i for i, s in enumerate(w.specs)}
+        order = [walk_index[plan.specs[p.spec_index].name] for p in rank_plan.pieces]
+        self._plan_ids += 1
+        entry = _PlanEntry(
+            id=self._plan_ids,
+            plan=plan,
+            rank_plan=rank_plan,
+            fingerprint=fingerprint(structure),
+            structure=structure,
+            structure_bytes=orjson.dumps(structure),
+            order=order,
+            shapes=[tuple(w.tensors[i].shape) for i in order],
+            cuda=any(w.tensors[i].device.type == "cuda" for i in order),
+        )
+        self._plan_key, self._plan_entry = w.key, entry
+        return entry
+
+    def _ensure_threads(self) -> None:
+        if self._threads:
+            return
+        loops = [self._stage_loop, self._write_loop] + ([self._commit_loop] if self.is_coordinator else [])
+        for loop in loops:
+            t = threading.Thread(target=loop, name=f"flexckpt-{loop.__name__[1:-5]}-r{self.rank}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _stage_loop(self) -> None:
+        while True:
+            job = self._stage_q.get()
+            if job is None:
+                self._write_q.put(None)
+                return
+            t0 = time.perf_counter()
+            try:
+                e = job.entry
+                dsts = job.buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
+                copy_into(dsts, job.srcs, job.cuda)
+            except BaseException as exc:  # noqa: BLE001 - reported on the handle
+                self._pool.release(job.buffer)
+                self._report_failure(job, exc, "staging")
+                continue
+            finally:
+                job.srcs = None  # the state is the caller's again
+            job.handle.timings["stage_s"] = time.perf_counter() - t0
+            job.handle._staged.set()
+            self._write_q.put(job)
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._write_q.get()
+            if job is None:
+                self._commit_q.put(None)
+                return
+            t0 = time.perf_counter()
+            try:
+                rank_plan = job.entry.rank_plan
+                folder = step_dir(job.step)
+                self.storage.makedirs(folder)
+                if rank_plan.nbytes:
+                    stream = memoryview(job.buffer.data.numpy())[: rank_plan.nbytes]
+                    job.chunks = write_data_file(
+                        self.storage, f"{folder}/{data_file(self.run_id, self.rank)}", stream,
+                        rank_plan.chunks, self.compression, self.fsync,
+                    )
+            except BaseException as exc:  # noqa: BLE001
+                self._report_failure(job, exc, "writing")
+                continue
+            finally:
+                self._pool.release(job.buffer)
+            job.handle.timings["write_s"] = time.perf_counter() - t0
+            job.handle.timings["bytes"] = float(job.entry.rank_plan.nbytes)
+            if self.is_coordinator:
+                self._commit_q.put(job)
+                continue
+            try:
+                rec = record_bytes(
+                    run_id=self.run_id, step=job.step, rank=self.rank, world_size=self.world_size,
+                    fingerprint=job.entry.fingerprint, structure=job.entry.structure_bytes,
+                    file=data_file(self.run_id, self.rank), nbytes=job.entry.rank_plan.nbytes,
+                    chunks=job.chunks, lanes=job.lanes, per_rank=job.per_rank,
+                )
+                self.storage.put_atomic(f"{step_dir(job.step)}/{record_file(self.run_id, self.rank)}", rec, self.fsync)
+            except BaseException as exc:  # noqa: BLE001
+                self._report_failure(job, exc, "writing its record")
+                continue
+            job.handle._done.set()
+
+    def _commit_loop(self) -> None:
+        while True:
+            job = self._commit_q.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                e = job.entry
+                records = wait_for_records(self.storage, job.step, self.run_id, self.world_size, self.commit_timeout)
+                check_records(records, job.step, self.run_id, self.world_size, e.fingerprint, e.structure)
+                manifest = build_manifest(
+                    step=job.step, run_id=self.run_id, plan=e.plan, fingerprint=e.fingerprint,
+                    own_chunks=job.chunks, records=records, plain=job.plain,
+                    own_lanes=job.lanes, own_per_rank=job.per_rank,
+                )
+                commit(self.storage, manifest, self.fsync)
+            except BaseException as exc:  # noqa: BLE001
+                mark_failed(self.storage, job.step, self.run_id, f"{type(exc).__name__}: {exc}")
+                self._report_failure(job, exc, "committing")
+                continue
+            job.handle.timings["commit_s"] = time.perf_counter() - t0
+            try:
+                apply_retention(self.storage, self.keep_last, job.step, self.run_id)
+            except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
+                log.exception("retention after step %d failed", job.step)
+            job.handle._done.set()
+
+    def _report_failure(self, job: _Job, exc: BaseException, what: str) -> None:
+        log.error("flexckpt rank %d: save of step %d failed while %s: %s", self.rank, job.step, what, exc, exc_info=exc)
+        job.handle._fail(exc)
+
+    def _wait_for_commit(self, step: int, timeout: float | None) -> None:
+        """Non-coordinators learn of the commit from storage: the manifest, or rank 0's
+        failure marker."""
+        folder = step_dir(step)
+        limit = self.commit_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        delay = 0.002
+        while True:
+            names = self.storage.list_names(folder)
+            if MANIFEST in names:
+                return
+            if failed_file(self.run_id) in names:
+                msg = self.storage.read_bytes(f"{folder}/{failed_file(self.run_id)}", limit=1 << 20).decode(errors="replace")
+                raise SaveError(f"save of step {step} failed on the coordinator: {msg}")
+            if not names:  # this rank's own files are gone: the folder was removed under us
+                raise SaveError(f"the folder of step {step} was removed before this rank saw its commit "
+                                f"(retention with a small keep_last, or another job on the same URL)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {step} was not committed within {limit:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every save started so far has finished on this rank (errors stay on
+        their handles)."""
+        with self._lock:
+            handles = list(self._handles)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not h._done.wait(left):
+                raise TimeoutError(f"save of step {h.step} still in flight after {timeout} s")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for saves in flight, then stop the background threads."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        if self._threads:
+            self._stage_q.put(None)
+            for t in self._threads:
+                t.join(timeout)
+        self._threads = []
+        self._pool.clear()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- listing -------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return committed_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, state: dict, step: int | None = None, *, strict: bool = True, fallback: bool = False) -> int:
+        """Restore ``state`` in place from the newest committed step (or ``step``).
+
+        Works at any world size: each rank reads only the byte ranges its pieces need.
+        With ``torch.distributed`` initialized, rank 0 picks the step for everyone, and a
+        failure on any rank fails the load on all; ``fallback=True`` then tries the
+        previous committed step, on all ranks together. ``strict=False`` loads what the
+        checkpoint and the state share and leaves the rest unchanged. On failure the
+        target tensors may have been partly overwritten.
+        """
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed")
+        self.wait()
+        w = walk(state, self.rank, self.world_size)
+        chosen = self._agree_step(step, before=None)
+        while True:
+            error: BaseException | None = None
+            pending = None
+            try:
+                manifest = read_manifest(self.storage, chosen)
+                pending = PendingLoad(self.storage, manifest, w, self.rank, self.world_size, strict)
+                pending.read(self.read_threads)
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
+                error = exc
+            failed_rank = self._first_failed_rank(error is not None)
+            if failed_rank is None:
+                assert pending is not None
+                pending.apply()
+                self.last_load_stats = pending.stats
+                return chosen
+            if error is not None:
+                log.error("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)
+            if not fallback:
+                if error is not None:
+                    raise error
+                raise LoadError(f"load of step {chosen} failed on rank {failed_rank}; see that rank's error")
+            previous = chosen
+            chosen = self._agree_step(None, before=previous)
+            log.warning("flexckpt: load of step %d failed; falling back to step %d", previous, chosen)
+
+    def _distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def _agree_step(self, step: int | None, before: int | None) -> int:
+        value = -3
+        if self.rank == 0 or not self._distributed():
+            try:
+                steps = self.steps()
+                if before is not None:
+                    older = [s for s in steps if s < before]
+                    value = older[-1] if older else -1
+                elif step is None:
+                    value = steps[-1] if steps else -1
+                else:
+                    value = step if step in steps else -2
+            except Exception:  # noqa: BLE001 - reported to every rank below
+                log.exception("flexckpt: listing checkpoints under %s failed", self.storage.url)
+                value = -3
+        if self._distributed():
+            t = torch.tensor([value], dtype=torch.int64, device=_collective_device(self.group))
+            dist.broadcast(t, src=_global_rank(0, self.group), group=self.group)
+            value = int(t.item())
+        if value == -1:
+            where = f" before step {before}" if before is not None else ""
+            raise LoadError(f"no committed checkpoint{where} under {self.storage.url}")
+        if value == -2:
+            raise LoadError(f"step {step} is not a committed checkpoint under {self.storage.url}; committed: {self.steps()}")
+        if value == -3:
+            raise LoadError(f"could not list checkpoints under {self.storage.url} (see rank 0's log)")
+        return value
+
+    def _first_failed_rank(self, failed: bool) -> int | None:
+        if not self._distributed():
+            return self.rank if failed else None
+        t = torch.tensor([self.rank if failed else self.world_size], dtype=torch.int64, device=_collective_device(self.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        first = int(t.item())
+        return None if first >= self.world_size else first
+
+
+def _collective_device(group: "dist.ProcessGroup | None") -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global_rank(group_rank: int, group: "dist.ProcessGroup | None") -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)

@@ -1,0 +1,230 @@
+"""Loading one rank's state from a committed checkpoint, at the saved world size or any
+other: match the target's structure to the manifest, fetch only the chunks that hold the
+target's pieces (straight into the target tensor when a chunk lands whole in it), verify
+every chunk's checksum, then hand back the values to apply once every rank has succeeded.
+"""
+from __future__ import annotations
+
+import base64
+import logging
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from flexckpt.checksum import checksum
+from flexckpt.codec import decompress_into
+from flexckpt.dtypes import dtype_from_name, dtype_name
+from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
+from flexckpt.manifest import MAX_CHUNK_BYTES, Manifest, step_dir
+from flexckpt.readplan import ChunkRead, plan_reads
+from flexckpt.storage import RangeReader, Storage
+from flexckpt.structure import Walk, decode_plain
+from flexshard import FlatRange
+
+log = logging.getLogger("flexckpt")
+
+
+@dataclass
+class LoadStats:
+    chunks: int = 0
+    bytes_read: int = 0
+    direct_chunks: int = 0
+    tensors: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict: bool) -> set[str]:
+    missing = sorted(target - saved)
+    unexpected = sorted(saved - target)
+    if strict and missing:
+        raise StructureMismatch(
+            f"checkpoint step {step} has no {kind} {missing[:10]}{' ...' if len(missing) > 10 else ''} that the "
+            f"state to load into has; pass strict=False to load the rest and leave these unchanged"
+        )
+    if strict and unexpected:
+        raise StructureMismatch(
+            f"checkpoint step {step} holds {kind} {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} that "
+            f"the state to load into does not have; pass strict=False to ignore them"
+        )
+    return target & saved
+
+
+class PendingLoad:
+    """Tensors are read and verified by :meth:`read`; values are applied by :meth:`apply`
+    only after every rank has read successfully."""
+
+    def __init__(self, storage: Storage, manifest: Manifest, w: Walk, rank: int, world_size: int, strict: bool) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self.walk = w
+        self.rank = rank
+        self.world_size = world_size
+        self.strict = strict
+        self.stats = LoadStats()
+        step = manifest.step
+        names = {s.name: i for i, s in enumerate(w.specs)}
+        keep = _check_keys("tensors", set(names), set(manifest.tensors), step, strict)
+        self.stats.skipped = sorted(set(names) - keep)
+        self.targets: list[tuple[int, FlatRange]] = []  # (walk index, wanted range)
+        for name in sorted(keep):
+            i = names[name]
+            spec, saved = w.specs[i], manifest.tensors[name]
+            if spec.dtype != saved.dtype or spec.shape != saved.shape:
+                raise StructureMismatch(
+                    f"tensor {name!r}: checkpoint step {step} has {dtype_name(saved.dtype)} {list(saved.shape)}, "
+                    f"the state to load into has {dtype_name(spec.dtype)} {list(spec.shape)}"
+                )
+            local = w.tensors[i]
+            rng = spec.layout.flat_range(spec.shape, world_size, rank)
+            if len(rng) != local.numel():
+                raise StructureMismatch(f"tensor {name!r}: target piece has {local.numel()} elements, its layout gives {len(rng)}")
+            if len(rng):
+                self.targets.append((i, rng))
+        self.plain = _check_keys("plain values", set(w.plain), set(manifest.plain), step, strict)
+        self.lanes = _check_keys("per-lane values", set(w.lanes), set(manifest.lanes), step, strict)
+        self.per_rank = _check_keys("per-rank values", set(w.per_rank), set(manifest.per_rank), step, strict)
+
+    def read(self, threads: int) -> None:
+        reads = plan_reads(self.manifest, [(self.manifest.tensors[self.walk.specs[i].name], rng) for i, rng in self.targets])
+        dests: list[torch.Tensor] = []  # where bytes land: the target itself, or a CPU staging copy
+        self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, _ in self.targets:
+            t = self.walk.tensors[i]
+            if t.device.type == "cpu" and t.is_contiguous():
+                dests.append(t)
+            else:
+                tmp = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+                dests.append(tmp)
+                self._copy_back.append((t, tmp))
+        views = [_byte_view(d) for d in dests]
+        readers: dict[str, RangeReader] = {}
+        lock = threading.Lock()
+        local = threading.local()
+        folder = step_dir(self.manifest.step)
+
+        def reader(file: str) -> RangeReader:
+            with lock:
+                if file not in readers:
+                    readers[file] = self.storage.open_reader(f"{folder}/{file}")
+                return readers[file]
+
+        def scratch(n: int) -> memoryview:
+            buf = getattr(local, "buf", None)
+            if buf is None or buf.nbytes < n:
+                buf = local.buf = memoryview(np.empty(max(n, 1), dtype=np.uint8))
+            return buf[:n]
+
+        def fetch(cr: ChunkRead) -> bool:
+            c = cr.chunk
+            where = f"{folder}/{cr.file} bytes [{c.offset}, {c.offset + c.length})"
+            if c.length > MAX_CHUNK_BYTES:
+                raise ManifestError(f"{where}: chunk larger than {MAX_CHUNK_BYTES} bytes")
+            if cr.whole:
+                cp = cr.copies[0]
+                mv = views[cp.target][cp.target_pos : cp.target_pos + cp.nbytes]
+                reader(cr.file).read_into(c.offset, mv)
+                _verify(mv, c.checksum, where)
+                return True
+            mv = scratch(c.length)
+            reader(cr.file).read_into(c.offset, mv)
+            _verify(mv, c.checksum, where)
+            raw = memoryview(decompress_into(c.codec, mv, c.raw_length, where))
+            for cp in cr.copies:
+                views[cp.target][cp.target_pos : cp.target_pos + cp.nbytes] = raw[cp.chunk_pos : cp.chunk_pos + cp.nbytes]
+            return False
+
+        try:
+            if threads > 1 and len(reads) > 1:
+                with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flexckpt-read") as pool:
+                    direct = list(pool.map(fetch, reads))
+            else:
+                direct = [fetch(cr) for cr in reads]
+        finally:
+            for r in readers.values():
+                r.close()
+        self.stats.chunks = len(reads)
+        self.stats.direct_chunks = sum(direct)
+        self.stats.bytes_read = sum(cr.chunk.length for cr in reads)
+        self.stats.tensors = len(self.targets)
+
+    def apply(self) -> None:
+        """Copy staged tensors home, set plain, per-lane and per-rank values, and call
+        ``load_state_dict`` on stateful objects (innermost first)."""
+        for t, tmp in self._copy_back:
+            t.copy_(tmp, non_blocking=False)
+        m, w = self.manifest, self.walk
+        for name in self.plain:
+            slot = w.plain_slots[name]
+            value = decode_plain(m.plain[name])
+            if isinstance(slot.like, tuple) and isinstance(value, list):
+                value = tuple(value)
+            if isinstance(slot.container, tuple):
+                if slot.container[slot.key] != value:
+                    raise StructureMismatch(f"cannot load plain value {name!r} into a tuple; use a list")
+                continue
+            slot.container[slot.key] = value
+        for name in self.lanes:
+            w.lanes[name].values = dict(m.lanes[name])
+        same_world = m.world_size == self.world_size
+        for name in self.per_rank:
+            target = w.per_rank[name]
+            if same_world:
+                target.value = decode_per_rank(m.per_rank[name][self.rank], name)
+                target.restored = True
+            else:
+                target.restored = False
+        if self.per_rank and not same_world:
+            log.warning(
+                "per-rank values %s were saved at world size %d and are not restored at world size %d",
+                sorted(self.per_rank), m.world_size, self.world_size,
+            )
+        for _name, obj, sd in reversed(w.statefuls):
+            obj.load_state_dict(sd)
+
+
+def _verify(data: memoryview, want: str, where: str) -> None:
+    got = checksum(data)
+    if got != want:
+        raise ChecksumError(f"{where}: checksum {got} does not match the manifest's {want}; the file is damaged")
+
+
+# -- per-rank values: JSON, or a small CPU tensor ------------------------------------------------
+def encode_per_rank(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        return {
+            "$tensor": {
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "data": base64.b64encode(_byte_view(t).tobytes() if t.numel() else b"").decode(),
+            }
+        }
+    return value
+
+
+def decode_per_rank(value: Any, name: str) -> Any:
+    if isinstance(value, dict) and set(value) == {"$tensor"}:
+        spec = value["$tensor"]
+        try:
+            dtype = dtype_from_name(spec["dtype"])
+            shape = [int(s) for s in spec["shape"]]
+            raw = base64.b64decode(spec["data"], validate=True)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"per-rank tensor {name!r} is malformed: {e}") from None
+        if any(s < 0 for s in shape) or math.prod(shape) * torch.empty((), dtype=dtype).element_size() != len(raw):
+            raise ManifestError(f"per-rank tensor {name!r}: {len(raw)} bytes do not fill shape {shape} of {spec['dtype']}")
+        out = torch.empty(shape, dtype=dtype)
+        if raw:
+            _byte_view(out)[:] = raw
+        return out
+    return value

@@ -1,0 +1,75 @@
+"""The read plan of a load: for each target piece (its layout at the current world
+size), the saved pieces that intersect it, turned into the stored chunks to fetch and the
+byte copies to make from each. Pure: no processes, no I/O."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from flexckpt.dtypes import itemsize
+from flexckpt.manifest import Manifest, SavedTensor, StoredChunk
+from flexshard import FlatRange, covering
+
+
+@dataclass(frozen=True)
+class Copy:
+    """``nbytes`` raw bytes at ``chunk_pos`` of a chunk go to byte ``target_pos`` of
+    target ``target``."""
+
+    chunk_pos: int
+    nbytes: int
+    target: int
+    target_pos: int
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    file: str
+    chunk: StoredChunk
+    copies: tuple[Copy, ...]
+
+    @property
+    def whole(self) -> bool:
+        """The chunk lands, uncompressed and entire, in one contiguous stretch of one target:
+        it can be read straight into that target."""
+        return (
+            self.chunk.codec == "none"
+            and len(self.copies) == 1
+            and self.copies[0].chunk_pos == 0
+            and self.copies[0].nbytes == self.chunk.raw_length
+        )
+
+
+def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange]]) -> list[ChunkRead]:
+    """Chunks to fetch for ``targets`` (a saved tensor and the flat range wanted of it),
+    each chunk once, in file order."""
+    wanted: dict[tuple[str, int], list[Copy]] = {}
+    offsets: dict[str, list[int]] = {}
+    for t, (saved, rng) in enumerate(targets):
+        size = itemsize(saved.dtype)
+        sources = [FlatRange(p.start, p.stop) for p in saved.pieces]
+        for ov in covering(rng, sources):
+            piece = saved.pieces[ov.source_index]
+            raw_start = piece.raw_offset + ov.source_offset * size
+            raw_stop = raw_start + (ov.stop - ov.start) * size
+            target_pos = ov.target_offset * size
+            entry = manifest.files[piece.file]
+            if piece.file not in offsets:
+                offsets[piece.file] = [c.raw_offset for c in entry.chunks]
+            for ci in _chunks_between(offsets[piece.file], raw_start, raw_stop):
+                c = entry.chunks[ci]
+                lo, hi = max(raw_start, c.raw_offset), min(raw_stop, c.raw_offset + c.raw_length)
+                wanted.setdefault((piece.file, ci), []).append(
+                    Copy(lo - c.raw_offset, hi - lo, t, target_pos + (lo - raw_start))
+                )
+    return [
+        ChunkRead(file, manifest.files[file].chunks[ci], tuple(copies))
+        for (file, ci), copies in sorted(wanted.items())
+    ]
+
+
+def _chunks_between(offsets: list[int], start: int, stop: int) -> range:
+    """Indices of the chunks (given by their raw start offsets) that hold bytes [start, stop)."""
+    first = bisect.bisect_right(offsets, start) - 1
+    last = bisect.bisect_left(offsets, stop)
+    return range(max(first, 0), last)

@@ -1,0 +1,107 @@
+"""Staging: one flat, reused buffer per checkpoint in flight, and the copy of a rank's
+pieces into it.
+
+A buffer is allocated (and its pages touched) once, then reused save after save; the
+destination views for a write plan are built once per (buffer, plan). The copy itself is
+one ``torch._foreach_copy_`` call, so its Python cost does not grow with the tensor count.
+Tensors on a GPU are copied into pinned memory with non-blocking copies on a side stream.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from flexckpt.plan import RankPlan
+from flexckpt.structure import TensorSpec
+
+
+@dataclass(eq=False)
+class StagingBuffer:
+    data: torch.Tensor  # flat uint8, pinned when staging from a GPU
+    _views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def views(self, key: int, plan: RankPlan, specs: tuple[TensorSpec, ...], shapes: list[tuple]) -> list[torch.Tensor]:
+        """Destination views of ``plan``'s pieces, shaped like their source tensors."""
+        views = self._views.get(key)
+        if views is None:
+            self.data[: plan.nbytes].zero_()  # padding bytes stay zero: files are deterministic
+            views = [
+                self.data[p.offset : p.offset + p.nbytes].view(specs[p.spec_index].dtype).view(shape)
+                for p, shape in zip(plan.pieces, shapes)
+            ]
+            self._views = {key: views}  # only the current plan's views are kept
+        return views
+
+
+class BufferPool:
+    """At most ``capacity`` buffers; :meth:`acquire` blocks while all are in use (that is
+    the bound on memory, and the wait counts as trainer wait)."""
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._free: list[StagingBuffer] = []
+        self._count = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int, pin: bool) -> StagingBuffer:
+        with self._cond:
+            while not self._free and self._count >= self.capacity:
+                self._cond.wait()
+            if self._free:
+                buf = self._free.pop()
+                if buf.nbytes >= nbytes and (not pin or buf.data.is_pinned()):
+                    return buf
+                self._count -= 1  # too small: replaced below
+            self._count += 1
+        try:
+            data = torch.zeros(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)  # zeros: pages touched now
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+        return StagingBuffer(data)
+
+    def release(self, buf: StagingBuffer) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def in_use(self) -> int:
+        with self._cond:
+            return self._count - len(self._free)
+
+    def clear(self) -> None:
+        with self._cond:
+            self._count -= len(self._free)
+            self._free.clear()
+
+
+def copy_into(
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    cuda: "tuple[torch.cuda.Stream, torch.cuda.Event] | None" = None,
+) -> None:
+    """Copy every source into its view; returns when the bytes are in host memory.
+    ``cuda`` is (side stream, event recorded on the trainer's stream at save time)."""
+    if not srcs:
+        return
+    if cuda is None:
+        torch._foreach_copy_(dsts, srcs)
+        return
+    stream, ready = cuda
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        for d, s in zip(dsts, srcs):
+            d.copy_(s, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()

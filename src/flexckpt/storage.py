@@ -1,0 +1,188 @@
+"""Where checkpoint bytes live: one fsspec filesystem under one root (``file://``,
+``memory://``, ``s3://`` ...), with the few operations a checkpoint needs.
+
+Local filesystems get the exact commit protocol (temporary name, fsync, ``os.replace``,
+fsync of the folder) and positional reads straight into caller memory; object stores get
+one PUT per small object and ranged GETs.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Iterable
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+class Storage:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"checkpoint location must be a URL or path string, got {url!r}")
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.url = url
+        self.fs = fs
+        self.root = root.rstrip("/") or "/"
+        self.local = isinstance(fs, LocalFileSystem)
+        if self.local:
+            self.root = os.path.abspath(self.root)
+
+    def __getstate__(self) -> dict:
+        raise TypeError("Storage is not picklable; pass the URL instead")
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts]) if self.root != "/" else "/" + "/".join(parts)
+
+    # -- writing ---------------------------------------------------------------------------
+    def makedirs(self, rel: str) -> None:
+        if self.local:
+            os.makedirs(self.path(rel), exist_ok=True)
+        else:
+            self.fs.makedirs(self.path(rel), exist_ok=True)
+
+    def write_stream(self, rel: str, parts: Iterable[memoryview], fsync: bool = True) -> int:
+        """Write ``parts`` one after the other to a new file; returns the bytes written."""
+        total = 0
+        if self.local:
+            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for part in parts:
+                    view = memoryview(part)
+                    while view.nbytes:
+                        n = os.write(fd, view)
+                        total += n
+                        view = view[n:]
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            return total
+        with self.fs.open(self.path(rel), "wb") as f:
+            for part in parts:
+                f.write(part)
+                total += memoryview(part).nbytes
+        return total
+
+    def put_atomic(self, rel: str, data: bytes, fsync: bool = True) -> None:
+        """Make ``data`` appear under ``rel`` all at once: on a local filesystem a temporary
+        name, fsync, ``os.replace`` and an fsync of the folder; elsewhere one PUT."""
+        if not self.local:
+            self.fs.pipe_file(self.path(rel), data)
+            return
+        final = self.path(rel)
+        folder = os.path.dirname(final)
+        tmp = os.path.join(folder, f".{os.path.basename(final)}.{uuid.uuid4().hex[:12]}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        if fsync:
+            dfd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    # -- reading ---------------------------------------------------------------------------
+    def read_bytes(self, rel: str, limit: int | None = None) -> bytes:
+        """A whole small object; ``limit`` refuses bigger ones before reading them."""
+        path = self.path(rel)
+        if limit is not None:
+            size = self.size(rel)
+            if size > limit:
+                raise ValueError(f"{path} is {size} bytes, more than the {limit} allowed for it")
+        if self.local:
+            with open(path, "rb") as f:
+                return f.read()
+        return self.fs.cat_file(path)
+
+    def size(self, rel: str) -> int:
+        path = self.path(rel)
+        if self.local:
+            return os.stat(path).st_size
+        return int(self.fs.size(path))
+
+    def open_reader(self, rel: str) -> "RangeReader":
+        return RangeReader(self, rel)
+
+    # -- listing and removal ----------------------------------------------------------------
+    def list_names(self, rel: str = "") -> list[str]:
+        """Names directly under ``rel`` (fresh, never from a listing cache); [] if absent."""
+        path = self.path(rel) if rel else self.root
+        if self.local:
+            try:
+                return sorted(os.listdir(path))
+            except FileNotFoundError:
+                return []
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def exists(self, rel: str) -> bool:
+        if self.local:
+            return os.path.exists(self.path(rel))
+        path = self.path(rel)
+        self.fs.invalidate_cache(path)
+        return self.fs.exists(path)
+
+    def remove(self, rel: str) -> None:
+        try:
+            if self.local:
+                os.remove(self.path(rel))
+            else:
+                self.fs.rm_file(self.path(rel))
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, rel: str) -> None:
+        path = self.path(rel)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        if not self.local:
+            self.fs.invalidate_cache(path)
+
+
+class RangeReader:
+    """Byte ranges of one file, read into caller memory where the backend allows."""
+
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self.storage = storage
+        self.path = storage.path(rel)
+        self._fd = os.open(self.path, os.O_RDONLY) if storage.local else None
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        n = out.nbytes
+        if self._fd is not None:
+            got = 0
+            while got < n:
+                k = os.preadv(self._fd, [out[got:]], offset + got)
+                if k == 0:
+                    raise EOFError(f"{self.path} ends at byte {offset + got}, expected {offset + n}")
+                got += k
+            return
+        data = self.storage.fs.cat_file(self.path, start=offset, end=offset + n)
+        if len(data) != n:
+            raise EOFError(f"{self.path}: asked for {n} bytes at {offset}, got {len(data)}")
+        out[:] = data
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,183 @@
+"""Walking a training state: nested dicts (and lists) of tensors, ShardedTensors, plain
+values, per-lane and per-rank values, and objects with ``state_dict()`` /
+``load_state_dict()``.
+
+A walk turns the state into flat, named leaves. Names are ``/``-joined keys (``%`` and
+``/`` inside a key are escaped). The *structure* is what every rank must agree on: tensor
+names, dtypes, global shapes and layouts, and the names of plain, per-lane and per-rank
+values (never their contents).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import torch
+
+from flexckpt.dtypes import dtype_name
+from flexckpt.values import ByLane, PerRank
+from flexshard import Layout, Replicate, ShardedTensor
+
+SCALARS = (bool, int, float, str, type(None))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the global structure."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layout: Layout
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": dtype_name(self.dtype), "shape": list(self.shape), "layout": self.layout.to_json()}
+
+
+@dataclass
+class Slot:
+    """Where a loaded plain value goes: ``container[key]``."""
+
+    container: Any
+    key: Any
+    like: Any  # the target's current value (its type is kept: tuple stays tuple)
+
+
+@dataclass
+class Walk:
+    """The leaves of one state, in walk order."""
+
+    specs: list[TensorSpec] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)  # this rank's local piece of each spec
+    plain: dict[str, Any] = field(default_factory=dict)
+    plain_slots: dict[str, Slot] = field(default_factory=dict)
+    lanes: dict[str, ByLane] = field(default_factory=dict)
+    per_rank: dict[str, PerRank] = field(default_factory=dict)
+    statefuls: list[tuple[str, Any, dict]] = field(default_factory=list)  # (name, object, its state dict)
+    key: list[tuple] = field(default_factory=list)  # cheap structure key, compared for plan reuse
+
+    def structure_json(self) -> dict:
+        """Canonical structure (sorted by name): what the fingerprint hashes."""
+        return {
+            "tensors": sorted((s.to_json() for s in self.specs), key=lambda d: d["name"]),
+            "plain": sorted(self.plain),
+            "lanes": sorted(self.lanes),
+            "per_rank": sorted(self.per_rank),
+        }
+
+
+def fingerprint(structure: dict) -> str:
+    return hashlib.sha256(orjson.dumps(structure, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+def escape_key(key: Any) -> str:
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise TypeError(f"state keys must be str or int, got {key!r} ({type(key).__name__})")
+    s = str(key)
+    if s == "":
+        raise ValueError("state keys must not be empty strings")
+    return s.replace("%", "%25").replace("/", "%2F")
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _is_plain_sequence(obj: Any) -> bool:
+    return isinstance(obj, (list, tuple)) and all(isinstance(x, SCALARS) for x in obj)
+
+
+def walk(state: Any, rank: int, world_size: int) -> Walk:
+    """Flatten ``state``. Stateful objects are asked for their ``state_dict()`` here, on
+    the calling thread."""
+    if not isinstance(state, dict):
+        raise TypeError(f"a checkpoint state must be a dict, got {type(state).__name__}")
+    out = Walk()
+    _walk_dict(state, "", out, rank, world_size)
+    return out
+
+
+def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> None:
+    for key, value in d.items():
+        name = prefix + escape_key(key)
+        _walk_value(value, name, d, key, out, rank, world_size)
+
+
+def _walk_value(value: Any, name: str, parent: Any, key: Any, out: Walk, rank: int, world_size: int) -> None:
+    if isinstance(value, torch.Tensor):
+        spec = TensorSpec(name, value.dtype, tuple(value.shape), Replicate())
+        out.specs.append(spec)
+        out.tensors.append(value)
+        out.key.append((name, value.dtype, value.shape, value.device))
+    elif isinstance(value, ShardedTensor):
+        if value.rank != rank or value.world_size != world_size:
+            raise ValueError(
+                f"{name!r} is a ShardedTensor for rank {value.rank} of {value.world_size}, but this "
+                f"checkpointer is rank {rank} of {world_size}; build it with the same world"
+            )
+        spec = TensorSpec(name, value.local.dtype, value.global_shape, value.layout)
+        out.specs.append(spec)
+        out.tensors.append(value.local)
+        out.key.append((name, value.local.dtype, value.global_shape, value.layout, value.local.shape, value.local.device))
+    elif isinstance(value, SCALARS) or _is_plain_sequence(value):
+        out.plain[name] = value
+        out.plain_slots[name] = Slot(parent, key, value)
+        out.key.append((name,))
+    elif isinstance(value, dict):
+        _walk_dict(value, name + "/", out, rank, world_size)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _walk_value(item, f"{name}/{i}", value, i, out, rank, world_size)
+    elif isinstance(value, ByLane):
+        out.lanes[name] = value
+        out.key.append((name, "lanes"))
+    elif isinstance(value, PerRank):
+        out.per_rank[name] = value
+        out.key.append((name, "rank"))
+    elif _is_stateful(value):
+        sd = value.state_dict()
+        if not isinstance(sd, dict):
+            raise TypeError(f"{name!r}.state_dict() returned {type(sd).__name__}, expected a dict")
+        out.statefuls.append((name, value, sd))
+        _walk_dict(sd, name + "/", out, rank, world_size)
+    elif hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
+        # numpy scalars: store as the Python scalar they hold
+        _walk_value(value.item(), name, parent, key, out, rank, world_size)
+    else:
+        raise TypeError(
+            f"cannot checkpoint {name!r} of type {type(value).__name__}: use tensors, ShardedTensor, "
+            f"int/float/str/bool/None (or lists of them), dicts, ByLane, PerRank, or an object "
+            f"with state_dict()/load_state_dict()"
+        )
+
+
+# Plain values travel as JSON; orjson writes NaN and infinities as null, so they get a tag.
+def encode_plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"$float": repr(value)}
+    if isinstance(value, tuple):
+        return {"$tuple": [encode_plain(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_plain(v) for v in value]
+    return value
+
+
+def decode_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"$float"} and value["$float"] in ("nan", "inf", "-inf"):
+            return float(value["$float"])
+        if set(value) == {"$tuple"} and isinstance(value["$tuple"], list):
+            return tuple(decode_plain(v) for v in value["$tuple"])
+        raise ValueError(f"unexpected object in a plain value: {value!r}")
+    if isinstance(value, list):
+        return [decode_plain(v) for v in value]
+    if isinstance(value, SCALARS):
+        return value
+    raise ValueError(f"unexpected plain value {value!r}")

@@ -1,0 +1,65 @@
+"""Writing one rank's staged stream: cut into chunks, compress each (optionally),
+checksum what is stored, and write the rank's data file, then its small record."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import orjson
+
+from flexckpt.checksum import checksum
+from flexckpt.codec import Compression, compress
+from flexckpt.manifest import RECORD_FORMAT, VERSION, StoredChunk
+from flexckpt.plan import Chunk
+from flexckpt.storage import Storage
+
+
+def write_data_file(
+    storage: Storage, rel: str, stream: memoryview, chunks: tuple[Chunk, ...], compression: Compression, fsync: bool
+) -> list[StoredChunk]:
+    stored: list[StoredChunk] = []
+
+    def parts() -> Iterator[memoryview]:
+        pos = 0
+        for c in chunks:
+            data = compress(stream[c.offset : c.offset + c.length], compression)
+            n = memoryview(data).nbytes
+            stored.append(StoredChunk(c.offset, c.length, pos, n, compression.codec, checksum(data)))
+            pos += n
+            yield data
+
+    storage.write_stream(rel, parts(), fsync=fsync)
+    return stored
+
+
+def record_bytes(
+    *,
+    run_id: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    fingerprint: str,
+    structure: bytes,
+    file: str,
+    nbytes: int,
+    chunks: list[StoredChunk],
+    lanes: dict[str, bytes],
+    per_rank: dict[str, bytes],
+) -> bytes:
+    """The record a rank leaves for the coordinator. ``structure`` and the values are
+    already-encoded JSON, spliced in without re-encoding."""
+    doc = {
+        "format": RECORD_FORMAT,
+        "version": VERSION,
+        "run_id": run_id,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "fingerprint": fingerprint,
+        "structure": orjson.Fragment(structure),
+        "file": file,
+        "nbytes": nbytes,
+        "chunks": [c.to_json() for c in chunks],
+        "lanes": {k: orjson.Fragment(v) for k, v in lanes.items()},
+        "per_rank": {k: orjson.Fragment(v) for k, v in per_rank.items()},
+    }
+    return orjson.dumps(doc)
