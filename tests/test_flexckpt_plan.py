@@ -1,0 +1,225 @@
+"""Write plans, read plans and manifest validation: pure functions, no processes, no files."""
+import math
+
+import orjson
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from flexckpt.checksum import checksum
+from flexckpt.errors import ManifestError
+from flexckpt.manifest import (
+    FileEntry,
+    Manifest,
+    SavedPiece,
+    SavedTensor,
+    StoredChunk,
+    parse_manifest,
+)
+from flexckpt.plan import ALIGN, make_write_plan
+from flexckpt.readplan import plan_reads
+from flexckpt.structure import TensorSpec
+from flexshard import BlockShard, FlatRange, Owned, Replicate, Shard
+
+LAYOUTS = [Replicate(), Shard(0), Owned(0), BlockShard(4)]
+DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float64]
+
+
+def _specs(shapes, world):
+    specs = []
+    for i, shape in enumerate(shapes):
+        layout = LAYOUTS[i % 4]
+        if isinstance(layout, Owned):
+            layout = Owned(i % world)
+        specs.append(TensorSpec(f"t{i:03d}", DTYPES[i % len(DTYPES)], shape, layout))
+    return specs
+
+
+shapes_st = st.lists(
+    st.one_of(st.just(()), st.tuples(st.integers(0, 70)), st.tuples(st.integers(0, 40), st.integers(0, 6))),
+    min_size=1, max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes=shapes_st, world=st.integers(1, 6), chunk=st.sampled_from([64, 128, 200, 4096]))
+def test_write_plan_writes_every_element_exactly_once_and_tiles_each_stream(shapes, world, chunk):
+    specs = _specs(shapes, world)
+    plan = make_write_plan(specs, world, chunk)
+    written = {s.name: [] for s in plan.specs}
+    for rp in plan.ranks:
+        end = 0
+        for p in rp.pieces:
+            spec = plan.specs[p.spec_index]
+            assert p.offset % ALIGN == 0 and p.offset >= end
+            assert p.nbytes == (p.stop - p.start) * spec.dtype.itemsize
+            end = p.offset + p.nbytes
+            written[spec.name].append((p.start, p.stop))
+        assert rp.nbytes >= end and rp.nbytes % ALIGN == 0
+        pos = 0
+        for c in rp.chunks:  # chunks tile [0, nbytes) exactly
+            assert c.offset == pos and 0 < c.length <= chunk
+            pos += c.length
+        assert pos == rp.nbytes
+        for p in rp.pieces:  # a piece of at least one chunk starts a chunk of its own
+            if p.nbytes >= chunk:
+                assert p.offset in {c.offset for c in rp.chunks}
+    for spec in plan.specs:
+        ranges = sorted(written[spec.name])
+        pos = 0
+        for a, b in ranges:
+            assert a == pos
+            pos = b
+        assert pos == spec.numel
+
+
+def test_replicated_tensors_are_spread_over_ranks_largest_first():
+    specs = [TensorSpec(f"r{i}", torch.float32, (100 * (i + 1),), Replicate()) for i in range(8)]
+    plan = make_write_plan(specs, 4, 4096)
+    writers = {plan.specs[p.spec_index].name: r for r, rp in enumerate(plan.ranks) for p in rp.pieces}
+    assert writers == {"r7": 0, "r6": 1, "r5": 2, "r4": 3, "r3": 3, "r2": 2, "r1": 1, "r0": 0}
+    loads = [sum(p.nbytes for p in rp.pieces) for rp in plan.ranks]
+    assert max(loads) - min(loads) <= 400 * 4
+
+
+def test_plan_does_not_depend_on_the_order_tensors_were_found_in():
+    specs = _specs([(10, 3), (7,), (), (33, 2), (5,)], 3)
+    assert make_write_plan(specs, 3, 128) == make_write_plan(list(reversed(specs)), 3, 128)
+
+
+def test_duplicate_names_are_refused():
+    spec = TensorSpec("x", torch.float32, (2,), Replicate())
+    with pytest.raises(ValueError, match="duplicate"):
+        make_write_plan([spec, spec], 1, 4096)
+
+
+# -- read plans against a simulated store -------------------------------------------------------
+def _save_in_memory(globals_, specs, world, chunk):
+    """Streams and a manifest, built the way the writer and coordinator build them."""
+    plan = make_write_plan(specs, world, chunk)
+    files, streams, pieces = {}, {}, {s.name: [] for s in plan.specs}
+    for r, rp in enumerate(plan.ranks):
+        stream = bytearray(rp.nbytes)
+        for p in rp.pieces:
+            spec = plan.specs[p.spec_index]
+            flat = globals_[spec.name].reshape(-1)[p.start : p.stop].contiguous()
+            stream[p.offset : p.offset + p.nbytes] = flat.view(torch.uint8).numpy().tobytes()
+            pieces[spec.name].append(SavedPiece(f"r{r}", p.start, p.stop, p.offset))
+        chunks = tuple(
+            StoredChunk(c.offset, c.length, c.offset, c.length, "none", checksum(bytes(stream[c.offset : c.offset + c.length])))
+            for c in rp.chunks
+        )
+        if rp.nbytes:
+            files[f"r{r}"] = FileEntry(f"r{r}", rp.nbytes, chunks)
+            streams[f"r{r}"] = stream
+    tensors = {s.name: SavedTensor(s.name, s.dtype, s.shape, s.layout, tuple(pieces[s.name])) for s in plan.specs}
+    return Manifest(1, "run", world, 0.0, "fp", files, tensors, {}, {}, {}), streams
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes=shapes_st, src_world=st.integers(1, 5), dst_world=st.integers(1, 5), chunk=st.sampled_from([64, 256, 4096]))
+def test_read_plan_rebuilds_every_target_piece_at_another_world_size(shapes, src_world, dst_world, chunk):
+    specs = _specs(shapes, src_world)
+    gen = torch.Generator().manual_seed(len(shapes))
+    globals_ = {
+        s.name: (torch.randint(0, 100, s.shape, generator=gen) if s.dtype != torch.bool else torch.rand(s.shape, generator=gen) > 0.5).to(s.dtype)
+        for s in specs
+    }
+    manifest, streams = _save_in_memory(globals_, specs, src_world, chunk)
+    # round trip through JSON validation too
+    manifest = parse_manifest(manifest.to_bytes())
+    for dst_rank in range(dst_world):
+        targets = []
+        for i, s in enumerate(sorted(specs, key=lambda s: s.name)):
+            layout = [Shard(0), BlockShard(3), Replicate(), Owned((i + 1) % dst_world)][i % 4]
+            targets.append((manifest.tensors[s.name], layout.flat_range(s.shape, dst_world, dst_rank)))
+        out = [bytearray(len(rng) * t.dtype.itemsize) for t, rng in targets]
+        for cr in plan_reads(manifest, [(t, rng) for t, rng in targets if len(rng)]):
+            data = streams[cr.file][cr.chunk.raw_offset : cr.chunk.raw_offset + cr.chunk.raw_length]
+            assert checksum(bytes(data)) == cr.chunk.checksum
+            nonempty = [k for k, (t, rng) in enumerate(targets) if len(rng)]
+            for cp in cr.copies:
+                out[nonempty[cp.target]][cp.target_pos : cp.target_pos + cp.nbytes] = data[cp.chunk_pos : cp.chunk_pos + cp.nbytes]
+        for (t, rng), got in zip(targets, out):
+            want = globals_[t.name].reshape(-1)[rng.start : rng.stop].contiguous().view(torch.uint8).numpy().tobytes()
+            assert bytes(got) == want, t.name
+
+
+def test_a_chunk_that_lands_whole_in_one_target_is_read_straight_into_it():
+    specs = [TensorSpec("big", torch.float32, (4096,), Shard(0))]
+    manifest, _ = _save_in_memory({"big": torch.arange(4096.0)}, specs, 2, 1024)
+    reads = plan_reads(manifest, [(manifest.tensors["big"], FlatRange(0, 4096))])
+    assert len(reads) == 16 and all(r.whole for r in reads)
+    # a target cut in the middle of a chunk: that chunk needs a scratch copy
+    reads = plan_reads(manifest, [(manifest.tensors["big"], FlatRange(100, 4096))])
+    assert [r.whole for r in reads].count(False) == 1
+
+
+# -- manifest validation ----------------------------------------------------------------------
+def _good_manifest_doc():
+    specs = [TensorSpec("w", torch.float32, (8, 2), Shard(0))]
+    manifest, _ = _save_in_memory({"w": torch.ones(8, 2)}, specs, 2, 64)
+    return orjson.loads(manifest.to_bytes())
+
+
+def test_a_valid_manifest_round_trips():
+    doc = _good_manifest_doc()
+    m = parse_manifest(orjson.dumps(doc))
+    assert m.tensors["w"].shape == (8, 2) and m.tensors["w"].layout == Shard(0)
+    assert orjson.loads(m.to_bytes()) == doc
+
+
+def _mutations():
+    def set_(path, value):
+        def f(doc):
+            target = doc
+            for k in path[:-1]:
+                target = target[k]
+            target[path[-1]] = value
+        return f
+
+    file0 = "r0"
+    return {
+        "path traversal in a file name": lambda d: d["files"].__setitem__("../../etc/passwd", d["files"].pop(file0)),
+        "slash in a file name": lambda d: d["files"].__setitem__("a/b", d["files"].pop(file0)),
+        "piece names an unknown file": set_(["tensors", "w", "pieces", 0, 0], "nope"),
+        "negative offset": set_(["tensors", "w", "pieces", 0, 3], -1),
+        "piece past the end of its file": set_(["tensors", "w", "pieces", 0, 3], 10**6),
+        "stop beyond numel": set_(["tensors", "w", "pieces", 0, 2], 17),
+        "unknown dtype": set_(["tensors", "w", "dtype"], "float128"),
+        "negative dimension": set_(["tensors", "w", "shape"], [-8, 2]),
+        "absurd shape": set_(["tensors", "w", "shape"], [2**40, 2**40]),
+        "bool as int": set_(["step"], True),
+        "wrong version": set_(["version"], 99),
+        "wrong checksum algorithm": set_(["checksum"], "crc32"),
+        "checksum not hex": set_(["files", file0, "chunks", 0, 5], "zz" * 8),
+        "gap between chunks": set_(["files", file0, "chunks", 0, 0], 64),
+        "unknown codec": set_(["files", file0, "chunks", 0, 4], "lz4"),
+        "uncompressed chunk with a different stored length": set_(["files", file0, "chunks", 0, 3], 1),
+        "file size not covered by chunks": set_(["files", file0, "nbytes"], 10**6),
+        "unknown layout": set_(["tensors", "w", "layout"], {"kind": "cyclic"}),
+        "run id with a slash": set_(["run_id"], "../x"),
+        "per-rank list of the wrong length": set_(["per_rank"], {"rng": [1]}),
+    }
+
+
+@pytest.mark.parametrize("what", sorted(_mutations()))
+def test_manifest_validation_rejects(what):
+    doc = _good_manifest_doc()
+    _mutations()[what](doc)
+    with pytest.raises(ManifestError):
+        parse_manifest(orjson.dumps(doc))
+
+
+@pytest.mark.parametrize("data", [b"", b"[]", b"{", b'{"format": "flexckpt"}', b"\xff\xfe"])
+def test_garbage_is_not_a_manifest(data):
+    with pytest.raises(ManifestError):
+        parse_manifest(data)
+
+
+def test_numel_overflow_is_checked_before_any_allocation():
+    doc = _good_manifest_doc()
+    doc["tensors"]["w"]["shape"] = [2**30, 2**30]
+    with pytest.raises(ManifestError, match="elements"):
+        parse_manifest(orjson.dumps(doc))
+    assert math.prod([2**30, 2**30]) > 2**48
