@@ -154,6 +154,7 @@ def test_large_tensors_are_read_straight_into_the_target(tmp_path):
         stats = ckpt.last_load_stats
     assert torch.equal(target["w"], w)
     assert stats.chunks == 4 and stats.direct_chunks == 4 and stats.bytes_read == 4 << 20
+    assert stats.fetches == 1  # adjacent chunks: one ranged read
 
 
 def test_manifest_is_written_last_and_atomically(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from flexckpt.manifest import (
     parse_manifest,
 )
 from flexckpt.plan import ALIGN, make_write_plan
-from flexckpt.readplan import plan_reads
+from flexckpt.readplan import coalesce, plan_reads
 from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Replicate, Shard
 
@@ -223,3 +223,16 @@ def test_numel_overflow_is_checked_before_any_allocation():
     with pytest.raises(ManifestError, match="elements"):
         parse_manifest(orjson.dumps(doc))
     assert math.prod([2**30, 2**30]) > 2**48
+
+
+def test_adjacent_chunks_are_fetched_together_up_to_a_limit():
+    specs = [TensorSpec("a", torch.float32, (1024,), Replicate()), TensorSpec("b", torch.float32, (10,), Replicate()),
+             TensorSpec("c", torch.float32, (1024,), Replicate())]
+    manifest, _ = _save_in_memory({"a": torch.ones(1024), "b": torch.ones(10), "c": torch.ones(1024)}, specs, 1, 1024)
+    full = [(manifest.tensors[n], FlatRange(0, manifest.tensors[n].numel)) for n in "abc"]
+    reads = plan_reads(manifest, full)
+    fetches = coalesce(reads, 1 << 20)
+    # a: 4 whole chunks straight into target 0; b: a shared chunk via scratch; c: 4 chunks into target 2
+    assert [(len(f.reads), f.direct) for f in fetches] == [(4, (0, 0)), (1, None), (4, (2, 0))]
+    assert sum(f.length for f in fetches) == manifest.files["r0"].nbytes
+    assert [len(f.reads) for f in coalesce(reads, 2048)] == [2, 2, 1, 2, 2]

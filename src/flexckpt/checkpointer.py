@@ -49,7 +49,7 @@ from flexshard import current_world
 
 log = logging.getLogger("flexckpt")
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 2 << 20
 
 
 class SaveHandle:

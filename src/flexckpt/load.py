@@ -20,18 +20,21 @@ from flexckpt.checksum import checksum
 from flexckpt.codec import decompress_into
 from flexckpt.dtypes import dtype_from_name, dtype_name
 from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
-from flexckpt.manifest import MAX_CHUNK_BYTES, Manifest, step_dir
-from flexckpt.readplan import ChunkRead, plan_reads
+from flexckpt.manifest import Manifest, step_dir
+from flexckpt.readplan import Fetch, coalesce, plan_reads
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.structure import Walk, decode_plain
 from flexshard import FlatRange
 
 log = logging.getLogger("flexckpt")
 
+FETCH_BYTES = 32 << 20  # adjacent chunks are fetched together, up to this many bytes a request
+
 
 @dataclass
 class LoadStats:
     chunks: int = 0
+    fetches: int = 0
     bytes_read: int = 0
     direct_chunks: int = 0
     tensors: int = 0
@@ -124,36 +127,41 @@ class PendingLoad:
                 buf = local.buf = memoryview(np.empty(max(n, 1), dtype=np.uint8))
             return buf[:n]
 
-        def fetch(cr: ChunkRead) -> bool:
-            c = cr.chunk
-            where = f"{folder}/{cr.file} bytes [{c.offset}, {c.offset + c.length})"
-            if c.length > MAX_CHUNK_BYTES:
-                raise ManifestError(f"{where}: chunk larger than {MAX_CHUNK_BYTES} bytes")
-            if cr.whole:
-                cp = cr.copies[0]
-                mv = views[cp.target][cp.target_pos : cp.target_pos + cp.nbytes]
-                reader(cr.file).read_into(c.offset, mv)
-                _verify(mv, c.checksum, where)
-                return True
-            mv = scratch(c.length)
-            reader(cr.file).read_into(c.offset, mv)
-            _verify(mv, c.checksum, where)
-            raw = memoryview(decompress_into(c.codec, mv, c.raw_length, where))
-            for cp in cr.copies:
-                views[cp.target][cp.target_pos : cp.target_pos + cp.nbytes] = raw[cp.chunk_pos : cp.chunk_pos + cp.nbytes]
-            return False
+        def fetch(f: Fetch) -> None:
+            where = f"{folder}/{f.file} bytes [{f.offset}, {f.offset + f.length})"
+            if f.direct is not None:
+                target, pos = f.direct
+                mv = views[target][pos : pos + f.length]
+                reader(f.file).read_into(f.offset, mv)
+                for cr in f.reads:  # uncompressed: stored bytes are the raw bytes
+                    lo = cr.chunk.offset - f.offset
+                    _verify(mv[lo : lo + cr.chunk.length], cr.chunk.checksum, where)
+                return
+            mv = scratch(f.length)
+            reader(f.file).read_into(f.offset, mv)
+            for cr in f.reads:
+                c = cr.chunk
+                lo = c.offset - f.offset
+                stored = mv[lo : lo + c.length]
+                _verify(stored, c.checksum, where)
+                raw = memoryview(decompress_into(c.codec, stored, c.raw_length, where))
+                for cp in cr.copies:
+                    views[cp.target][cp.target_pos : cp.target_pos + cp.nbytes] = raw[cp.chunk_pos : cp.chunk_pos + cp.nbytes]
 
+        fetches = coalesce(reads, FETCH_BYTES)
         try:
-            if threads > 1 and len(reads) > 1:
+            if threads > 1 and len(fetches) > 1:
                 with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flexckpt-read") as pool:
-                    direct = list(pool.map(fetch, reads))
+                    list(pool.map(fetch, fetches))
             else:
-                direct = [fetch(cr) for cr in reads]
+                for f in fetches:
+                    fetch(f)
         finally:
             for r in readers.values():
                 r.close()
+        self.stats.fetches = len(fetches)
+        self.stats.direct_chunks = sum(len(f.reads) for f in fetches if f.direct is not None)
         self.stats.chunks = len(reads)
-        self.stats.direct_chunks = sum(direct)
         self.stats.bytes_read = sum(cr.chunk.length for cr in reads)
         self.stats.tensors = len(self.targets)
 
