@@ -1,0 +1,289 @@
+"""``flexckpt``: look at, check and rewrite checkpoints without a training job.
+
+    flexckpt steps   URL                          committed steps
+    flexckpt inspect URL [--step N] [--tensors]   what a checkpoint holds
+    flexckpt verify  URL [--step N | --all]       read every chunk and check its checksum
+    flexckpt plan    URL --world N [--layout P=K] what each rank of another world would read
+    flexckpt reshard SRC DST --world N [--layout P=K]
+                                                  rewrite a checkpoint for another world size
+
+Layout kinds for --layout (glob PATTERN=KIND, repeatable): replicate, shard, owned,
+block[:SIZE]; by default each tensor keeps its saved kind (Owned tensors get owners
+balanced for the new world).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import sys
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+from flexckpt.checkpointer import Checkpointer
+from flexckpt.checksum import checksum
+from flexckpt.codec import decompress_into
+from flexckpt.commit import committed_steps, read_manifest
+from flexckpt.dtypes import dtype_name, itemsize
+from flexckpt.errors import CheckpointError
+from flexckpt.manifest import Manifest, step_dir
+from flexckpt.readplan import coalesce, plan_reads
+from flexckpt.storage import Storage
+from flexckpt.structure import decode_plain
+from flexckpt.values import ByLane, PerRank
+from flexshard import BlockShard, Layout, Owned, Replicate, Shard, ShardedTensor, assign_owners
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _pick_step(storage: Storage, step: int | None) -> int:
+    steps = committed_steps(storage)
+    if not steps:
+        raise CheckpointError(f"no committed checkpoint under {storage.url}")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointError(f"step {step} is not committed under {storage.url}; committed: {steps}")
+    return step
+
+
+def cmd_steps(args: argparse.Namespace) -> int:
+    storage = Storage(args.url)
+    for s in committed_steps(storage):
+        m = read_manifest(storage, s)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.time))
+        print(f"{s:>12}  world {m.world_size:<4} {_mib(m.total_bytes):>14}  {len(m.tensors):>6} tensors  {when}  run {m.run_id}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    storage = Storage(args.url)
+    m = read_manifest(storage, _pick_step(storage, args.step))
+    kinds = Counter(type(t.layout).__name__ for t in m.tensors.values())
+    stored = sum(c.length for f in m.files.values() for c in f.chunks)
+    codecs = Counter(c.codec for f in m.files.values() for c in f.chunks)
+    print(f"step {m.step} of run {m.run_id}, saved by {m.world_size} ranks at "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.time))}")
+    print(f"  {len(m.tensors)} tensors, {_mib(m.total_bytes)} raw, {_mib(stored)} stored "
+          f"in {len(m.files)} files, {sum(len(f.chunks) for f in m.files.values())} chunks {dict(codecs)}")
+    print(f"  layouts: {dict(kinds)}")
+    for name, f in sorted(m.files.items()):
+        print(f"  file {name}: {_mib(f.nbytes)} in {len(f.chunks)} chunks")
+    if m.plain:
+        print("  plain values:")
+        for k, v in sorted(m.plain.items()):
+            print(f"    {k} = {json.dumps(decode_plain(v), default=str)[:100]}")
+    for k, lanes in sorted(m.lanes.items()):
+        print(f"  per-lane {k}: {len(lanes)} lanes ({', '.join(sorted(lanes, key=_lane_key)[:8])}{' ...' if len(lanes) > 8 else ''})")
+    for k in sorted(m.per_rank):
+        print(f"  per-rank {k}: {m.world_size} values (restored only at world size {m.world_size})")
+    if args.tensors:
+        print(f"  {'tensor':40s} {'dtype':9s} {'shape':18s} {'layout':28s} pieces")
+        for name, t in sorted(m.tensors.items()):
+            print(f"  {name:40s} {dtype_name(t.dtype):9s} {str(list(t.shape)):18s} {str(t.layout):28s} {len(t.pieces)}")
+    return 0
+
+
+def _lane_key(lane: str) -> tuple:
+    return (0, int(lane)) if lane.isdigit() else (1, lane)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage = Storage(args.url)
+    steps = committed_steps(storage) if args.all else [_pick_step(storage, args.step)]
+    bad = 0
+    for s in steps:
+        m = read_manifest(storage, s)
+        total, errors = 0, []
+        for name, f in sorted(m.files.items()):
+            with storage.open_reader(f"{step_dir(s)}/{name}") as reader:
+                for c in f.chunks:
+                    buf = memoryview(bytearray(c.length))
+                    where = f"{step_dir(s)}/{name} bytes [{c.offset}, {c.offset + c.length})"
+                    try:
+                        reader.read_into(c.offset, buf)
+                        if checksum(buf) != c.checksum:
+                            raise CheckpointError(f"{where}: checksum mismatch")
+                        decompress_into(c.codec, buf, c.raw_length, where)
+                    except (OSError, CheckpointError) as e:
+                        errors.append(str(e))
+                    total += c.length
+        status = "ok" if not errors else f"DAMAGED ({len(errors)} chunks)"
+        print(f"step {s}: {len(m.files)} files, {_mib(total)} read, {status}")
+        for e in errors[:20]:
+            print(f"  {e}")
+        bad += bool(errors)
+    return 1 if bad else 0
+
+
+def _parse_kind(kind: str) -> Any:
+    if kind == "replicate":
+        return lambda name, world, owners: Replicate()
+    if kind == "shard":
+        return lambda name, world, owners: Shard(0)
+    if kind == "owned":
+        return lambda name, world, owners: Owned(owners[name])
+    if kind == "block" or kind.startswith("block:"):
+        size = int(kind.split(":")[1]) if ":" in kind else 32
+        return lambda name, world, owners: BlockShard(size)
+    raise SystemExit(f"unknown layout kind {kind!r}: use replicate, shard, owned or block[:SIZE]")
+
+
+def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, Layout]:
+    """Each tensor's layout at ``world``: its saved kind unless a --layout pattern says otherwise."""
+    rules = []
+    for rule in overrides:
+        if "=" not in rule:
+            raise SystemExit(f"--layout wants PATTERN=KIND, got {rule!r}")
+        pattern, kind = rule.rsplit("=", 1)
+        rules.append((pattern, kind))
+    kinds: dict[str, str] = {}
+    for name, t in m.tensors.items():
+        kind = {"Replicate": "replicate", "Shard": "shard", "Owned": "owned"}.get(type(t.layout).__name__)
+        if isinstance(t.layout, BlockShard):
+            kind = f"block:{t.layout.block_size}"
+        for pattern, k in rules:
+            if fnmatch.fnmatchcase(name, pattern):
+                kind = k
+        kinds[name] = kind
+    owned = {n: m.tensors[n].numel * itemsize(m.tensors[n].dtype) for n, k in kinds.items() if k == "owned"}
+    owners = assign_owners(owned, world)
+    return {n: _parse_kind(k)(n, world, owners) for n, k in kinds.items()}
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    storage = Storage(args.url)
+    m = read_manifest(storage, _pick_step(storage, args.step))
+    layouts = target_layouts(m, args.world, args.layout)
+    print(f"restore of step {m.step} (saved by {m.world_size} ranks) on {args.world} ranks:")
+    print(f"  {'rank':>4}  {'holds':>14}  {'reads':>14}  {'ratio':>6}  {'requests':>8}  files")
+    for r in range(args.world):
+        targets = []
+        held = 0
+        for name, t in sorted(m.tensors.items()):
+            rng = layouts[name].flat_range(t.shape, args.world, r)
+            if len(rng):
+                targets.append((t, rng))
+                held += len(rng) * itemsize(t.dtype)
+        reads = plan_reads(m, targets)
+        fetches = coalesce(reads, 32 << 20)
+        read = sum(cr.chunk.length for cr in reads)
+        files = sorted({cr.file for cr in reads})
+        ratio = f"{read / held:.2f}" if held else "-"
+        print(f"  {r:>4}  {_mib(held):>14}  {_mib(read):>14}  {ratio:>6}  {len(fetches):>8}  {len(files)}")
+    return 0
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    src = Storage(args.src)
+    step = _pick_step(src, args.step)
+    m = read_manifest(src, step)
+    world = args.world
+    layouts = target_layouts(m, world, args.layout)
+    run_id = uuid.uuid4().hex[:16]
+    same_world = world == m.world_size
+    if m.per_rank and not same_world:
+        print(f"note: per-rank values {sorted(m.per_rank)} cannot move to another world size and are dropped")
+    writers = [Checkpointer(args.dst, rank=r, world_size=world, run_id=run_id, compression=args.compression) for r in range(world)]
+    handles = []
+    try:
+        for r in range(world):
+            state: dict[str, Any] = {}
+            for name, t in m.tensors.items():
+                _put(state, name, ShardedTensor.empty(t.shape, layouts[name], t.dtype, rank=r, world_size=world))
+            for name in m.plain:
+                _put(state, name, None)
+            for name in m.lanes:  # lanes are not tied to ranks: all of them go to rank 0
+                _put(state, name, ByLane())
+            if same_world:
+                for name in m.per_rank:
+                    _put(state, name, PerRank(None))
+            with Checkpointer(args.src, rank=r, world_size=world, run_id="reshard") as reader:
+                reader.load(state, step=step, strict=False)
+            for name in m.lanes:
+                if r != 0:
+                    _get(state, name).values = {}
+            h = writers[r].save(step, state)
+            h.wait_staged()
+            handles.append(h)
+            held = sum(t.local.numel() * t.local.element_size() for t in _tensors(state))
+            print(f"  rank {r}/{world}: {_mib(held)} staged")
+        for h in handles:
+            h.result()
+    finally:
+        for w in writers:
+            w.close()
+    print(f"wrote step {step} for {world} ranks to {args.dst}")
+    return 0
+
+
+def _tensors(state: dict) -> list[ShardedTensor]:
+    out = []
+    for v in state.values():
+        if isinstance(v, dict):
+            out += _tensors(v)
+        elif isinstance(v, ShardedTensor):
+            out.append(v)
+    return out
+
+
+def _put(state: dict, name: str, value: Any) -> None:
+    parts = [p.replace("%2F", "/").replace("%25", "%") for p in name.split("/")]
+    for p in parts[:-1]:
+        state = state.setdefault(p, {})
+    state[parts[-1]] = value
+
+
+def _get(state: dict, name: str) -> Any:
+    for p in name.split("/"):
+        state = state[p.replace("%2F", "/").replace("%25", "%")]
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("steps", help="list committed steps")
+    p.add_argument("url")
+    p.set_defaults(fn=cmd_steps)
+    p = sub.add_parser("inspect", help="summarise a checkpoint")
+    p.add_argument("url")
+    p.add_argument("--step", type=int)
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("verify", help="read every chunk and check its checksum")
+    p.add_argument("url")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--step", type=int)
+    g.add_argument("--all", action="store_true", help="every committed step")
+    p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("plan", help="what each rank of another world size would read")
+    p.add_argument("url")
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--step", type=int)
+    p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND")
+    p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("reshard", help="rewrite a checkpoint for another world size")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--step", type=int)
+    p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND")
+    p.add_argument("--compression", default=None, help="none, zstd or zstd:LEVEL")
+    p.set_defaults(fn=cmd_reshard)
+    args = parser.parse_args(argv)
+    if getattr(args, "world", 1) is not None and getattr(args, "world", 1) < 1:
+        parser.error("--world must be >= 1")
+    try:
+        return args.fn(args)
+    except CheckpointError as e:
+        print(f"flexckpt: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
