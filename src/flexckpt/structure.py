@@ -52,16 +52,32 @@ class Slot:
 
 @dataclass
 class Walk:
-    """The leaves of one state, in walk order."""
+    """The leaves of one state, in walk order.
 
-    specs: list[TensorSpec] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)  # this rank's local piece of each spec
+    ``key`` is the cheap structure key compared save after save to reuse the plan: one
+    tuple per leaf. Tensor leaves are ``(name, dtype, shape, device)`` for a plain tensor
+    and ``(name, dtype, global_shape, layout, local_shape, device)`` for a ShardedTensor;
+    ``specs`` are built from them only when the key changes.
+    """
+
+    key: list[tuple] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)  # this rank's local piece, per tensor leaf
     plain: dict[str, Any] = field(default_factory=dict)
     plain_slots: dict[str, Slot] = field(default_factory=dict)
     lanes: dict[str, ByLane] = field(default_factory=dict)
     per_rank: dict[str, PerRank] = field(default_factory=dict)
     statefuls: list[tuple[str, Any, dict]] = field(default_factory=list)  # (name, object, its state dict)
-    key: list[tuple] = field(default_factory=list)  # cheap structure key, compared for plan reuse
+    _specs: list[TensorSpec] | None = None
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        if self._specs is None:
+            self._specs = [
+                TensorSpec(k[0], k[1], tuple(k[2]), k[3] if len(k) == 6 else _REPLICATE)
+                for k in self.key
+                if len(k) >= 4
+            ]
+        return self._specs
 
     def structure_json(self) -> dict:
         """Canonical structure (sorted by name): what the fingerprint hashes."""
@@ -71,6 +87,9 @@ class Walk:
             "lanes": sorted(self.lanes),
             "per_rank": sorted(self.per_rank),
         }
+
+
+_REPLICATE = Replicate()
 
 
 def fingerprint(structure: dict) -> str:
@@ -112,20 +131,17 @@ def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> N
 
 def _walk_value(value: Any, name: str, parent: Any, key: Any, out: Walk, rank: int, world_size: int) -> None:
     if isinstance(value, torch.Tensor):
-        spec = TensorSpec(name, value.dtype, tuple(value.shape), Replicate())
-        out.specs.append(spec)
-        out.tensors.append(value)
         out.key.append((name, value.dtype, value.shape, value.device))
+        out.tensors.append(value)
     elif isinstance(value, ShardedTensor):
         if value.rank != rank or value.world_size != world_size:
             raise ValueError(
                 f"{name!r} is a ShardedTensor for rank {value.rank} of {value.world_size}, but this "
                 f"checkpointer is rank {rank} of {world_size}; build it with the same world"
             )
-        spec = TensorSpec(name, value.local.dtype, value.global_shape, value.layout)
-        out.specs.append(spec)
-        out.tensors.append(value.local)
-        out.key.append((name, value.local.dtype, value.global_shape, value.layout, value.local.shape, value.local.device))
+        local = value.local
+        out.key.append((name, local.dtype, value.global_shape, value.layout, local.shape, local.device))
+        out.tensors.append(local)
     elif isinstance(value, SCALARS) or _is_plain_sequence(value):
         out.plain[name] = value
         out.plain_slots[name] = Slot(parent, key, value)
