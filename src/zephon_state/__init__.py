@@ -5,7 +5,7 @@ nothing of checkpoint files; it hands the checkpointer plain state (``Pipeline.s
 """
 from .batch import Batch, block_causal_mask
 from .config import BatchConfig, DataParallel, Options, PackConfig, ShuffleConfig, TokenizeConfig
-from .cursor import InputPosition, LaneCursor
+from .cursor import LaneCursor, SourceState
 from .digest import global_batch_digest, lane_digest
 from .errors import (
     BadRecordError,
@@ -25,8 +25,8 @@ from .topology import Topology
 
 __all__ = [
     "BadRecordError", "Batch", "BatchConfig", "CacheOptions", "ConfigError", "DataParallel",
-    "FingerprintMismatch", "IGNORE", "InMemory", "InputPosition", "IoOptions", "JsonLines",
-    "LaneCursor", "Mix", "Options", "PAD_DOCUMENT", "PackConfig", "Pipeline", "PipelineConfig",
+    "FingerprintMismatch", "IGNORE", "InMemory", "IoOptions", "JsonLines",
+    "LaneCursor", "Mix", "Options", "PAD_DOCUMENT", "PackConfig", "Pipeline", "PipelineConfig", "SourceState",
     "ShuffleConfig", "Source", "SourceReport", "StateError", "TextFiles", "TokenizeConfig",
     "TokenizerNotFound", "Topology", "ZephonError", "block_causal_mask", "global_batch_digest",
     "lane_digest", "load_tokenizer",

@@ -1,9 +1,12 @@
 """Lane cursors: the small, JSON-serialisable state of one lane.
 
 A lane's state is where its input stood the last time its pack and shuffle buffers were empty
-(the start of its current window), the window index (which fixes the window's shuffle) and how
-many rows of that window the caller has consumed. Its size depends on the number of sources,
-never on buffer sizes. Restoring re-reads the window from ``input`` and skips ``emitted`` rows.
+(the start of its current window), the window index (which fixes the window's shuffle order
+and token quotas) and how many rows of that window the caller has consumed. Per source, the
+input position is the document being read (epoch, index in the lane's share of that epoch),
+how many of its tokens were already emitted, and the source's tokens emitted in total. The
+size depends on the number of sources, never on buffer sizes. Restoring re-reads the window
+from there and skips ``emitted`` rows.
 """
 from __future__ import annotations
 
@@ -12,43 +15,36 @@ from typing import Any, Mapping
 
 from .errors import StateError
 
-# per source: (epoch, index into the lane's share of that epoch, bytes taken, documents taken)
-SourceState = tuple[int, int, int, int]
-
 
 @dataclass(frozen=True)
-class InputPosition:
-    """Where a lane's document stream stands: the mixer state before the next document is
-    chosen, and how many tokens of that next document were already emitted."""
+class SourceState:
+    """Where a lane stands in one source."""
 
-    sources: tuple[SourceState, ...]
+    epoch: int = 0
+    index: int = 0
     offset: int = 0
-
-    @classmethod
-    def start(cls, n_sources: int) -> "InputPosition":
-        return cls(tuple((0, 0, 0, 0) for _ in range(n_sources)), 0)
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
 class LaneCursor:
     """One lane's resumable position (see the module docstring)."""
 
-    input: InputPosition
+    sources: tuple[SourceState, ...]
     window: int = 0
     emitted: int = 0
     sequences: int = 0
 
     @classmethod
     def start(cls, n_sources: int) -> "LaneCursor":
-        return cls(InputPosition.start(n_sources))
+        return cls(tuple(SourceState() for _ in range(n_sources)))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "window": self.window,
             "emitted": self.emitted,
             "sequences": self.sequences,
-            "offset": self.input.offset,
-            "sources": [list(s) for s in self.input.sources],
+            "sources": [[s.epoch, s.index, s.offset, s.tokens] for s in self.sources],
         }
 
     @classmethod
@@ -60,7 +56,7 @@ class LaneCursor:
 
         if not isinstance(value, Mapping):
             raise bad(f"expected a dict, got {type(value).__name__}")
-        for key in ("window", "emitted", "sequences", "offset"):
+        for key in ("window", "emitted", "sequences"):
             v = value.get(key)
             if type(v) is not int or v < 0:
                 raise bad(f"{key!r} must be a non-negative int, got {v!r}")
@@ -70,6 +66,6 @@ class LaneCursor:
         parsed = []
         for s in sources:
             if not isinstance(s, list) or len(s) != 4 or any(type(x) is not int or x < 0 for x in s):
-                raise bad(f"a source state must be 4 non-negative ints, got {s!r}")
-            parsed.append(tuple(s))
-        return cls(InputPosition(tuple(parsed), value["offset"]), value["window"], value["emitted"], value["sequences"])
+                raise bad(f"a source state must be 4 non-negative ints [epoch, index, offset, tokens], got {s!r}")
+            parsed.append(SourceState(*s))
+        return cls(tuple(parsed), value["window"], value["emitted"], value["sequences"])

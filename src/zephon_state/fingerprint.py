@@ -1,9 +1,11 @@
 """The data fingerprint: everything that decides which tokens land in which global batch.
 
-Sources and their order (content digests), tokenizer, seed and data phase, mix and its
-calibration, context length, packing algorithm, window (shuffle buffer size), bad-record
-policy, global batch and lane count. Performance settings (workers, prefetch, readahead,
-data-parallel size) are left out: they may change between runs.
+Sources and their order (content digests), tokenizer, seed and data phase, mix shares,
+context length, packing algorithm, window (shuffle buffer size), bad-record policy, global
+batch and lane count. Left out, because they decide no batch and may change between runs:
+performance settings (workers, prefetch, readahead, data-parallel size) and the mix's
+calibration, which only sizes how far ahead each source is tokenized (the shares are met
+with exact token quotas, see ``mix.py``).
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ VERSION = 1
 _FIX = {
     "sources": "read the same files, with the same content, in the same order",
     "shares": "use the saved Mix shares",
-    "calibration": "use the saved calibration (pass Mix(calibration=...) with the saved tokens per byte)",
     "tokenizer": "use the saved tokenizer (tokenize(tokenizer_id=..., eos=...))",
     "seed": "pass the saved seed to .shuffle(seed=...)",
     "data_phase": "use the saved .options(data_phase=...)",

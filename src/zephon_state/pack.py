@@ -6,10 +6,12 @@ row (restarting at 0 at each row start and at each document start) and the segme
 index within the row (``PAD_DOCUMENT`` on padding), which is what a block-causal mask needs.
 
 - ``wrap`` concatenates documents and cuts every ``max_length`` tokens; the remainder of a
-  document carries into the next row (its label at a cut is the next row's first token).
+  document carries into the next row (the label at a cut is the document's next token).
 - ``best_fit`` keeps documents whole: within one window it places documents, largest first,
   into the fullest row that still has room, and pads; a document longer than ``max_length``
   is cut into ``max_length`` pieces first. All rows close at the window end.
+
+Both take ``Piece``s (``stream.py``): runs of one document's tokens with their labels.
 
 Everything per token is NumPy; Python only loops per document or per piece.
 """
@@ -21,7 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-IGNORE = -100
+from .stream import IGNORE, Piece
+
 PAD_DOCUMENT = -1
 PAD_SOURCE = -1
 ALGORITHMS = ("wrap", "best_fit")
@@ -46,6 +49,11 @@ class Rows:
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
         return (self.input_ids, self.labels, self.position_ids, self.document_ids, self.source_ids)
+
+    @classmethod
+    def empty(cls, max_length: int) -> "Rows":
+        z = np.zeros((0, max_length), dtype=np.int32)
+        return cls(z, z, z, z, z.astype(np.int16))
 
     @classmethod
     def concat(cls, parts: Sequence["Rows"]) -> "Rows":
@@ -73,28 +81,20 @@ def _finish(tokens: np.ndarray, labels: np.ndarray, seg: np.ndarray, seg_source:
                 positions.astype(np.int32, copy=False), documents, sources)
 
 
-def pack_wrap(stream: np.ndarray, seg: np.ndarray, seg_source: np.ndarray, max_length: int) -> Rows:
-    """Cut ``stream`` (``n * max_length + 1`` tokens: the last one only decides the last label)
-    into ``n`` rows. ``seg`` gives each token's document (an index into ``seg_source``)."""
-    n = (len(stream) - 1) // max_length
-    cut = n * max_length
-    tokens = stream[:cut].reshape(n, max_length)
-    same = (seg[1 : cut + 1] == seg[:cut]).reshape(n, max_length)
-    labels = np.where(same, stream[1 : cut + 1].reshape(n, max_length), np.int32(IGNORE))
-    return _finish(tokens, labels, seg[:cut].reshape(n, max_length), seg_source)
+def _join(pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    tokens = np.concatenate([p.tokens for p in pieces])
+    labels = np.concatenate([p.labels for p in pieces])
+    lengths = np.fromiter((len(p) for p in pieces), np.int64, len(pieces))
+    sources = np.fromiter((p.source for p in pieces), np.int64, len(pieces))
+    return tokens, labels, lengths, sources
 
 
-def _pieces(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut each document into ``max_length`` pieces: (piece's document, start in the flat
-    stream, length), in stream order."""
-    per_doc = (lengths + max_length - 1) // max_length
-    doc = np.repeat(np.arange(len(lengths)), per_doc)
-    first = np.cumsum(per_doc) - per_doc
-    k = np.arange(len(doc)) - np.repeat(first, per_doc)
-    doc_start = np.cumsum(lengths) - lengths
-    start = doc_start[doc] + k * max_length
-    length = np.minimum(max_length, lengths[doc] - k * max_length)
-    return doc, start, length
+def pack_wrap(pieces: Sequence[Piece], max_length: int) -> Rows:
+    """Concatenate the pieces (a multiple of ``max_length`` tokens in all) and cut rows."""
+    tokens, labels, lengths, sources = _join(pieces)
+    shape = (len(tokens) // max_length, max_length)
+    seg = np.repeat(np.arange(len(pieces)), lengths)
+    return _finish(tokens.reshape(shape), labels.reshape(shape), seg.reshape(shape), sources)
 
 
 def best_fit_bins(sizes: Sequence[int], capacity: int) -> tuple[list[int], list[int], int]:
@@ -119,21 +119,19 @@ def best_fit_bins(sizes: Sequence[int], capacity: int) -> tuple[list[int], list[
     return bin_of, offset_of, bins
 
 
-def pack_best_fit(flat: np.ndarray, lengths: np.ndarray, doc_source: np.ndarray, max_length: int, pad_id: int) -> Rows:
-    """Pack whole documents (``flat`` holds them back to back, ``lengths`` each one's size)."""
-    total = len(flat)
-    doc_of_token = np.repeat(np.arange(len(lengths)), lengths)
-    labels_flat = np.full(total, IGNORE, dtype=np.int32)
-    labels_flat[:-1] = np.where(doc_of_token[1:] == doc_of_token[:-1], flat[1:], np.int32(IGNORE))
-    piece_doc, piece_start, piece_len = _pieces(lengths, max_length)
-    bin_of, offset_of, bins = best_fit_bins(piece_len.tolist(), max_length)
+def pack_best_fit(pieces: Sequence[Piece], max_length: int, pad_id: int) -> Rows:
+    """Place whole pieces (each at most ``max_length`` tokens) into rows by best fit; pad."""
+    tokens, labels, lengths, sources = _join(pieces)
+    bin_of, offset_of, bins = best_fit_bins(lengths.tolist(), max_length)
+    piece_start = np.cumsum(lengths) - lengths
     base = np.asarray(bin_of, dtype=np.int64) * max_length + np.asarray(offset_of, dtype=np.int64) - piece_start
-    dest = np.repeat(base, piece_len) + np.arange(total)
-    tokens = np.full(bins * max_length, pad_id, dtype=np.int32)
-    labels = np.full(bins * max_length, IGNORE, dtype=np.int32)
-    seg = np.full(bins * max_length, -1, dtype=np.int64)
-    tokens[dest] = flat
-    labels[dest] = labels_flat
-    seg[dest] = np.repeat(np.arange(len(piece_len)), piece_len)
+    dest = np.repeat(base, lengths) + np.arange(len(tokens))
+    size = bins * max_length
+    row_tokens = np.full(size, pad_id, dtype=np.int32)
+    row_labels = np.full(size, IGNORE, dtype=np.int32)
+    seg = np.full(size, -1, dtype=np.int64)
+    row_tokens[dest] = tokens
+    row_labels[dest] = labels
+    seg[dest] = np.repeat(np.arange(len(pieces)), lengths)
     shape = (bins, max_length)
-    return _finish(tokens.reshape(shape), labels.reshape(shape), seg.reshape(shape), doc_source[piece_doc])
+    return _finish(row_tokens.reshape(shape), row_labels.reshape(shape), seg.reshape(shape), sources)

@@ -31,6 +31,7 @@ from .cursor import LaneCursor
 from .errors import ConfigError, FingerprintMismatch, StateError
 from .fingerprint import VERSION, fingerprint, mismatch_message
 from .lane import LaneSetup
+from .mix import exact_shares
 from .plan import Mix, Plan, as_mix
 from .producer import Producer, Resume, resume_point
 from .shuffle import phase_key
@@ -40,7 +41,8 @@ from .tokenize import LoadedTokenizer, TokenizerPool, load_tokenizer
 from .topology import Topology
 
 STATE_FORMAT = "zephon_state/1"
-_DEFAULT_TOKENS_PER_BYTE = 0.25  # only sizes tokenization readahead when nothing was measured
+_UNCALIBRATED_TOKENS_PER_BYTE = 0.25  # sizes a lone source's readahead; decides no batch
+_MIN_CHUNK_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -202,17 +204,16 @@ class Pipeline:
         mix, opts = cfg.mix, cfg.options
         docs = tuple(src.load(cfg.tokenize.field, opts.io, opts.bad_records) for src in mix.sources.values())
         names = tuple(mix.sources)
-        multi = len(names) > 1
         if mix.calibration is not None:
             tpb = tuple(float(mix.calibration[n]) for n in names)
-        elif multi:
-            tpb = tuple(tokens_per_byte(d, tokenizer, pool, mix.calibration_bytes) for d in docs)
+        elif len(names) == 1:  # one source takes every token: nothing to calibrate
+            tpb = (_UNCALIBRATED_TOKENS_PER_BYTE,)
         else:
-            tpb = (1.0,)
+            tpb = tuple(tokens_per_byte(d, tokenizer, pool, mix.calibration_bytes) for d in docs)
         seed = cfg.shuffle.seed if cfg.shuffle else 0
-        plan = Plan(names, docs, mix.normalised_shares(), tpb, multi, seed, phase_key(opts.data_phase))
-        plan.check_lanes(topology.lanes)
+        plan = Plan(names, docs, exact_shares(mix.weights()), tpb, seed, phase_key(opts.data_phase))
         window = cfg.shuffle.buffer_size if cfg.shuffle else cfg.pack.window
+        plan.check(topology.lanes, window * cfg.pack.max_length)
         fields = {
             "version": VERSION,
             "sources": [
@@ -220,8 +221,7 @@ class Pipeline:
                  "documents": len(d), "sha256": d.sha256}
                 for n, d, s in zip(names, docs, mix.sources.values())
             ],
-            "shares": list(plan.shares),
-            "calibration": list(tpb) if multi else None,
+            "shares": list(mix.weights()),
             "tokenizer": {"sha256": tokenizer.sha256, "eos": tokenizer.eos_id},
             "seed": seed,
             "data_phase": opts.data_phase,
@@ -233,10 +233,11 @@ class Pipeline:
             "global_batch": topology.global_batch,
             "lanes": topology.lanes,
         }
-        est_tpb = min(tpb) if multi or mix.calibration is not None else _DEFAULT_TOKENS_PER_BYTE
-        readahead = int(window * cfg.pack.max_length * opts.readahead_windows / est_tpb) + opts.chunk_bytes
+        window_bytes = [window * cfg.pack.max_length * share / t for share, t in zip(plan.shares, tpb)]
+        chunks = tuple(int(min(opts.chunk_bytes, max(_MIN_CHUNK_BYTES, b / 4))) for b in window_bytes)
+        readahead = tuple(int(b * opts.readahead_windows) + c for b, c in zip(window_bytes, chunks))
         setup = LaneSetup(plan, tokenizer, pool, topology.lanes, cfg.pack.max_length, cfg.pack.algorithm,
-                          window, cfg.shuffle is not None, opts.chunk_bytes, readahead)
+                          window, cfg.shuffle is not None, chunks, readahead)
         self._prepared = _Prepared(topology, plan, tokenizer, fields, fingerprint(fields), setup)
         self._consumed = {lane: LaneCursor.start(len(names)) for lane in topology.hosted}
         self._resume = resume_point(topology, self._consumed)
@@ -256,6 +257,11 @@ class Pipeline:
     def plan_fields(self) -> dict[str, Any]:
         """The values the fingerprint is computed from (plain JSON)."""
         return copy.deepcopy(self._prepare().fields)
+
+    def calibration(self) -> dict[str, float]:
+        """Tokens per byte of each source (measured, or as given in the Mix)."""
+        plan = self._prepare().plan
+        return dict(zip(plan.names, plan.tokens_per_byte))
 
     def report(self) -> tuple[SourceReport, ...]:
         """Per source: documents, bytes, bad records skipped per reason, first examples."""

@@ -2,12 +2,14 @@
 batch) is configured apart from it, so either can change alone.
 
 ``Mix`` is what the user writes; ``Plan`` is the resolved form the lanes read: the loaded
-documents of each source in order, the normalised token shares and the calibration (tokens
-per byte of each source, measured on a sample unless given).
+documents of each source in order, the exact token shares, and the calibration (tokens per
+byte of each source, measured on a sample unless given), which sizes how far ahead each
+source is tokenized.
 """
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -23,15 +25,17 @@ from .source import Documents, as_source
 class Mix:
     """Several sources mixed by target *token* shares (not sample counts).
 
-    ``shares`` are positive weights (normalised to sum to 1). ``calibration`` gives each
-    source's tokens per byte; when it is None the pipeline measures it by tokenizing about
-    ``calibration_bytes`` of each source, drawn in a fixed order, before training.
+    ``shares`` are positive weights (normalised to sum to 1); every window of every lane holds
+    each source's exact token quota (see ``mix.py``). ``calibration`` gives each source's
+    tokens per byte; when it is None the pipeline measures it by tokenizing about
+    ``calibration_bytes`` of each source, drawn in a fixed order, before training, and uses it
+    to tokenize each source ahead in proportion to its quota.
     """
 
     sources: Mapping[str, Any]
     shares: Mapping[str, float]
     calibration: Mapping[str, float] | None = None
-    calibration_bytes: int = 1 << 20
+    calibration_bytes: int = 1 << 18
 
     def __post_init__(self) -> None:
         names = list(self.sources)
@@ -55,39 +59,45 @@ class Mix:
             raise ConfigError(f"Mix calibration_bytes={self.calibration_bytes} must be positive")
         object.__setattr__(self, "sources", {name: as_source(src) for name, src in self.sources.items()})
 
-    def normalised_shares(self) -> tuple[float, ...]:
-        total = float(sum(self.shares[n] for n in self.sources))
-        return tuple(self.shares[n] / total for n in self.sources)
+    def weights(self) -> tuple[float, ...]:
+        """The shares as given, in source order."""
+        return tuple(float(self.shares[n]) for n in self.sources)
 
 
 def as_mix(value: Any) -> Mix:
-    """A one-source ``Mix`` from a single source (its calibration is never needed)."""
+    """A one-source ``Mix`` from a single source."""
     if isinstance(value, Mix):
         return value
     source = as_source(value)
-    return Mix({source.name: source}, {source.name: 1.0}, calibration={source.name: 1.0})
+    return Mix({source.name: source}, {source.name: 1.0})
 
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """The resolved plan: documents of each source, normalised shares, tokens per byte,
+    """The resolved plan: documents of each source, exact token shares, tokens per byte,
     and the seed words of every document order."""
 
     names: tuple[str, ...]
     documents: tuple[Documents, ...]
-    shares: tuple[float, ...]
+    shares: tuple[Fraction, ...]
     tokens_per_byte: tuple[float, ...]
-    calibrated: bool
     seed: int
     phase: int
     _orders: "OrderedDict[tuple[int, int], np.ndarray]" = field(default_factory=OrderedDict, repr=False)
 
-    def check_lanes(self, lanes: int) -> None:
-        for name, docs in zip(self.names, self.documents):
+    def check(self, lanes: int, window_tokens: int) -> None:
+        """Every lane needs a document of every source per epoch, and every window at least
+        one token of every source."""
+        for name, docs, share in zip(self.names, self.documents, self.shares):
             if len(docs) < lanes:
                 raise ConfigError(
                     f"source {name!r} has {len(docs)} documents but lanes={lanes}: every lane needs at "
                     "least one document of every source per epoch; use fewer lanes or more documents"
+                )
+            if window_tokens * share < 1:
+                raise ConfigError(
+                    f"source {name!r} has share {float(share):.3g} of a {window_tokens}-token window, less than "
+                    "one token; raise its share or the window (shuffle buffer_size or pack_flat window)"
                 )
 
     def order(self, source: int, epoch: int) -> np.ndarray:

@@ -106,7 +106,7 @@ class Producer:
             self._put(e)
         finally:
             for lane in self._lanes:
-                lane.acc.cancel()
+                lane.cancel()
 
     def _step(self, step: int, takes: Sequence[int], first: int) -> list[Batch]:
         topo = self.topology
