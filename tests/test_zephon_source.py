@@ -128,3 +128,16 @@ def test_s3_jsonl_zst_reads_like_local_and_the_cache_keeps_a_local_copy(s3_endpo
     (tmp_path / "local.jsonl.zst").write_bytes(raw)
     local = JsonLines([str(tmp_path / "local.jsonl.zst")] * 2).load("text", IoOptions(), "raise")
     assert local.sha256 == docs.sha256
+
+
+def test_the_pipeline_reports_bad_records_per_source_or_stops_at_start_with_the_raise_policy(tmp_path):
+    from zephon_state import Pipeline
+
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "one"}\n{"text": "two"}\n{"txt": "three"}\n')
+    with Pipeline(str(tmp_path / "bad.jsonl")).tokenize().pack_flat(8).batch(1) as p:
+        (report,) = p.report()
+        assert (report.name, report.documents, report.bad) == ("bad", 2, {"missing_field": 1})
+    strict = Pipeline(str(tmp_path / "bad.jsonl")).options(bad_records="raise").tokenize().pack_flat(8).batch(1)
+    with pytest.raises(BadRecordError, match=r"bad.jsonl:3 has no field 'text'"):
+        strict.fingerprint()
+    strict.close()

@@ -63,3 +63,40 @@ def test_pool_futures_keep_submission_order_whatever_order_workers_finish_in():
     assert [f.result(timeout=5) for f in futures] == [0, 1]
     assert finished == [1, 0]
     pool.close()
+
+
+def test_accumulator_hands_out_documents_in_input_order_when_a_later_chunk_finishes_first():
+    from zephon_state import InMemory
+    from zephon_state.accumulator import Accumulator
+    from zephon_state.deal import SourceReader
+    from zephon_state.mix import exact_shares
+    from zephon_state.plan import Plan
+    from zephon_state.source import IoOptions
+
+    texts = [f"document {i} " + "text " * i for i in range(8)]
+    docs = InMemory(texts).load("text", IoOptions(), "raise")
+    plan = Plan(("m",), (docs,), exact_shares([1.0]), (0.25,), 0, 0)
+    gpt2 = load_tokenizer("gpt2")
+    calls = []
+
+    class SlowFirstCall:
+        eos_id = gpt2.eos_id
+
+        def encode(self, batch):
+            calls.append(len(calls))
+            if len(calls) == 1:
+                time.sleep(0.3)
+            out = gpt2.encode(batch)
+            finished.append(batch[0])
+            return out
+
+    finished = []
+    pool = TokenizerPool(4)
+    acc = Accumulator(SourceReader(plan, 0, 0, 1, 0, 0), SlowFirstCall(), pool, chunk_bytes=1, readahead_bytes=10_000)
+    got = [acc.next_document() for _ in range(8)]
+    pool.close()
+    order = [plan.order(0, 0)[i] for i in range(8)]
+    assert finished[0] != texts[order[0]]  # a later chunk really did finish first
+    for doc, i in zip(got, order):
+        assert doc.tokens.tolist() == gpt2.encode([texts[i]])[0].tolist()
+    assert [d.index for d in got] == list(range(8))

@@ -79,6 +79,13 @@ class Accumulator:
         return self._ready.popleft()
 
     def cancel(self) -> None:
-        """Cancel the tokenization still queued (when the lane's run stops)."""
-        for future, _, _ in list(self._pending):
+        """Cancel the tokenization still queued (when the lane's run stops); safe to call from
+        another thread than the one reading."""
+        while True:
+            try:
+                pending = list(self._pending)
+                break
+            except RuntimeError:  # the reading thread changed the deque meanwhile
+                continue
+        for future, _, _ in pending:
             future.cancel()

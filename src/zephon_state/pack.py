@@ -82,19 +82,35 @@ def _finish(tokens: np.ndarray, labels: np.ndarray, seg: np.ndarray, seg_source:
 
 
 def _join(pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens and labels of the pieces back to back, each piece's length and source."""
     tokens = np.concatenate([p.tokens for p in pieces])
-    labels = np.concatenate([p.labels for p in pieces])
     lengths = np.fromiter((len(p) for p in pieces), np.int64, len(pieces))
+    labels = np.empty_like(tokens)
+    labels[:-1] = tokens[1:]
+    labels[np.cumsum(lengths) - 1] = np.fromiter((p.next for p in pieces), np.int32, len(pieces))
     sources = np.fromiter((p.source for p in pieces), np.int64, len(pieces))
     return tokens, labels, lengths, sources
 
 
 def pack_wrap(pieces: Sequence[Piece], max_length: int) -> Rows:
-    """Concatenate the pieces (a multiple of ``max_length`` tokens in all) and cut rows."""
+    """Concatenate the pieces (a multiple of ``max_length`` tokens in all) and cut rows.
+
+    Per-token ids come from segments (runs of one piece within one row) by ``np.repeat``."""
     tokens, labels, lengths, sources = _join(pieces)
-    shape = (len(tokens) // max_length, max_length)
-    seg = np.repeat(np.arange(len(pieces)), lengths)
-    return _finish(tokens.reshape(shape), labels.reshape(shape), seg.reshape(shape), sources)
+    total = len(tokens)
+    piece_starts = np.cumsum(lengths) - lengths
+    row_starts = np.arange(0, total, max_length)
+    seg_starts = np.union1d(piece_starts, row_starts)
+    seg_lengths = np.diff(np.append(seg_starts, total))
+    seg_piece = np.searchsorted(piece_starts, seg_starts, side="right") - 1
+    first_in_row = np.searchsorted(seg_starts, row_starts)
+    seg_in_row = np.arange(len(seg_starts)) - first_in_row[seg_starts // max_length]
+    shape = (total // max_length, max_length)
+    positions = np.arange(total, dtype=np.int32) - np.repeat(seg_starts.astype(np.int32), seg_lengths)
+    documents = np.repeat(seg_in_row.astype(np.int32), seg_lengths)
+    source_ids = np.repeat(sources[seg_piece].astype(np.int16), seg_lengths)
+    return Rows(tokens.reshape(shape), labels.reshape(shape), positions.reshape(shape),
+                documents.reshape(shape), source_ids.reshape(shape))
 
 
 def best_fit_bins(sizes: Sequence[int], capacity: int) -> tuple[list[int], list[int], int]:

@@ -80,7 +80,10 @@ class Producer:
         return item
 
     def close(self, timeout: float = 60.0) -> None:
+        """Stop: cancel the lanes' queued tokenization (a wait on it ends at once) and join."""
         self._stop.set()
+        for lane in list(self._lanes):
+            lane.cancel()
         self._thread.join(timeout)
 
     def _put(self, item: object) -> bool:

@@ -1,9 +1,9 @@
 """A lane's stream of one source: tokenized documents, cut into pieces on demand.
 
-A piece is a run of one document's tokens together with its labels: each token's next token
-in the same document, and ``IGNORE`` after the document's last token (its EOS). A piece that
-stops inside its document still labels its last token with the document's next token, even
-though that token lands in another row or window.
+A piece is a run of one document's tokens; each token's label is the next token of the same
+document, and ``IGNORE`` after the document's last token (its EOS). A piece that stops inside
+its document carries that document's next token (``next``) as the label of its last token,
+even though that token lands in another row or window.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ IGNORE = -100
 @dataclass(frozen=True, eq=False)
 class Piece:
     tokens: np.ndarray
-    labels: np.ndarray
+    next: int  # label of the last token: the document's next token, or IGNORE
     source: int
 
     def __len__(self) -> int:
@@ -48,16 +48,12 @@ class SourceStream:
     def _cut(self, n: int) -> Piece:
         doc, start = self._doc.tokens, self._offset
         stop = start + n
-        labels = np.empty(n, dtype=np.int32)
-        nxt = doc[start + 1 : stop + 1]
-        labels[: len(nxt)] = nxt
-        labels[len(nxt) :] = IGNORE
         self.tokens += n
         if stop == len(doc):
             self._doc, self._offset = self.acc.next_document(), 0
-        else:
-            self._offset = stop
-        return Piece(doc[start:stop], labels, self.source)
+            return Piece(doc[start:stop], IGNORE, self.source)
+        self._offset = stop
+        return Piece(doc[start:stop], int(doc[stop]), self.source)
 
     def take_exactly(self, n: int) -> list[Piece]:
         """Pieces holding exactly ``n`` tokens, cutting documents where needed (``wrap``)."""
