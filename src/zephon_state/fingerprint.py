@@ -10,9 +10,13 @@ with exact token quotas, see ``mix.py``).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import orjson
+
+if TYPE_CHECKING:
+    from .plan import Mix, Plan
+    from .tokenize import LoadedTokenizer
 
 VERSION = 1
 
@@ -31,6 +35,43 @@ _FIX = {
     "lanes": "pass the saved .lanes(...)",
     "version": "resume with the zephon_state version that wrote the checkpoint",
 }
+
+
+def plan_fields(
+    mix: "Mix",
+    plan: "Plan",
+    field_name: str,
+    tokenizer: "LoadedTokenizer",
+    *,
+    max_length: int,
+    packing: str,
+    window: int,
+    shuffle: bool,
+    bad_records: str,
+    global_batch: int,
+    lanes: int,
+    data_phase: str,
+) -> dict[str, Any]:
+    """The fingerprinted values, as plain JSON."""
+    return {
+        "version": VERSION,
+        "sources": [
+            {"name": name, "kind": docs.kind, "field": source.text_field(field_name),
+             "documents": len(docs), "sha256": docs.sha256}
+            for name, docs, source in zip(plan.names, plan.documents, mix.sources.values())
+        ],
+        "shares": list(mix.weights()),
+        "tokenizer": {"sha256": tokenizer.sha256, "eos": tokenizer.eos_id},
+        "seed": plan.seed,
+        "data_phase": data_phase,
+        "max_length": max_length,
+        "packing": packing,
+        "window": window,
+        "shuffle": shuffle,
+        "bad_records": bad_records,
+        "global_batch": global_batch,
+        "lanes": lanes,
+    }
 
 
 def fingerprint(fields: Mapping[str, Any]) -> str:

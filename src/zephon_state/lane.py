@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 from .accumulator import Accumulator
 from .cursor import LaneCursor, SourceState
@@ -23,6 +22,8 @@ from .plan import Plan
 from .shuffle import window_order
 from .stream import Piece, SourceStream
 from .tokenize import LoadedTokenizer, TokenizerPool
+
+_MIN_CHUNK_BYTES = 4096
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +44,18 @@ class LaneSetup:
     @property
     def window_tokens(self) -> int:
         return self.window * self.max_length
+
+    @classmethod
+    def build(
+        cls, plan: Plan, tokenizer: LoadedTokenizer, pool: TokenizerPool, lanes: int, max_length: int,
+        algorithm: str, window: int, shuffle: bool, chunk_bytes: int, readahead_windows: float,
+    ) -> "LaneSetup":
+        """Size each source's tokenizer calls and readahead from its share of a window's
+        tokens and its tokens per byte (the calibration)."""
+        window_bytes = [window * max_length * share / tpb for share, tpb in zip(plan.shares, plan.tokens_per_byte)]
+        chunks = tuple(int(min(chunk_bytes, max(_MIN_CHUNK_BYTES, b / 4))) for b in window_bytes)
+        ahead = tuple(int(b * readahead_windows) + c for b, c in zip(window_bytes, chunks))
+        return cls(plan, tokenizer, pool, lanes, max_length, algorithm, window, shuffle, chunks, ahead)
 
 
 class Lane:

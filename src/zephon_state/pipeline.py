@@ -25,24 +25,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
 
 from .batch import Batch
-from .calibrate import tokens_per_byte
 from .config import BatchConfig, DataParallel, Options, PackConfig, ShuffleConfig, TokenizeConfig
 from .cursor import LaneCursor
 from .errors import ConfigError, FingerprintMismatch, StateError
-from .fingerprint import VERSION, fingerprint, mismatch_message
+from .fingerprint import fingerprint, mismatch_message, plan_fields
 from .lane import LaneSetup
-from .mix import exact_shares
-from .plan import Mix, Plan, as_mix
+from .plan import Mix, Plan, as_mix, resolve
 from .producer import Producer, Resume, resume_point
-from .shuffle import phase_key
 from .source import SourceReport
 from .storage import IoOptions
 from .tokenize import LoadedTokenizer, TokenizerPool, load_tokenizer
 from .topology import Topology
 
 STATE_FORMAT = "zephon_state/1"
-_UNCALIBRATED_TOKENS_PER_BYTE = 0.25  # sizes a lone source's readahead; decides no batch
-_MIN_CHUNK_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -201,45 +196,20 @@ class Pipeline:
         if self._resources.pool is None:
             self._resources.pool = TokenizerPool(cfg.tokenize.parallelism)
         pool = self._resources.pool
-        mix, opts = cfg.mix, cfg.options
-        docs = tuple(src.load(cfg.tokenize.field, opts.io, opts.bad_records) for src in mix.sources.values())
-        names = tuple(mix.sources)
-        if mix.calibration is not None:
-            tpb = tuple(float(mix.calibration[n]) for n in names)
-        elif len(names) == 1:  # one source takes every token: nothing to calibrate
-            tpb = (_UNCALIBRATED_TOKENS_PER_BYTE,)
-        else:
-            tpb = tuple(tokens_per_byte(d, tokenizer, pool, mix.calibration_bytes) for d in docs)
-        seed = cfg.shuffle.seed if cfg.shuffle else 0
-        plan = Plan(names, docs, exact_shares(mix.weights()), tpb, seed, phase_key(opts.data_phase))
+        opts, seed = cfg.options, cfg.shuffle.seed if cfg.shuffle else 0
+        plan = resolve(cfg.mix, cfg.tokenize.field, opts.io, opts.bad_records, tokenizer, pool, seed, opts.data_phase)
         window = cfg.shuffle.buffer_size if cfg.shuffle else cfg.pack.window
         plan.check(topology.lanes, window * cfg.pack.max_length)
-        fields = {
-            "version": VERSION,
-            "sources": [
-                {"name": n, "kind": d.kind, "field": getattr(s, "field", None) or cfg.tokenize.field,
-                 "documents": len(d), "sha256": d.sha256}
-                for n, d, s in zip(names, docs, mix.sources.values())
-            ],
-            "shares": list(mix.weights()),
-            "tokenizer": {"sha256": tokenizer.sha256, "eos": tokenizer.eos_id},
-            "seed": seed,
-            "data_phase": opts.data_phase,
-            "max_length": cfg.pack.max_length,
-            "packing": cfg.pack.algorithm,
-            "window": window,
-            "shuffle": cfg.shuffle is not None,
-            "bad_records": opts.bad_records,
-            "global_batch": topology.global_batch,
-            "lanes": topology.lanes,
-        }
-        window_bytes = [window * cfg.pack.max_length * share / t for share, t in zip(plan.shares, tpb)]
-        chunks = tuple(int(min(opts.chunk_bytes, max(_MIN_CHUNK_BYTES, b / 4))) for b in window_bytes)
-        readahead = tuple(int(b * opts.readahead_windows) + c for b, c in zip(window_bytes, chunks))
-        setup = LaneSetup(plan, tokenizer, pool, topology.lanes, cfg.pack.max_length, cfg.pack.algorithm,
-                          window, cfg.shuffle is not None, chunks, readahead)
+        fields = plan_fields(
+            cfg.mix, plan, cfg.tokenize.field, tokenizer, max_length=cfg.pack.max_length,
+            packing=cfg.pack.algorithm, window=window, shuffle=cfg.shuffle is not None,
+            bad_records=opts.bad_records, global_batch=topology.global_batch, lanes=topology.lanes,
+            data_phase=opts.data_phase,
+        )
+        setup = LaneSetup.build(plan, tokenizer, pool, topology.lanes, cfg.pack.max_length, cfg.pack.algorithm,
+                                window, cfg.shuffle is not None, opts.chunk_bytes, opts.readahead_windows)
         self._prepared = _Prepared(topology, plan, tokenizer, fields, fingerprint(fields), setup)
-        self._consumed = {lane: LaneCursor.start(len(names)) for lane in topology.hosted}
+        self._consumed = {lane: LaneCursor.start(len(plan.names)) for lane in topology.hosted}
         self._resume = resume_point(topology, self._consumed)
         return self._prepared
 

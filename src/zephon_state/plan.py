@@ -16,9 +16,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .calibrate import tokens_per_byte
 from .errors import ConfigError
-from .shuffle import epoch_order
-from .source import Documents, as_source
+from .mix import exact_shares
+from .shuffle import epoch_order, phase_key
+from .source import BadRecordPolicy, Documents, as_source
+from .storage import IoOptions
+from .tokenize import LoadedTokenizer, TokenizerPool
+
+UNCALIBRATED_TOKENS_PER_BYTE = 0.25  # sizes a lone source's readahead; decides no batch
 
 
 @dataclass(frozen=True)
@@ -116,3 +122,25 @@ class Plan:
     def text(self, source: int, index: int) -> str:
         return self.documents[source].texts[index]
 
+
+
+def resolve(
+    mix: Mix,
+    field_name: str,
+    io: IoOptions,
+    policy: BadRecordPolicy,
+    tokenizer: LoadedTokenizer,
+    pool: TokenizerPool,
+    seed: int,
+    phase: str,
+) -> Plan:
+    """Load every source and calibrate the mix (a lone source needs no calibration)."""
+    docs = tuple(src.load(field_name, io, policy) for src in mix.sources.values())
+    names = tuple(mix.sources)
+    if mix.calibration is not None:
+        tpb = tuple(float(mix.calibration[n]) for n in names)
+    elif len(names) == 1:
+        tpb = (UNCALIBRATED_TOKENS_PER_BYTE,)
+    else:
+        tpb = tuple(tokens_per_byte(d, tokenizer, pool, mix.calibration_bytes) for d in docs)
+    return Plan(names, docs, exact_shares(mix.weights()), tpb, seed, phase_key(phase))

@@ -126,6 +126,10 @@ class Source:
     def load(self, field_name: str, io: IoOptions, policy: BadRecordPolicy) -> Documents:
         raise NotImplementedError
 
+    def text_field(self, default: str) -> str | None:
+        """The record field this source reads its text from (None: its records are texts)."""
+        return getattr(self, "field", None) or default
+
 
 @dataclass(frozen=True)
 class JsonLines(Source):
@@ -191,6 +195,9 @@ class TextFiles(Source):
                 except UnicodeDecodeError:
                     sink.bad_record("not_utf8", url if self.unit == "file" else f"{url}:{lineno}")
         return sink.documents(f"{self.kind}-{self.unit}")
+
+    def text_field(self, default: str) -> str | None:
+        return None
 
 
 @dataclass(frozen=True, eq=False)
