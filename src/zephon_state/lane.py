@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from .accumulator import Accumulator
 from .cursor import LaneCursor, SourceState
 from .deal import SourceReader
