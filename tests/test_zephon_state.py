@@ -110,13 +110,23 @@ def test_resume_mid_step_at_the_same_size_continues_with_the_next_microbatch():
     assert b.input_ids.tobytes() == batches[12].input_ids.tobytes()
 
 
-def test_a_mid_step_state_that_splits_a_microbatch_at_the_new_size_is_refused_with_the_fix():
+def test_a_mid_step_state_resumes_at_another_size_unless_it_splits_a_microbatch():
+    with _pipeline(0, 1) as p:
+        step0 = _steps([p], 1)[0]  # rows 2k, 2k+1 come from lane k
     ranks = [_pipeline(r, 2) for r in range(2)]
     for p in ranks:
-        next(p)
+        next(p)  # each rank received one microbatch: lanes 0 and 4
     state = _union(ranks)
     for p in ranks:
         p.close()
+    with _pipeline(0, 1) as p:
+        p.load_state_dict(state)
+        rest = list(itertools.islice(p, 6))
+    assert [b.microbatch for b in rest] == [2, 3, 4, 5, 6, 7] and rest[-1].step == 0
+    assert [int(b.lane_ids[0]) for b in rest] == [1, 2, 3, 5, 6, 7]
+    for b in rest:
+        lane = int(b.lane_ids[0])
+        assert b.input_ids.tobytes() == step0[2 * lane : 2 * lane + 2].tobytes()
     with _pipeline(0, 1, microbatch=8) as p:
         with pytest.raises(StateError, match=r"taken 4 rows into step 0 .* microbatches of 8; save at a step boundary"):
             p.load_state_dict(state)

@@ -285,7 +285,7 @@ class Pipeline:
         must match. ``new_phase=True`` instead starts this pipeline's plan from its beginning
         as a new data phase (its ``data_phase`` must differ from the saved one)."""
         prepared = self._prepare()
-        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+        if not isinstance(state, Mapping) or state.get("format", STATE_FORMAT) != STATE_FORMAT:
             found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
             raise StateError(f"not a zephon_state state dict (format {found!r}, expected {STATE_FORMAT!r})")
         saved_fp, lanes = state.get("fingerprint"), state.get("lanes")
