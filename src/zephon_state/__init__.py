@@ -1,1 +1,33 @@
-"""zephon_state: a training-time data pipeline whose global batch does not depend on the number of ranks."""
+"""zephon_state: a training-time data pipeline whose global batch does not depend on the number of ranks.
+
+Dependencies point one way: zephon_state -> torch, numpy, orjson, fsspec, tokenizers. It knows
+nothing of checkpoint files; it hands the checkpointer plain state (``Pipeline.state_dict``).
+"""
+from .batch import Batch, block_causal_mask
+from .config import BatchConfig, DataParallel, Options, PackConfig, ShuffleConfig, TokenizeConfig
+from .cursor import LaneCursor, SourceState
+from .digest import global_batch_digest, lane_digest
+from .errors import (
+    BadRecordError,
+    ConfigError,
+    FingerprintMismatch,
+    StateError,
+    TokenizerNotFound,
+    ZephonError,
+)
+from .pack import IGNORE, PAD_DOCUMENT
+from .pipeline import Pipeline, PipelineConfig
+from .plan import Mix
+from .source import InMemory, JsonLines, Source, SourceReport, TextFiles
+from .storage import CacheOptions, IoOptions
+from .tokenize import load_tokenizer
+from .topology import Topology
+
+__all__ = [
+    "BadRecordError", "Batch", "BatchConfig", "CacheOptions", "ConfigError", "DataParallel",
+    "FingerprintMismatch", "IGNORE", "InMemory", "IoOptions", "JsonLines",
+    "LaneCursor", "Mix", "Options", "PAD_DOCUMENT", "PackConfig", "Pipeline", "PipelineConfig", "SourceState",
+    "ShuffleConfig", "Source", "SourceReport", "StateError", "TextFiles", "TokenizeConfig",
+    "TokenizerNotFound", "Topology", "ZephonError", "block_causal_mask", "global_batch_digest",
+    "lane_digest", "load_tokenizer",
+]

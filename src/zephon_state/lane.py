@@ -1,0 +1,142 @@
+"""A lane: one fixed logical stream of packed, shuffled rows.
+
+What a lane emits is a function of (data, plan, tokenizer, seed, lane id, lane count) only:
+not of the rank that hosts it, the number of ranks, or the number of tokenizer workers.
+It works window by window: take each source's token quota for the window from that source's
+stream, pack the pieces into rows, order the rows by the (seed, lane, window) permutation,
+hand them out. At each window start its pack and shuffle buffers are empty, which is why a
+cursor needs no buffer contents.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .accumulator import Accumulator
+from .cursor import LaneCursor, SourceState
+from .deal import SourceReader
+from .errors import StateError
+from .mix import allotment
+from .pack import Rows, pack_best_fit, pack_wrap
+from .plan import Plan
+from .shuffle import window_order
+from .stream import Piece, SourceStream
+from .tokenize import LoadedTokenizer, TokenizerPool
+
+_MIN_CHUNK_BYTES = 4096
+
+
+@dataclass(frozen=True, eq=False)
+class LaneSetup:
+    """What every lane of a run shares."""
+
+    plan: Plan
+    tokenizer: LoadedTokenizer
+    pool: TokenizerPool
+    lanes: int
+    max_length: int
+    algorithm: str
+    window: int  # rows per window: the shuffle buffer size, or the packing window
+    shuffle: bool
+    chunk_bytes: tuple[int, ...]  # text per tokenizer call, per source
+    readahead_bytes: tuple[int, ...]  # text tokenized ahead, per source
+
+    @property
+    def window_tokens(self) -> int:
+        return self.window * self.max_length
+
+    @classmethod
+    def build(
+        cls, plan: Plan, tokenizer: LoadedTokenizer, pool: TokenizerPool, lanes: int, max_length: int,
+        algorithm: str, window: int, shuffle: bool, chunk_bytes: int, readahead_windows: float,
+    ) -> "LaneSetup":
+        """Size each source's tokenizer calls and readahead from its share of a window's
+        tokens and its tokens per byte (the calibration)."""
+        window_bytes = [window * max_length * share / tpb for share, tpb in zip(plan.shares, plan.tokens_per_byte)]
+        chunks = tuple(int(min(chunk_bytes, max(_MIN_CHUNK_BYTES, b / 4))) for b in window_bytes)
+        ahead = tuple(int(b * readahead_windows) + c for b, c in zip(window_bytes, chunks))
+        return cls(plan, tokenizer, pool, lanes, max_length, algorithm, window, shuffle, chunks, ahead)
+
+
+class Lane:
+    """Emits rows from ``cursor`` on; ``take`` also returns the cursor after each row."""
+
+    def __init__(self, lane_id: int, setup: LaneSetup, cursor: LaneCursor) -> None:
+        self.id, self.setup = lane_id, setup
+        self.streams: list[SourceStream] = []
+        for source, state in enumerate(cursor.sources):
+            self.streams.append(self._stream(source, state))
+        self.window_index = cursor.window
+        self.sequences = cursor.sequences
+        self._build()
+        if cursor.emitted and cursor.emitted >= len(self._rows):
+            raise StateError(
+                f"cursor of lane {lane_id} says {cursor.emitted} rows of window {cursor.window} were "
+                f"emitted, but that window has {len(self._rows)} rows; the data differs from the checkpoint's"
+            )
+        self._pos = cursor.emitted
+
+    def _stream(self, source: int, state: SourceState) -> SourceStream:
+        s = self.setup
+        try:
+            reader = SourceReader(s.plan, source, self.id, s.lanes, state.epoch, state.index)
+        except ValueError as e:
+            raise StateError(f"cursor of lane {self.id} points past the end of its share: {e}") from None
+        acc = Accumulator(reader, s.tokenizer, s.pool, s.chunk_bytes[source], s.readahead_bytes[source])
+        return SourceStream(source, acc, state, self.id)
+
+    def _pieces(self) -> list[Piece]:
+        s = self.setup
+        targets = allotment((self.window_index + 1) * s.window_tokens, s.plan.shares)
+        pieces: list[Piece] = []
+        for stream, target in zip(self.streams, targets):
+            quota = target - stream.tokens
+            if quota <= 0:
+                continue
+            if s.algorithm == "wrap":
+                pieces.extend(stream.take_exactly(quota))
+            else:
+                pieces.extend(stream.take_pieces(quota, s.max_length))
+        return pieces
+
+    def _build(self) -> None:
+        s = self.setup
+        self._start = tuple(stream.state() for stream in self.streams)
+        pieces = self._pieces()
+        if not pieces:
+            self._rows = Rows.empty(s.max_length)
+        elif s.algorithm == "wrap":
+            self._rows = pack_wrap(pieces, s.max_length)
+        else:
+            self._rows = pack_best_fit(pieces, s.max_length, s.tokenizer.eos_id)
+        self._end = tuple(stream.state() for stream in self.streams)
+        n = len(self._rows)
+        plan = s.plan
+        self._order = window_order(plan.seed, plan.phase, self.id, self.window_index, n) if s.shuffle else None
+        self._pos = 0
+
+    def take(self, k: int) -> tuple[Rows, list[LaneCursor]]:
+        """The next ``k`` rows and, for each, the lane's cursor once it has been consumed."""
+        parts: list[Rows] = []
+        cursors: list[LaneCursor] = []
+        while k > 0:
+            while self._pos == len(self._rows):
+                self.window_index += 1
+                self._build()
+            n = min(k, len(self._rows) - self._pos)
+            stop = self._pos + n
+            index = self._order[self._pos : stop] if self._order is not None else slice(self._pos, stop)
+            parts.append(self._rows.take(index))
+            total = len(self._rows)
+            for j in range(self._pos + 1, stop + 1):
+                self.sequences += 1
+                if j == total:
+                    cursors.append(LaneCursor(self._end, self.window_index + 1, 0, self.sequences))
+                else:
+                    cursors.append(LaneCursor(self._start, self.window_index, j, self.sequences))
+            self._pos = stop
+            k -= n
+        return Rows.concat(parts), cursors
+
+    def cancel(self) -> None:
+        for stream in self.streams:
+            stream.acc.cancel()

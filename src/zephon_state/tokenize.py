@@ -1,0 +1,169 @@
+"""Tokenizers and the worker threads that run them.
+
+``load_tokenizer("gpt2")`` builds the real GPT-2 byte-level BPE from the vocabulary bundled in
+``assets/gpt2`` (no network). Any local ``tokenizer.json`` (or a folder holding one) also
+works, and another id is fetched from the Hugging Face hub only when the hub is reachable.
+
+Workers are threads calling the tokenizer's batch encoder, which releases the GIL. Processes
+would not do: a process forked after the tokenizer ran trips the ``tokenizers`` fork guard.
+The pool turns the library's own thread fan-out off (``TOKENIZERS_PARALLELISM=false``, unless
+the user set it) so that ``parallelism`` is the number of cores in use.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import queue
+import socket
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from .errors import ConfigError, TokenizerNotFound
+
+BUNDLED = ("gpt2",)
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
+_HUB_HOST = ("huggingface.co", 443)
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedTokenizer:
+    """A tokenizer ready to encode, with the id that ends each document."""
+
+    id: str
+    tokenizer: Tokenizer
+    eos_id: int
+    sha256: str  # of the tokenizer's full JSON description: what the fingerprint records
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of each text followed by EOS, flat (int32), and each document's length
+        including its EOS (int64). Special tokens are not added and not parsed from the text."""
+        encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
+        lengths = np.fromiter((len(e) + 1 for e in encodings), np.int64, len(encodings))
+        ends = np.cumsum(lengths)
+        flat = np.empty(int(ends[-1]) if len(ends) else 0, np.int32)
+        for e, start, end in zip(encodings, (ends - lengths).tolist(), ends.tolist()):
+            flat[start : end - 1] = e.ids
+        flat[ends - 1] = self.eos_id
+        return flat, lengths
+
+
+def _gpt2() -> Tokenizer:
+    folder = resources.files("zephon_state") / "assets" / "gpt2"
+    with resources.as_file(folder) as path:
+        bpe = models.BPE.from_file(str(Path(path) / "encoder.json"), str(Path(path) / "vocab.bpe"))
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _hub_reachable() -> bool:
+    try:
+        socket.create_connection(_HUB_HOST, timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _resolve(tokenizer_id: str) -> Tokenizer:
+    if tokenizer_id in BUNDLED:
+        return _gpt2()
+    path = Path(tokenizer_id).expanduser()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    looks_like_path = tokenizer_id.endswith(".json") or tokenizer_id.startswith((".", "/", "~"))
+    if not looks_like_path and _hub_reachable():
+        try:
+            return Tokenizer.from_pretrained(tokenizer_id)
+        except Exception as e:  # the hub's errors vary by version; report them all the same way
+            raise TokenizerNotFound(f"tokenizer {tokenizer_id!r}: the hub refused it ({e})") from e
+    raise TokenizerNotFound(
+        f"tokenizer {tokenizer_id!r} is not bundled (bundled: {', '.join(BUNDLED)}), not a local "
+        "tokenizer.json or folder holding one, and the Hugging Face hub is "
+        + ("not tried for a path" if looks_like_path else "unreachable")
+        + "; pass tokenizer_id='gpt2' or the path of a tokenizer.json"
+    )
+
+
+def _eos_id(tok: Tokenizer, tokenizer_id: str, eos: str | int | None) -> int:
+    if isinstance(eos, int):
+        if not 0 <= eos < tok.get_vocab_size(with_added_tokens=True):
+            raise ConfigError(f"eos={eos} is outside tokenizer {tokenizer_id!r}'s vocabulary")
+        return eos
+    for name in (eos,) if eos is not None else _EOS_CANDIDATES:
+        found = tok.token_to_id(name)
+        if found is not None:
+            return found
+    raise ConfigError(
+        f"tokenizer {tokenizer_id!r} has no end-of-document token "
+        + (f"{eos!r}" if eos is not None else f"among {list(_EOS_CANDIDATES)}")
+        + "; pass tokenize(eos=<token string or id>)"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(tokenizer_id: str, eos: str | int | None = None) -> LoadedTokenizer:
+    """Load a tokenizer by id ("gpt2"), path of a ``tokenizer.json`` (or its folder), or hub id."""
+    tok = _resolve(tokenizer_id)
+    digest = hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+    return LoadedTokenizer(tokenizer_id, tok, _eos_id(tok, tokenizer_id, eos), digest)
+
+
+class TokenizerPool:
+    """``parallelism`` daemon threads that run submitted calls (tokenizer batch encodes) in
+    submission order; results come back as futures, and the caller restores the order."""
+
+    def __init__(self, parallelism: int, name: str = "zephon-tokenize") -> None:
+        if parallelism < 1:
+            raise ConfigError(f"parallelism={parallelism} must be at least 1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(parallelism)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable, *args: object) -> Future:
+        future: Future = Future()
+        self._tasks.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+
+    def close(self) -> None:
+        """Stop the workers after the call each is running; queued calls are cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        while True:
+            try:
+                item = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._tasks.put(None)

@@ -1,0 +1,102 @@
+"""zephon_state tokenizers: the bundled GPT-2 BPE, local tokenizer.json files, the worker pool."""
+import hashlib
+import re
+import threading
+import time
+from importlib import resources
+
+import pytest
+
+from zephon_state import TokenizerNotFound, load_tokenizer
+from zephon_state.tokenize import TokenizerPool
+
+
+def test_bundled_gpt2_gives_the_standard_ids_without_network():
+    tok = load_tokenizer("gpt2")
+    assert tok.tokenizer.encode("Hello world, this is a test.").ids == [15496, 995, 11, 428, 318, 257, 1332, 13]
+    assert tok.eos_id == 50256
+    assert tok.tokenizer.get_vocab_size() == 50257
+    assert tok.tokenizer.decode([15496, 995, 11, 428, 318, 257, 1332, 13]) == "Hello world, this is a test."
+
+
+def test_bundled_vocabulary_files_match_the_sha256_in_their_provenance():
+    folder = resources.files("zephon_state") / "assets" / "gpt2"
+    provenance = (folder / "PROVENANCE.md").read_text()
+    for name in ("encoder.json", "vocab.bpe"):
+        digest = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        assert re.search(rf"`{re.escape(name)}` \| `{digest}`", provenance), name
+
+
+def test_encode_ends_every_document_with_eos_and_treats_special_token_text_as_text():
+    flat, lengths = load_tokenizer("gpt2").encode(["Hello world", "", "<|endoftext|>"])
+    assert flat.dtype.name == "int32" and lengths.tolist() == [3, 1, 8]
+    assert flat.tolist() == [15496, 995, 50256, 50256, 27, 91, 437, 1659, 5239, 91, 29, 50256]
+
+
+def test_a_local_tokenizer_json_file_or_folder_loads_the_same_tokenizer(tmp_path):
+    gpt2 = load_tokenizer("gpt2")
+    gpt2.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    for spec in (str(tmp_path / "tokenizer.json"), str(tmp_path)):
+        local = load_tokenizer(spec)
+        assert local.sha256 == gpt2.sha256
+        assert local.eos_id == 50256
+        assert local.encode(["Hello world, this is a test."])[0].tolist() == [15496, 995, 11, 428, 318, 257, 1332, 13, 50256]
+
+
+def test_an_unknown_tokenizer_path_names_the_id_and_the_fix():
+    with pytest.raises(TokenizerNotFound, match=r"'/nonexistent/tokenizer.json' is not bundled .*pass tokenizer_id='gpt2'"):
+        load_tokenizer("/nonexistent/tokenizer.json")
+
+
+def test_pool_futures_keep_submission_order_whatever_order_workers_finish_in():
+    pool = TokenizerPool(2)
+    finished = []
+    lock = threading.Lock()
+
+    def work(i, delay):
+        time.sleep(delay)
+        with lock:
+            finished.append(i)
+        return i
+
+    futures = [pool.submit(work, 0, 0.2), pool.submit(work, 1, 0.0)]
+    assert [f.result(timeout=5) for f in futures] == [0, 1]
+    assert finished == [1, 0]
+    pool.close()
+
+
+def test_accumulator_hands_out_documents_in_input_order_when_a_later_chunk_finishes_first():
+    from zephon_state import InMemory
+    from zephon_state.accumulator import Accumulator
+    from zephon_state.deal import SourceReader
+    from zephon_state.mix import exact_shares
+    from zephon_state.plan import Plan
+    from zephon_state.source import IoOptions
+
+    texts = [f"document {i} " + "text " * i for i in range(8)]
+    docs = InMemory(texts).load("text", IoOptions(), "raise")
+    plan = Plan(("m",), (docs,), exact_shares([1.0]), (0.25,), 0, 0)
+    gpt2 = load_tokenizer("gpt2")
+    calls = []
+
+    class SlowFirstCall:
+        eos_id = gpt2.eos_id
+
+        def encode(self, batch):
+            calls.append(len(calls))
+            if len(calls) == 1:
+                time.sleep(0.3)
+            out = gpt2.encode(batch)
+            finished.append(batch[0])
+            return out
+
+    finished = []
+    pool = TokenizerPool(4)
+    acc = Accumulator(SourceReader(plan, 0, 0, 1, 0, 0), SlowFirstCall(), pool, chunk_bytes=1, readahead_bytes=10_000)
+    got = [acc.next_document() for _ in range(8)]
+    pool.close()
+    order = [plan.order(0, 0)[i] for i in range(8)]
+    assert finished[0] != texts[order[0]]  # a later chunk really did finish first
+    for doc, i in zip(got, order):
+        assert doc.tokens.tolist() == gpt2.encode([texts[i]])[0].tolist()
+    assert [d.index for d in got] == list(range(8))
