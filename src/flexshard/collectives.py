@@ -79,20 +79,23 @@ def reduce_scatter_bucket(
     send: torch.Tensor,
     group: "dist.ProcessGroup | None" = None,
     stats: WireStats | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over ranks of segment ``rank`` of every rank's ``send`` (``(W, plan.padded)``,
     segment ``r`` holding what rank ``r`` keeps), added in rank order ``((s0 + s1) + s2)...``
-    so the bits do not depend on which rank computes them."""
+    so the bits do not depend on which rank computes them. Written into ``out`` if given."""
     rank, world = current_world(group)
     _check_plan(plan, world)
     if tuple(send.shape) != (world, plan.padded):
         raise ValueError(f"send buffer must be {(world, plan.padded)}, got {tuple(send.shape)}")
+    if out is None:
+        out = torch.empty(plan.padded, dtype=send.dtype)
     if world == 1:
-        return send[0].clone()
+        return out.copy_(send[0])
     send = send.contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(as_bytes(recv), as_bytes(send), group=group)
-    acc = recv[0].clone()
+    acc = out.copy_(recv[0])
     for r in range(1, world):
         acc.add_(recv[r])
     item = send.element_size()
