@@ -33,6 +33,7 @@ E4M3_EMAX = 8  # 448 = 1.75 * 2^8
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 E4M3_NAN = 0x7F
+_CHUNK_ELEMENTS = 1 << 16  # fp32 elements scaled per slab (256 KiB)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,15 +69,26 @@ def quantize(x: torch.Tensor, block_size: int = 32, blocks: Blocks = "row") -> M
     shape = tuple(x.shape)
     _check_blocks(shape, blocks, block_size)
     x = x.to(torch.float32).contiguous()
-    blocked = _blocked_view(_pad_to_blocks(x, blocks, block_size), blocks, block_size)
-    amax = blocked.abs().amax(dim=_block_dims(blocks))  # NaN propagates
+    padded = _pad_to_blocks(x, blocks, block_size)
+    blocked = _blocked_view(padded, blocks, block_size)
+    dims = _block_dims(blocks)
+    # amax = max(max x, -min x): two fast reductions, no |x| temporary; NaN propagates
+    amax = torch.maximum(blocked.amax(dim=dims), blocked.amin(dim=dims).neg_())
     exponent = (((amax.view(torch.int32) >> 23) & 0xFF) - E8M0_BIAS - E4M3_EMAX).clamp_(-E8M0_BIAS, E8M0_BIAS)
     # 2^-exponent built from its bits: biased exponent 127 - exponent lies in [8, 254],
     # a normal fp32 power of two, so the multiply below is exact unless it underflows.
-    inverse_scale = ((E8M0_BIAS - exponent) << 23).view(torch.float32)
-    scaled = blocked * _expand(inverse_scale, blocks)
-    elements = _unpad(scaled.reshape(_padded_shape(shape, blocks, block_size)), shape)
-    data = elements.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    inverse_scale = _expand(((E8M0_BIAS - exponent) << 23).view(torch.float32), blocks)
+    out = torch.empty(padded.shape, dtype=torch.float8_e4m3fn)
+    out_blocked = _blocked_view(out, blocks, block_size)
+    # Scale, clamp and cast a slab at a time: the fp32 temporary stays small (and in cache)
+    # instead of a fresh tensor the size of the input.
+    step = max(1, _CHUNK_ELEMENTS // max(1, blocked[0].numel())) if blocked.shape[0] else 1
+    for first in range(0, blocked.shape[0], step):
+        rows = slice(first, first + step)
+        scaled = blocked[rows] * inverse_scale[rows]
+        out_blocked[rows].copy_(scaled.clamp_(-E4M3_MAX, E4M3_MAX))
+    data = _unpad(out, shape)
+    data = data if data.is_contiguous() else data.contiguous()
     scale = (exponent + E8M0_BIAS).to(torch.uint8)
     bad = ~torch.isfinite(amax)
     if bool(bad.any()):
