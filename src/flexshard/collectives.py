@@ -57,14 +57,19 @@ def all_gather_bucket(
     mine: torch.Tensor,
     group: "dist.ProcessGroup | None" = None,
     stats: WireStats | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All ranks' padded buckets, as a ``(W, plan.padded)`` tensor of ``mine``'s dtype.
-    ``mine`` is this rank's bucket, already padded to ``plan.padded`` elements."""
+    """All ranks' padded buckets, as a ``(W, plan.padded)`` tensor of ``mine``'s dtype
+    (written into ``out`` if given). ``mine`` is this rank's bucket, already padded to
+    ``plan.padded`` elements."""
     rank, world = current_world(group)
     _check_plan(plan, world)
     if mine.numel() != plan.padded:
         raise ValueError(f"bucket has {mine.numel()} elements, the plan pads to {plan.padded}")
-    out = torch.empty((world, plan.padded), dtype=mine.dtype)
+    if out is None:
+        out = torch.empty((world, plan.padded), dtype=mine.dtype)
+    elif tuple(out.shape) != (world, plan.padded) or out.dtype != mine.dtype:
+        raise ValueError(f"out must be {(world, plan.padded)} {mine.dtype}, got {tuple(out.shape)} {out.dtype}")
     if world == 1:
         out[0].copy_(mine.reshape(-1))
         return out
@@ -80,10 +85,12 @@ def reduce_scatter_bucket(
     group: "dist.ProcessGroup | None" = None,
     stats: WireStats | None = None,
     out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over ranks of segment ``rank`` of every rank's ``send`` (``(W, plan.padded)``,
     segment ``r`` holding what rank ``r`` keeps), added in rank order ``((s0 + s1) + s2)...``
-    so the bits do not depend on which rank computes them. Written into ``out`` if given."""
+    so the bits do not depend on which rank computes them. Written into ``out`` if given;
+    ``scratch`` (shaped like ``send``) receives the segments, else a new buffer does."""
     rank, world = current_world(group)
     _check_plan(plan, world)
     if tuple(send.shape) != (world, plan.padded):
@@ -93,7 +100,9 @@ def reduce_scatter_bucket(
     if world == 1:
         return out.copy_(send[0])
     send = send.contiguous()
-    recv = torch.empty_like(send)
+    recv = torch.empty_like(send) if scratch is None else scratch
+    if recv.shape != send.shape or recv.dtype != send.dtype:
+        raise ValueError(f"scratch must be {tuple(send.shape)} {send.dtype}, got {tuple(recv.shape)} {recv.dtype}")
     dist.all_to_all_single(as_bytes(recv), as_bytes(send), group=group)
     acc = out.copy_(recv[0])
     for r in range(1, world):

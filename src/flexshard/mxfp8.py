@@ -34,6 +34,7 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 E4M3_NAN = 0x7F
 _CHUNK_ELEMENTS = 1 << 16  # fp32 elements scaled per slab (256 KiB)
+_E4M3_TO_FP32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +83,7 @@ def quantize(x: torch.Tensor, block_size: int = 32, blocks: Blocks = "row") -> M
     out_blocked = _blocked_view(out, blocks, block_size)
     # Scale, clamp and cast a slab at a time: the fp32 temporary stays small (and in cache)
     # instead of a fresh tensor the size of the input.
-    step = max(1, _CHUNK_ELEMENTS // max(1, blocked[0].numel())) if blocked.shape[0] else 1
+    step = _slab_rows(blocked)
     for first in range(0, blocked.shape[0], step):
         rows = slice(first, first + step)
         scaled = blocked[rows] * inverse_scale[rows]
@@ -117,9 +118,20 @@ def dequantize(mx: MXBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor
     factor = torch.where(biased == 0, torch.tensor(1 << 22, dtype=torch.int32), biased << 23).view(torch.float32)
     factor = factor.masked_fill(biased == E8M0_NAN, float("nan"))
     shape = tuple(data.shape)
-    values = _pad_to_blocks(data.to(torch.float32), blocks, block_size)
-    out = _blocked_view(values, blocks, block_size) * _expand(factor, blocks)
-    return _unpad(out.reshape(_padded_shape(shape, blocks, block_size)), shape).to(dtype)
+    padded = _pad_to_blocks(data.view(torch.uint8), blocks, block_size)
+    src = _blocked_view(padded, blocks, block_size)
+    out = torch.empty(padded.shape, dtype=torch.float32)
+    dst = _blocked_view(out, blocks, block_size)
+    factor = _expand(factor, blocks)
+    step = _slab_rows(src)
+    for first in range(0, src.shape[0], step):
+        rows = slice(first, first + step)
+        # a 256-entry table lookup: torch's float8 -> fp32 cast runs element by element
+        codes = src[rows].reshape(-1).to(torch.int32)
+        values = torch.index_select(_E4M3_TO_FP32, 0, codes).view(dst[rows].shape)
+        torch.mul(values, factor[rows], out=dst[rows])
+    result = _unpad(out, shape)
+    return (result if result.is_contiguous() else result.contiguous()).to(dtype)
 
 
 def wire_bytes(shape: tuple[int, ...], blocks: Blocks = "row", block_size: int = 32) -> int:
@@ -186,6 +198,13 @@ def _blocked_view(x: torch.Tensor, blocks: str, block_size: int) -> torch.Tensor
     if blocks == "column":
         return x.view(rows // block_size, block_size, cols)
     return x.view(rows // block_size, block_size, cols // block_size, block_size)
+
+
+def _slab_rows(blocked: torch.Tensor) -> int:
+    """Leading-dimension rows per slab of about ``_CHUNK_ELEMENTS`` elements."""
+    if blocked.shape[0] == 0:
+        return 1
+    return max(1, _CHUNK_ELEMENTS // max(1, blocked[0].numel()))
 
 
 def _block_dims(blocks: str) -> tuple[int, ...]:

@@ -64,7 +64,10 @@ class ShardingConfig:
       gathers each rank's MXFP8 blocks and writes the dequantized values into the
       parameters (the MXBlocks stay available in :attr:`ShardedOptimizer.mx_params`);
     - ``mx_blocks``: block orientation for 2-D parameters in ``"mxfp8"`` mode (1-D ones
-      use ``"row"`` blocks, which are 32 consecutive elements).
+      use ``"row"`` blocks, which are 32 consecutive elements);
+    - ``persistent_buffers``: keep the two ``(W, padded bucket)`` communication buffers
+      between steps (about twice the parameters' bytes per rank) instead of allocating
+      them every step; fresh buffers this size cost page faults on every step.
     """
 
     placement: Literal["owned", "fsdp"] = "owned"
@@ -72,6 +75,7 @@ class ShardingConfig:
     average_gradients: bool = True
     compute_copy: Literal["full", "mxfp8"] = "full"
     mx_blocks: Blocks = "row"
+    persistent_buffers: bool = True
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -130,6 +134,7 @@ class ShardedOptimizer:
         for i, e in enumerate(self.entries):
             r = self._plan.slot(self.rank, i)
             e.grad = self._grad_bucket[r.start : r.stop].view(e.master.local.shape)
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         if sharding.compute_copy == "mxfp8":
             self._check_mx_gather()
 
@@ -174,7 +179,9 @@ class ShardedOptimizer:
         One all-to-all moves ``(W-1)/W`` of the gradient bytes per rank; the sum runs in
         rank order; with ``average_gradients`` it is then divided by the world size."""
         w, plan = self.world_size, self._plan
-        send = torch.zeros((w, plan.padded), dtype=torch.float32)
+        send, recv = self._comm_buffers()
+        for r in range(w):
+            send[r, plan.total(r) :].zero_()
         for i, e in enumerate(self.entries):
             if e.param.grad is None:
                 raise ValueError(
@@ -185,7 +192,7 @@ class ShardedOptimizer:
             for r in range(w):
                 src, dst = e.layout.flat_range(e.shape, w, r), plan.slot(r, i)
                 send[r, dst.start : dst.stop].copy_(flat[src.start : src.stop])
-        reduce_scatter_bucket(plan, send, self.group, self.stats, out=self._grad_bucket)
+        reduce_scatter_bucket(plan, send, self.group, self.stats, out=self._grad_bucket, scratch=recv)
         if self.sharding.average_gradients and w > 1:
             self._grad_bucket.div_(w)
 
@@ -255,13 +262,27 @@ class ShardedOptimizer:
             return
         w, plan = self.world_size, self._plan
         dtype = self.entries[0].param.dtype
-        mine = plan.pack([e.master.local.to(dtype) for e in self.entries], self.rank)
-        gathered = all_gather_bucket(plan, mine, self.group, self.stats)
+        mine, gathered = None, None
+        if dtype == torch.float32:  # reuse the gradient buffers, idle by now
+            send, gathered = self._comm_buffers()
+            mine = send[0]
+        mine = plan.pack([e.master.local.to(dtype) for e in self.entries], self.rank, out=mine)
+        gathered = all_gather_bucket(plan, mine, self.group, self.stats, out=gathered)
         for i, e in enumerate(self.entries):
             flat = e.param.detach().view(-1)
             for r in range(w):
                 dst, src = e.layout.flat_range(e.shape, w, r), plan.slot(r, i)
                 flat[dst.start : dst.stop].copy_(gathered[r, src.start : src.stop])
+
+    def _comm_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two fp32 ``(W, padded)`` buffers: what this rank sends, what it receives."""
+        if self._buffers is not None:
+            return self._buffers
+        shape = (self.world_size, self._plan.padded)
+        buffers = (torch.empty(shape, dtype=torch.float32), torch.empty(shape, dtype=torch.float32))
+        if self.sharding.persistent_buffers:
+            self._buffers = buffers
+        return buffers
 
     def _gather_mx(self) -> None:
         w, bs = self.world_size, self.sharding.block_size
