@@ -3,7 +3,7 @@ travels as equal-sized buffers (gloo takes no unequal sizes and no float8 dtypes
 every call records the bytes this rank puts on the wire, padding included.
 
 Byte model (checked against the bytes gloo writes to its sockets in the tests):
-- all-gather of ``P``-byte buffers: a rank sends ``(W - 1) * P`` (ring or direct);
+- all-gather of ``P``-byte buffers, run as an all-to-all: a rank sends ``(W - 1) * P``;
 - reduce-scatter of ``W`` segments of ``P`` bytes, run as one all-to-all plus a local sum
   in rank order: ``(W - 1) * P``. (gloo's own reduce-scatter all-reduces the whole
   buffer, ``2 (W - 1) / W`` of it per rank, and its reduce is no cheaper; the all-to-all
@@ -58,10 +58,15 @@ def all_gather_bucket(
     group: "dist.ProcessGroup | None" = None,
     stats: WireStats | None = None,
     out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All ranks' padded buckets, as a ``(W, plan.padded)`` tensor of ``mine``'s dtype
     (written into ``out`` if given). ``mine`` is this rank's bucket, already padded to
-    ``plan.padded`` elements."""
+    ``plan.padded`` elements.
+
+    Runs as an all-to-all of ``mine`` repeated ``W`` times (into ``scratch``, shaped like
+    ``out``, if given): the same ``(W - 1) * P`` bytes per rank as gloo's ring all-gather,
+    but sent to all peers at once, which on gloo takes a half to a third of the time."""
     rank, world = current_world(group)
     _check_plan(plan, world)
     if mine.numel() != plan.padded:
@@ -73,7 +78,15 @@ def all_gather_bucket(
     if world == 1:
         out[0].copy_(mine.reshape(-1))
         return out
-    _all_gather_single(as_bytes(out), as_bytes(mine), group)
+    if scratch is None:
+        scratch = torch.empty((world, plan.padded), dtype=mine.dtype)
+    elif tuple(scratch.shape) != (world, plan.padded) or scratch.dtype != mine.dtype:
+        raise ValueError(f"scratch must be {(world, plan.padded)} {mine.dtype}, got {tuple(scratch.shape)} {scratch.dtype}")
+    mine = mine.reshape(-1)
+    for r in range(world):
+        if scratch[r].data_ptr() != mine.data_ptr():
+            scratch[r].copy_(mine)
+    dist.all_to_all_single(as_bytes(out), as_bytes(scratch), group=group)
     item = mine.element_size()
     _record(stats, "all_gather", (world - 1) * plan.padded * item, (world - 1) * plan.padding(rank) * item)
     return out
@@ -142,11 +155,6 @@ def binomial_children(relative_rank: int, world_size: int) -> int:
             count += 1
         k += 1
     return count
-
-
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: "dist.ProcessGroup | None") -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp, group=group)
 
 
 def _check_plan(plan: BucketPlan, world: int) -> None:

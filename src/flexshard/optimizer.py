@@ -262,12 +262,12 @@ class ShardedOptimizer:
             return
         w, plan = self.world_size, self._plan
         dtype = self.entries[0].param.dtype
-        mine, gathered = None, None
+        mine, gathered, scratch = None, None, None
         if dtype == torch.float32:  # reuse the gradient buffers, idle by now
-            send, gathered = self._comm_buffers()
-            mine = send[0]
+            scratch, gathered = self._comm_buffers()
+            mine = scratch[self.rank]
         mine = plan.pack([e.master.local.to(dtype) for e in self.entries], self.rank, out=mine)
-        gathered = all_gather_bucket(plan, mine, self.group, self.stats, out=gathered)
+        gathered = all_gather_bucket(plan, mine, self.group, self.stats, out=gathered, scratch=scratch)
         for i, e in enumerate(self.entries):
             flat = e.param.detach().view(-1)
             for r in range(w):
