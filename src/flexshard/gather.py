@@ -11,7 +11,7 @@ precision or as MXFP8.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from flexshard.mxfp8 import Blocks, MXBlocks, quantize, scale_shape, wire_bytes
 from flexshard.sharded import ShardedTensor
 from flexshard.world import current_world
 
-Group = "dist.ProcessGroup | None"
+Group = Optional[dist.ProcessGroup]
 
 
 def all_gather_tensor(piece: ShardedTensor, group: Group = None, stats: WireStats | None = None) -> torch.Tensor:
