@@ -3,7 +3,6 @@ gathering fp32 and quantizing after; the Shard(0) baseline gathers bf16; Owned t
 come by broadcast; and the bytes each rank reports match what gloo writes to its sockets.
 
 All multi-process checks of one world size run in one launch (module-scoped fixture)."""
-import math
 
 import pytest
 import torch
@@ -72,7 +71,6 @@ class Metered:
 
 
 def _gather_checks(rank, world):
-    torch.set_num_threads(1)
     out = {"fails": [], "wire": None}
     meter = Metered()
 
