@@ -12,11 +12,12 @@ the process wrote, i.e. gloo's socket writes), Newton-Schulz FLOPs per rank (the
 the owner balance, and the reduction with the ceiling ``1 - 1/W`` that removing redundant
 Newton-Schulz alone would allow.
 
-    python3 dev.py bench flexshard_optimizer [--layers 20] [--d 512] [--runs 3] [--worlds 2 4]
+    python3 dev.py bench flexshard_optimizer [--layers 20] [--d 512] [--runs 5] [--worlds 2 4]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -95,13 +96,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--d", type=int, default=512)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args()
     total_mb = sum(a * b for a, b in shapes(args.layers, args.d).values()) * 4 / 2**20
     print(f"optimizer phase: {len(shapes(args.layers, args.d))} Muon matrices, {total_mb:.0f} MiB fp32, "
           f"d={args.d}, {args.layers} layers, gloo, 1 thread per rank, median of {args.runs} runs "
-          f"(+1 warm-up), {torch.get_num_threads()} cores on this machine")
+          f"(+1 warm-up), {os.cpu_count()} CPUs on this machine")
     header = (f"{'W':>2} {'placement':>9} {'time s':>8} {'sent MiB/rank':>14} {'written MiB/rank':>17} "
               f"{'NS GFLOP/rank':>14} {'NS balance':>10}")
     print(header)
