@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexshard import BlockShard, FlatRange, Owned, Shard, ShardedTensor, covering, layout_from_json
+from flexshard import BlockShard, FlatRange, Owned, Shard, ShardedTensor, assign_owners, covering, layout_from_json
 from flexshard.adamw import AdamWConfig
 from flexshard.muon import MuonConfig
 from flexshard.mxfp8 import dequantize, quantize
@@ -399,7 +399,7 @@ def _optimizer_at(monkeypatch, params, rank, world, **kwargs):
     """An optimizer that believes it is ``rank`` of ``world`` (no process group)."""
     monkeypatch.setattr("flexshard.optimizer.current_world", lambda group=None: (rank, world))
     params = {n: t.clone() for n, t in params.items()}
-    return ShardedOptimizer(params, muon_params=kwargs.pop("muon_params", MUON) , **kwargs)
+    return ShardedOptimizer(params, muon_params=kwargs.pop("muon_params", MUON), **kwargs)
 
 
 def test_state_dict_locals_are_the_live_state():
@@ -482,6 +482,8 @@ def test_owners_balance_newton_schulz_flops_not_bytes(monkeypatch):
     costs = {n: newton_schulz_flops(s) for n, s in shapes.items()}
     others = {opt.owners[n] for n in shapes if n != "big"}
     assert others == {1 - opt.owners["big"]}
+    by_bytes = assign_owners({n: math.prod(s) * 4 for n, s in shapes.items()}, 2)
+    assert by_bytes["thin_a"] == by_bytes["big"]  # what a bytes-only balancer would have done
     assert max(opt.owner_loads()) == costs["big"]
     assert opt.load_ratio() == costs["big"] / (costs["long"] + costs["thin_a"] + costs["thin_b"])
 
