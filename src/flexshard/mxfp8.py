@@ -33,7 +33,7 @@ E4M3_EMAX = 8  # 448 = 1.75 * 2^8
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 E4M3_NAN = 0x7F
-_CHUNK_ELEMENTS = 1 << 16  # fp32 elements scaled per slab (256 KiB)
+_CHUNK_ELEMENTS = 1 << 16  # fp32 elements scaled per slab and thread (256 KiB)
 _E4M3_TO_FP32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
@@ -201,10 +201,11 @@ def _blocked_view(x: torch.Tensor, blocks: str, block_size: int) -> torch.Tensor
 
 
 def _slab_rows(blocked: torch.Tensor) -> int:
-    """Leading-dimension rows per slab of about ``_CHUNK_ELEMENTS`` elements."""
+    """Leading-dimension rows per slab of about ``_CHUNK_ELEMENTS`` elements per thread
+    (each slab is one parallel region: fewer, larger ones when there are more threads)."""
     if blocked.shape[0] == 0:
         return 1
-    return max(1, _CHUNK_ELEMENTS // max(1, blocked[0].numel()))
+    return max(1, _CHUNK_ELEMENTS * torch.get_num_threads() // max(1, blocked[0].numel()))
 
 
 def _block_dims(blocks: str) -> tuple[int, ...]:
