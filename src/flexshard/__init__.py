@@ -1,7 +1,10 @@
 """flexshard: where training state lives across data-parallel ranks.
 
 Layouts (``Replicate``, ``Shard(0)``, ``Owned``, ``BlockShard``) map a global tensor to one
-contiguous flat range per rank; ``ShardedTensor`` is one rank's piece. Package boundary:
+contiguous flat range per rank; ``ShardedTensor`` is one rank's piece. On top of them:
+MXFP8 blocks (``quantize``/``dequantize``), gathers by layout (block-aligned MXFP8
+all-gather, owner broadcast) and ``ShardedOptimizer`` (Muon on ``Owned`` matrices, AdamW on
+``BlockShard`` pieces, or the FSDP-only ``Shard(0)`` baseline). Package boundary:
 ``trainer -> flexshard -> torch``; flexshard never imports flexckpt or zephon_state.
 """
 from flexshard.layout import (
@@ -14,26 +17,47 @@ from flexshard.layout import (
     layout_from_json,
     local_shape,
 )
+from flexshard.adamw import AdamWConfig
+from flexshard.collectives import WireStats
+from flexshard.gather import all_gather_bf16_then_quantize, all_gather_mx, all_gather_tensor, broadcast_owned
+from flexshard.muon import MuonConfig
+from flexshard.mxfp8 import MXBlocks, dequantize, quantize
+from flexshard.newton_schulz import newton_schulz_flops, orthogonalize
+from flexshard.optimizer import ShardedOptimizer, ShardingConfig
 from flexshard.owner import assign_owners, rank_loads
 from flexshard.ranges import FlatRange, Overlap, covering, overlaps
 from flexshard.sharded import ShardedTensor
 from flexshard.world import current_world
 
 __all__ = [
+    "AdamWConfig",
     "BlockShard",
     "FlatRange",
     "Layout",
+    "MXBlocks",
+    "MuonConfig",
     "Overlap",
     "Owned",
     "Replicate",
     "Shard",
+    "ShardedOptimizer",
     "ShardedTensor",
+    "ShardingConfig",
+    "WireStats",
+    "all_gather_bf16_then_quantize",
+    "all_gather_mx",
+    "all_gather_tensor",
     "assign_owners",
+    "broadcast_owned",
     "covering",
     "current_world",
+    "dequantize",
     "holders",
     "layout_from_json",
     "local_shape",
+    "newton_schulz_flops",
+    "orthogonalize",
     "overlaps",
+    "quantize",
     "rank_loads",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
 import tempfile
@@ -45,7 +46,9 @@ def _worker(
         finally:
             if backend != "none" and dist.is_initialized():
                 dist.destroy_process_group()
-        results.put(("ok", rank, out))
+        # Plain pickle, by value: torch's multiprocessing reductions would share tensors
+        # through file descriptors that die with this process before the parent reads them.
+        results.put(("ok", rank, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put(("error", rank, traceback.format_exc()))
 
@@ -60,8 +63,9 @@ def run_workers(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes and return
-    the results in rank order. ``fn`` and its results must be picklable; ``backend="none"``
-    skips the process group (for code that must work without one)."""
+    the results in rank order. ``fn`` and its results must be picklable (results travel
+    by value, tensors included); ``backend="none"`` skips the process group (for code that
+    must work without one)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -116,9 +120,9 @@ def _collect(procs: list, results: "mp.Queue", world_size: int, timeout: float) 
                         raise WorkerError(f"rank {rank} died with exit code {p.exitcode} and no report")
                     if status == "error":
                         raise WorkerError(f"rank {r2} of {world_size} failed:\n{value}")
-                    out[r2] = value
+                    out[r2] = pickle.loads(value)
             continue
         if status == "error":
             raise WorkerError(f"rank {rank} of {world_size} failed:\n{value}")
-        out[rank] = value
+        out[rank] = pickle.loads(value)
     return [out[r] for r in range(world_size)]

@@ -1,0 +1,136 @@
+"""Optimizer phase, Owned Muon vs the FSDP-only Shard(0) baseline, over gloo.
+
+The phase runs from "every rank holds its local gradients" to "every rank holds the
+updated parameters": ``reduce_gradients()`` + ``step()`` of ``flexshard.ShardedOptimizer``
+with ``placement="owned"`` and ``placement="fsdp"``, on the same processes, interleaved
+run by run. Parameters: a stack of transformer-shaped matrices (per layer q, k, v, o of
+d x d and an MLP of 4d x d and d x 4d), all under Muon.
+
+Reported per world size: median wall time over the runs (rank 0, between barriers), bytes
+sent per rank (modeled by flexshard's collectives and, on Linux, measured as the bytes
+the process wrote, i.e. gloo's socket writes), Newton-Schulz FLOPs per rank (the largest),
+the owner balance, and the reduction with the ceiling ``1 - 1/W`` that removing redundant
+Newton-Schulz alone would allow.
+
+    python3 dev.py bench flexshard_optimizer [--layers 20] [--d 512] [--runs 5] [--worlds 2 4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from flexshard import MuonConfig, ShardedOptimizer, ShardingConfig  # noqa: E402
+from flexshard.spawn import run_workers  # noqa: E402
+
+
+def shapes(layers: int, d: int) -> dict[str, tuple[int, int]]:
+    out = {}
+    for i in range(layers):
+        for name in ("wq", "wk", "wv", "wo"):
+            out[f"layers.{i}.attn.{name}"] = (d, d)
+        out[f"layers.{i}.mlp.up"] = (4 * d, d)
+        out[f"layers.{i}.mlp.down"] = (d, 4 * d)
+    return out
+
+
+def _written() -> int | None:
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _worker(rank: int, world: int, layers: int, d: int, runs: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    params = {}
+    for name, shape in shapes(layers, d).items():
+        p = (torch.randn(shape, generator=g) / d**0.5).requires_grad_()
+        params[name] = p
+    gl = torch.Generator().manual_seed(1 + rank)  # each rank its own local gradients
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gl)
+    opts = {
+        placement: ShardedOptimizer(params, MuonConfig(lr=0.02), sharding=ShardingConfig(placement=placement))
+        for placement in ("owned", "fsdp")
+    }
+    out = {p: {"times": [], "sent": [], "written": [], "ns": [], "padding": []} for p in opts}
+    for run in range(runs + 1):  # the first run warms up and is not counted
+        for placement, opt in opts.items():
+            opt.stats.reset()
+            opt.ns_flops = 0
+            dist.barrier()
+            w0 = _written()
+            t0 = time.perf_counter()
+            opt.reduce_gradients()
+            opt.step()
+            dist.barrier()
+            elapsed = time.perf_counter() - t0
+            w1 = _written()
+            if run == 0:
+                continue
+            rec = out[placement]
+            rec["times"].append(elapsed)
+            rec["sent"].append(opt.stats.bytes_sent)
+            rec["padding"].append(opt.stats.padding_bytes)
+            rec["written"].append(None if w0 is None else w1 - w0)
+            rec["ns"].append(opt.ns_flops)
+    out["load_ratio"] = opts["owned"].load_ratio()
+    out["total_bytes"] = sum(p.numel() * 4 for p in params.values())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    args = ap.parse_args()
+    total_mb = sum(a * b for a, b in shapes(args.layers, args.d).values()) * 4 / 2**20
+    print(f"optimizer phase: {len(shapes(args.layers, args.d))} Muon matrices, {total_mb:.0f} MiB fp32, "
+          f"d={args.d}, {args.layers} layers, gloo, 1 thread per rank, median of {args.runs} runs "
+          f"(+1 warm-up), {os.cpu_count()} CPUs on this machine")
+    header = (f"{'W':>2} {'placement':>9} {'time s':>8} {'sent MiB/rank':>14} {'written MiB/rank':>17} "
+              f"{'NS GFLOP/rank':>14} {'NS balance':>10}")
+    print(header)
+    print("-" * len(header))
+    summary = []
+    for world in args.worlds:
+        res = run_workers(_worker, world, args.layers, args.d, args.runs, timeout=600)
+        row = {}
+        for placement in ("owned", "fsdp"):
+            t = statistics.median(res[0][placement]["times"])
+            sent = statistics.mean(statistics.median(r[placement]["sent"]) for r in res) / 2**20
+            written = [r[placement]["written"] for r in res]
+            wr = (statistics.mean(statistics.median(w) for w in written) / 2**20
+                  if all(x is not None for w in written for x in w) else float("nan"))
+            ns = max(statistics.median(r[placement]["ns"]) for r in res) / 1e9
+            bal = f"{res[0]['load_ratio']:.3f}" if placement == "owned" else "-"
+            print(f"{world:>2} {placement:>9} {t:>8.3f} {sent:>14.1f} {wr:>17.1f} {ns:>14.1f} {bal:>10}")
+            row[placement] = (t, sent, ns)
+        summary.append((world, row))
+    print()
+    print(f"{'W':>2} {'time saved':>10} {'goal':>6} {'ceiling 1-1/W':>14} {'bytes owned/fsdp':>17} {'NS owned/fsdp':>14}")
+    for world, row in summary:
+        saved = 1 - row["owned"][0] / row["fsdp"][0]
+        goal = {2: 0.45, 4: 0.60}.get(world)
+        goal_s = f"{goal:.0%}" if goal else "-"
+        print(f"{world:>2} {saved:>10.1%} {goal_s:>6} {1 - 1 / world:>14.1%} "
+              f"{row['owned'][1] / row['fsdp'][1]:>17.3f} {row['owned'][2] / row['fsdp'][2]:>14.3f}")
+
+
+if __name__ == "__main__":
+    main()
