@@ -91,6 +91,8 @@ def loop_worker(rank: int, world: int, cfg: dict, variant: str, folder: str, ops
     import torch.distributed as dist
 
     _quiet()
+    if cfg.get("switch_interval"):
+        sys.setswitchinterval(cfg["switch_interval"])
     specs = H.state_specs(cfg["mb_per_rank"], cfg["tensors"], world)
     local = H.build_local_state(specs, rank, world, version=0)
     work = H.Workload(local)
@@ -246,7 +248,8 @@ def run_world(world: int, args: argparse.Namespace, root: str, log: list[str]) -
     if args.profile:
         flex_options["profile"] = True
     cfg = {"mb_per_rank": args.mb_per_rank, "tensors": args.tensors, "saves": args.saves,
-           "step_seconds": args.step_seconds, "baseline_steps": args.baseline_steps, "flex_options": flex_options}
+           "step_seconds": args.step_seconds, "baseline_steps": args.baseline_steps, "flex_options": flex_options,
+           "switch_interval": args.switch_interval}
     timeout = 300 + (args.saves + args.baseline_steps + 1) * args.step_seconds * 6
     refs, runs = [], {lib: [] for lib in args.libs}
     ops = None
@@ -428,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flex-options", default="{}", help='extra flexckpt Checkpointer options as JSON, e.g. \'{"chunk_bytes": 8388608}\'')
     p.add_argument("--profile", action="store_true",
                    help="time flexckpt's internals (walk, plan, buffer wait, copy, checksum, os.write, fsync, commit wait) by wrapping them")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="experiment: sys.setswitchinterval() in the ranks (Python's default 0.005 s), to test GIL hand-off stalls")
     p.add_argument("--dir", default=None, help="folder for checkpoints (default: a new temporary folder, removed after)")
     p.add_argument("--out", default=None, help="also write the markdown report here (default bench/out/save_latency-DATE.md)")
     args = p.parse_args(argv)
