@@ -442,6 +442,8 @@ def load_line() -> str:
 
 def busy_processes(limit: int = 5) -> str:
     """The top CPU users right now (to say whether other work shared the machine)."""
-    out = _first_line(["ps", "-eo", "pcpu,comm", "--sort=-pcpu"])
-    lines = [ln.strip() for ln in out.splitlines()[1 : limit + 1]]
-    return "; ".join(lines)
+    out = _first_line(["ps", "-eo", "pid,pcpu,comm", "--sort=-pcpu"])
+    me = str(os.getpid())
+    rows = [ln.split(None, 1) for ln in out.splitlines()[1:]]
+    lines = [rest.strip() for pid, rest in rows if pid != me][:limit]
+    return "; ".join(lines) + " (ps: CPU % over each process's lifetime)"

@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Libraries: " + "; ".join(f"`{k}` = {VARIANTS[k]}" for k in args.libs),
         "",
-        *sections,
+        "\n\n".join(sections),
         "",
         goals_text(per_world, args),
         "",
