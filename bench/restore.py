@@ -1,0 +1,271 @@
+"""Restore benchmark: one state saved at world 2, loaded at world 2, 1 and 4 (resharding
+when the world differs), flexckpt's ``Checkpointer.load`` against ``dcp.load``, from a
+cold page cache (the checkpoint's files dropped with fadvise) and from a warm one.
+
+    python3 dev.py bench restore [--mb-per-rank 50] [--tensors 200] [--load-worlds 2 1 4]
+        [--runs 3] [--dir PATH] [--out PATH]
+
+The state is the same as save_latency's (Shard(0) pieces of fp32 tensors; DTensors for
+DCP, ShardedTensors for flexckpt), saved once by each library at world 2 (flexckpt
+without compression). Each load goes into zeroed tensors of the target world's layout
+and is checked element by element afterwards. Seconds are the slowest rank's, from a
+barrier to the end of its load call; MiB/s is the whole state over those seconds. The
+raw reference reads the flexckpt checkpoint's data files themselves, split into equal
+byte ranges over the ranks, with pread into a buffer, cold and warm. Figures are
+medians over runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import harness as H
+
+SAVE_WORLD = 2
+
+
+def _quiet() -> None:
+    logging.getLogger("flexckpt").setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.CRITICAL)  # DCP logs through the root logger
+    import warnings
+
+    warnings.filterwarnings("ignore")
+
+
+def _dtensors(local: dict, specs: list, world: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from peers import _contiguous_stride
+
+    mesh = init_device_mesh("cpu", (world,))
+    return {"model": {s.name: DTensor.from_local(local[s.name], mesh, [Shard(0)], run_check=False, shape=torch.Size(s.global_shape),
+                                                 stride=_contiguous_stride(s.global_shape)) for s in specs}}
+
+
+def _sharded(local: dict, specs: list, rank: int, world: int) -> dict:
+    from flexshard import Shard, ShardedTensor
+
+    return {"model": {s.name: ShardedTensor(local[s.name], Shard(0), s.global_shape, rank, world) for s in specs}}
+
+
+def save_worker(rank: int, world: int, cfg: dict, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from flexckpt import Checkpointer
+
+    _quiet()
+    specs = H.state_specs(cfg["mb_per_rank"], cfg["tensors"], SAVE_WORLD)
+    local = H.build_local_state(specs, rank, world, version=7)
+    with Checkpointer(os.path.join(root, "flexckpt"), run_id="restore-bench") as ckpt:
+        ckpt.save(7, _sharded(local, specs, rank, world)).result()
+    dcp.save(_dtensors(local, specs, world), checkpoint_id=os.path.join(root, "dcp"))
+    return {"bytes": H.state_bytes(local)}
+
+
+def _files(folder: str) -> list[str]:
+    out = []
+    for d, _, names in os.walk(folder):
+        out += [os.path.join(d, n) for n in names]
+    return sorted(out)
+
+
+def _drop_all(root: str) -> float:
+    worst = 0.0
+    for path in _files(root):
+        H.drop_from_page_cache(path)
+        worst = max(worst, H.resident_fraction(path))
+    return worst
+
+
+def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from flexckpt import Checkpointer
+
+    _quiet()
+    specs = H.state_specs(cfg["mb_per_rank"], cfg["tensors"], SAVE_WORLD)
+    target = {s.name: torch.zeros(H.piece_range(s, rank, world)[2]) for s in specs}
+    ckpt = Checkpointer(os.path.join(root, "flexckpt"), read_threads=cfg["read_threads"])
+    out: dict[str, Any] = {"resident": 0.0}
+
+    def cold() -> None:
+        dist.barrier()
+        if rank == 0:
+            out["resident"] = max(out["resident"], _drop_all(root))
+        dist.barrier()
+
+    # raw reference: the flexckpt data files, split into equal byte ranges over the ranks
+    data = [p for p in _files(os.path.join(root, "flexckpt")) if p.endswith(".data")]
+    sizes = [os.path.getsize(p) for p in data]
+    total = sum(sizes)
+    lo, hi = total * rank // world, total * (rank + 1) // world
+    buf = torch.empty(hi - lo, dtype=torch.uint8)
+    buf.fill_(0)
+
+    def raw_read() -> float:
+        mv = memoryview(buf.numpy())
+        dist.barrier()
+        t0 = time.perf_counter()
+        pos, got = 0, 0
+        for path, size in zip(data, sizes):
+            a, b = max(lo, pos), min(hi, pos + size)
+            if a < b:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    done = 0
+                    while done < b - a:
+                        k = os.preadv(fd, [mv[got + done : got + (b - a)]], a - pos + done)
+                        if k == 0:
+                            raise EOFError(path)
+                        done += k
+                finally:
+                    os.close(fd)
+                got += b - a
+            pos += size
+        return time.perf_counter() - t0
+
+    def load(lib: str) -> tuple[float, list[str], dict]:
+        for t in target.values():
+            t.zero_()
+        dist.barrier()
+        t0 = time.perf_counter()
+        if lib == "flexckpt":
+            ckpt.load(_sharded(target, specs, rank, world))
+            stats = vars(ckpt.last_load_stats).copy() if ckpt.last_load_stats else {}
+        else:
+            dcp.load(_dtensors(target, specs, world), checkpoint_id=os.path.join(root, "dcp"))
+            stats = {}
+        seconds = time.perf_counter() - t0
+        return seconds, H.mismatches(target, specs, rank, world, version=7), stats
+
+    cold()
+    out["raw_cold"] = raw_read()
+    out["raw_warm"] = raw_read()
+    for lib in order:
+        cold()
+        out[f"{lib}_cold"], bad_c, out[f"{lib}_stats"] = load(lib)
+        out[f"{lib}_warm"], bad_w, _ = load(lib)
+        out[f"{lib}_bad"] = sorted(set(bad_c + bad_w))[:5]
+    ckpt.close()
+    out["total"] = total
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flexshard.spawn import run_workers
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb-per-rank", type=float, default=50.0, help="MiB of state per rank at the saving world 2 (default 50)")
+    p.add_argument("--tensors", type=int, default=200, help="tensors in the state (default 200)")
+    p.add_argument("--load-worlds", type=int, nargs="+", default=[2, 1, 4], help="world sizes to load at (default: 2 1 4)")
+    p.add_argument("--runs", type=int, default=3, help="runs; figures are medians over them (default 3)")
+    p.add_argument("--read-threads", type=int, default=4, help="flexckpt Checkpointer(read_threads=...) (its default: 4)")
+    p.add_argument("--dir", default=None, help="folder for the checkpoints (default: a new temporary folder, removed after)")
+    p.add_argument("--out", default=None, help="also write the markdown report here (default bench/out/restore-DATE.md)")
+    args = p.parse_args(argv)
+    cfg = {"mb_per_rank": args.mb_per_rank, "tensors": args.tensors, "read_threads": args.read_threads}
+
+    root = args.dir or tempfile.mkdtemp(prefix="flexckpt-restore-")
+    os.makedirs(root, exist_ok=True)
+    machine = H.machine_description(root)
+    t_start = time.monotonic()
+    results: dict[int, list[dict]] = {}
+    try:
+        saved = run_workers(save_worker, SAVE_WORLD, cfg, root, timeout=600)
+        state_mib = sum(r["bytes"] for r in saved) / H.MIB
+        for run in range(args.runs):
+            for world in args.load_worlds:
+                order = ["flexckpt", "dcp"] if run % 2 == 0 else ["dcp", "flexckpt"]
+                ranks = run_workers(load_worker, world, cfg, root, order, timeout=600)
+                results.setdefault(world, []).append(ranks)
+                r = _summ(ranks)
+                msg = (f"run {run + 1}/{args.runs} world {world}: flexckpt cold {r['flexckpt_cold']:.3f} s warm {r['flexckpt_warm']:.3f} s; "
+                       f"dcp cold {r['dcp_cold']:.3f} s warm {r['dcp_warm']:.3f} s; raw cold {r['raw_cold']:.3f} s warm {r['raw_warm']:.3f} s")
+                print(msg + (f"  WRONG: {r['bad']}" if r["bad"] else ""), file=sys.stderr, flush=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    wall = time.monotonic() - t_start
+
+    rows, goal_rows = [], []
+    any_bad = False
+    for world in args.load_worlds:
+        summ = [_summ(r) for r in results[world]]
+        med = {k: H.median(s[k] for s in summ) for k in ("flexckpt_cold", "flexckpt_warm", "dcp_cold", "dcp_warm", "raw_cold", "raw_warm")}
+        bad = sorted({b for s in summ for b in s["bad"]})
+        any_bad |= bool(bad)
+        mibs = {k: state_mib / v for k, v in med.items()}
+        rows.append([
+            f"2 -> {world}",
+            f"{med['flexckpt_cold']:.3f} s ({mibs['flexckpt_cold']:.0f})", f"{med['dcp_cold']:.3f} s ({mibs['dcp_cold']:.0f})",
+            f"{med['dcp_cold'] / med['flexckpt_cold']:.2f}x", f"{mibs['raw_cold']:.0f}",
+            f"{med['flexckpt_warm']:.3f} s ({mibs['flexckpt_warm']:.0f})", f"{med['dcp_warm']:.3f} s ({mibs['dcp_warm']:.0f})",
+            f"{med['dcp_warm'] / med['flexckpt_warm']:.2f}x", f"{mibs['raw_warm']:.0f}",
+            "ok" if not bad else "WRONG: " + ", ".join(bad[:3]),
+        ])
+        goal_rows += [
+            [f"2 -> {world}", ">= 2x dcp.load (cold / warm)", f"{med['dcp_cold'] / med['flexckpt_cold']:.2f}x / {med['dcp_warm'] / med['flexckpt_warm']:.2f}x",
+             _ok(med["dcp_cold"] >= 2 * med["flexckpt_cold"] and med["dcp_warm"] >= 2 * med["flexckpt_warm"])],
+            [f"2 -> {world}", ">= 70% of cold raw read", f"{mibs['flexckpt_cold']:.0f} vs {mibs['raw_cold']:.0f} MiB/s ({mibs['flexckpt_cold'] / mibs['raw_cold'] * 100:.0f}%)",
+             _ok(mibs["flexckpt_cold"] >= 0.7 * mibs["raw_cold"])],
+            [f"2 -> {world}", ">= 40% of warm raw read", f"{mibs['flexckpt_warm']:.0f} vs {mibs['raw_warm']:.0f} MiB/s ({mibs['flexckpt_warm'] / mibs['raw_warm'] * 100:.0f}%)",
+             _ok(mibs["flexckpt_warm"] >= 0.4 * mibs["raw_warm"])],
+        ]
+    resident = max(r["resident"] for rs in results.values() for ranks in rs for r in ranks)
+    stats = results[args.load_worlds[0]][0][0].get("flexckpt_stats", {})
+    text = "\n".join([
+        "## Restore (save at world 2, load at world 2, 1 and 4)",
+        "",
+        f"Command: `python3 dev.py bench restore {' '.join(sys.argv[1:])}`".rstrip() + f" ({wall / 60:.1f} min)",
+        "",
+        H.markdown_table(["machine", ""], [[k, v] for k, v in machine.items()] + [["load after", H.load_line()]]),
+        "",
+        f"State: {state_mib:.1f} MiB in {args.tensors} tensors (Shard(0) pieces, fp32), saved once by each library at world 2; "
+        f"{args.runs} runs, medians; seconds of the slowest rank (MiB/s of the whole state in brackets). Cold = every file of "
+        f"both checkpoints dropped from the page cache (fadvise DONTNEED; at most {resident * 100:.0f}% of any file resident "
+        f"after the drop). Raw = pread of the flexckpt data files split evenly over the ranks. flexckpt read_threads="
+        f"{args.read_threads}; e.g. rank 0 at world {args.load_worlds[0]} read {stats.get('bytes_read', 0) / H.MIB:.1f} MiB in "
+        f"{stats.get('fetches', '?')} fetches ({stats.get('direct_chunks', '?')} of {stats.get('chunks', '?')} chunks straight into the targets).",
+        "",
+        H.markdown_table(["load", "flexckpt cold", "dcp.load cold", "speed-up", "raw cold MiB/s", "flexckpt warm", "dcp.load warm",
+                          "speed-up", "raw warm MiB/s", "loaded state"], rows),
+        "",
+        "### flexckpt against the issue's load goals (this run)",
+        "",
+        H.markdown_table(["load", "goal", "measured", "met"], goal_rows),
+    ])
+    print(text)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"restore-{time.strftime('%Y%m%d-%H%M%S')}.md")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(text + "\n")
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump({"args": vars(args), "machine": machine, "results": {str(k): v for k, v in results.items()}}, f, default=str)
+    print(f"\n(report written to {out})", file=sys.stderr)
+    return 1 if any_bad else 0
+
+
+def _ok(b: bool) -> str:
+    return "yes" if b else "**no**"
+
+
+def _summ(ranks: list[dict]) -> dict:
+    keys = ("flexckpt_cold", "flexckpt_warm", "dcp_cold", "dcp_warm", "raw_cold", "raw_warm")
+    out: dict[str, Any] = {k: max(r[k] for r in ranks) for k in keys}
+    out["bad"] = sorted({b for r in ranks for lib in ("flexckpt", "dcp") for b in r[f"{lib}_bad"]})
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
