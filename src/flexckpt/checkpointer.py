@@ -156,7 +156,10 @@ class Checkpointer:
         rank, world_size: override the ``torch.distributed`` world (both or neither).
         commit_timeout: seconds the coordinator waits for the other ranks' records.
         fsync: make files durable before the commit (turn off only for throwaway runs).
-        read_threads: parallel chunk reads during load.
+        read_threads: parallel ranged reads during load.
+        poll_interval: longest pause between the listings that wait for other ranks'
+            records (rank 0) or for the manifest (other ranks); default 10 ms on a local
+            filesystem, 100 ms on an object store (each listing is a request there).
     """
 
     def __init__(
@@ -173,7 +176,8 @@ class Checkpointer:
         commit_timeout: float = 600.0,
         storage_options: dict[str, Any] | None = None,
         fsync: bool = True,
-        read_threads: int = 4,
+        read_threads: int = 2,
+        poll_interval: float | None = None,
         process_group: "dist.ProcessGroup | None" = None,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -200,6 +204,7 @@ class Checkpointer:
         self.commit_timeout = float(commit_timeout)
         self.fsync = fsync
         self.read_threads = max(1, int(read_threads))
+        self.poll_interval = float(poll_interval) if poll_interval is not None else (0.01 if self.storage.local else 0.1)
         self.is_coordinator = rank == 0
         self.run_id = self._resolve_run_id(run_id)
         self.last_load_stats: LoadStats | None = None
@@ -269,7 +274,9 @@ class Checkpointer:
                 self._cuda_stream = torch.cuda.Stream()
             cuda = (self._cuda_stream, ready)
         self._ensure_threads()
-        buffer = self._pool.acquire(entry.rank_plan.nbytes, pin=entry.cuda)  # waits while max_in_flight are busy
+        t_wait = time.perf_counter()
+        buffer = self._pool.acquire()  # waits while max_in_flight saves are staged but not written
+        handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
         job = _Job(step, handle, entry, buffer, srcs, plain, lanes, per_rank, cuda)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
@@ -305,9 +312,15 @@ class Checkpointer:
             return
         loops = [self._stage_loop, self._write_loop] + ([self._commit_loop] if self.is_coordinator else [])
         for loop in loops:
-            t = threading.Thread(target=loop, name=f"flexckpt-{loop.__name__[1:-5]}-r{self.rank}", daemon=True)
+            t = threading.Thread(target=self._background, args=(loop,), name=f"flexckpt-{loop.__name__[1:-5]}-r{self.rank}", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _background(self, loop: "Any") -> None:
+        nice = int(os.environ.get("FLEXCKPT_NICE", "0"))
+        if nice and hasattr(os, "setpriority"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        loop()
 
     def _stage_loop(self) -> None:
         while True:
@@ -318,6 +331,7 @@ class Checkpointer:
             t0 = time.perf_counter()
             try:
                 e = job.entry
+                job.buffer.ensure(e.rank_plan.nbytes, pin=e.cuda)
                 dsts = job.buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
                 copy_into(dsts, job.srcs, job.cuda)
             except BaseException as exc:  # noqa: BLE001 - reported on the handle
@@ -364,7 +378,9 @@ class Checkpointer:
                     file=data_file(self.run_id, self.rank), nbytes=job.entry.rank_plan.nbytes,
                     chunks=job.chunks, lanes=job.lanes, per_rank=job.per_rank,
                 )
-                self.storage.put_atomic(f"{step_dir(job.step)}/{record_file(self.run_id, self.rank)}", rec, self.fsync)
+                # no fsync: a record only tells the coordinator that this rank's (fsynced) data
+                # is complete; after the commit the manifest holds everything it said
+                self.storage.put_atomic(f"{step_dir(job.step)}/{record_file(self.run_id, self.rank)}", rec, fsync=False)
             except BaseException as exc:  # noqa: BLE001
                 self._report_failure(job, exc, "writing its record")
                 continue
@@ -373,29 +389,37 @@ class Checkpointer:
     def _commit_loop(self) -> None:
         while True:
             job = self._commit_q.get()
-            if job is None:
-                return
-            t0 = time.perf_counter()
             try:
-                e = job.entry
-                records = wait_for_records(self.storage, job.step, self.run_id, self.world_size, self.commit_timeout)
-                check_records(records, job.step, self.run_id, self.world_size, e.fingerprint, e.structure)
-                manifest = build_manifest(
-                    step=job.step, run_id=self.run_id, plan=e.plan, fingerprint=e.fingerprint,
-                    own_chunks=job.chunks, records=records, plain=job.plain,
-                    own_lanes=job.lanes, own_per_rank=job.per_rank,
-                )
-                commit(self.storage, manifest, self.fsync)
-            except BaseException as exc:  # noqa: BLE001
-                mark_failed(self.storage, job.step, self.run_id, f"{type(exc).__name__}: {exc}")
-                self._report_failure(job, exc, "committing")
-                continue
-            job.handle.timings["commit_s"] = time.perf_counter() - t0
-            try:
-                apply_retention(self.storage, self.keep_last, job.step, self.run_id)
-            except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
-                log.exception("retention after step %d failed", job.step)
-            job.handle._done.set()
+                if job is None:
+                    return
+                self._commit(job)
+            finally:
+                self._commit_q.task_done()
+
+    def _commit(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            e = job.entry
+            records = wait_for_records(
+                self.storage, job.step, self.run_id, self.world_size, self.commit_timeout, self.poll_interval
+            )
+            check_records(records, job.step, self.run_id, self.world_size, e.fingerprint, e.structure)
+            manifest = build_manifest(
+                step=job.step, run_id=self.run_id, plan=e.plan, fingerprint=e.fingerprint,
+                own_chunks=job.chunks, records=records, plain=job.plain,
+                own_lanes=job.lanes, own_per_rank=job.per_rank,
+            )
+            commit(self.storage, manifest, self.fsync)
+        except BaseException as exc:  # noqa: BLE001
+            mark_failed(self.storage, job.step, self.run_id, f"{type(exc).__name__}: {exc}")
+            self._report_failure(job, exc, "committing")
+            return
+        job.handle.timings["commit_s"] = time.perf_counter() - t0
+        job.handle._done.set()  # committed: retention below is housekeeping, not part of the save
+        try:
+            apply_retention(self.storage, self.keep_last, job.step, self.run_id)
+        except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
+            log.exception("retention after step %d failed", job.step)
 
     def _report_failure(self, job: _Job, exc: BaseException, what: str) -> None:
         log.error("flexckpt rank %d: save of step %d failed while %s: %s", self.rank, job.step, what, exc, exc_info=exc)
@@ -421,11 +445,11 @@ class Checkpointer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"step {step} was not committed within {limit:.0f} s")
             time.sleep(delay)
-            delay = min(delay * 2, 0.2)
+            delay = min(delay * 2, self.poll_interval)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait until every save started so far has finished on this rank (errors stay on
-        their handles)."""
+        """Wait until every save started so far has finished on this rank, retention after
+        the last commit included (errors stay on their handles)."""
         with self._lock:
             handles = list(self._handles)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -433,6 +457,8 @@ class Checkpointer:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not h._done.wait(left):
                 raise TimeoutError(f"save of step {h.step} still in flight after {timeout} s")
+        if self.is_coordinator and self._threads:
+            self._commit_q.join()  # retention of the last commit, too
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for saves in flight, then stop the background threads."""

@@ -33,14 +33,15 @@ log = logging.getLogger("flexckpt")
 
 
 def wait_for_records(
-    storage: Storage, step: int, run_id: str, world_size: int, timeout: float
+    storage: Storage, step: int, run_id: str, world_size: int, timeout: float, max_delay: float = 0.01
 ) -> dict[int, dict]:
-    """Records of ranks 1..world-1 for ``step`` of this run, polled with backoff."""
+    """Records of ranks 1..world-1 for ``step`` of this run, polled with backoff up to
+    ``max_delay`` seconds between listings."""
     folder = step_dir(step)
     pending = set(range(1, world_size))
     records: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
-    delay = 0.002
+    delay = 0.001
     while pending:
         names = set(storage.list_names(folder))
         for r in sorted(pending):
@@ -57,7 +58,7 @@ def wait_for_records(
                 f"{timeout:.0f} s (commit_timeout); is every rank calling save({step}, ...)?"
             )
         time.sleep(delay)
-        delay = min(delay * 2, 0.2)
+        delay = min(delay * 2, max_delay)
     return records
 
 

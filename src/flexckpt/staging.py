@@ -19,18 +19,28 @@ from flexckpt.structure import TensorSpec
 
 @dataclass(eq=False)
 class StagingBuffer:
-    data: torch.Tensor  # flat uint8, pinned when staging from a GPU
+    """A flat uint8 buffer, allocated lazily by :meth:`ensure` on the staging thread (a
+    first save then costs the trainer nothing for allocation and page faults)."""
+
+    data: torch.Tensor | None = None  # flat uint8, pinned when staging from a GPU
     _views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return 0 if self.data is None else self.data.numel()
+
+    def ensure(self, nbytes: int, pin: bool) -> None:
+        if self.data is None or self.data.numel() < nbytes or (pin and not self.data.is_pinned()):
+            self.data = None
+            self._views = {}
+            self.data = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
 
     def views(self, key: int, plan: RankPlan, specs: tuple[TensorSpec, ...], shapes: list[tuple]) -> list[torch.Tensor]:
         """Destination views of ``plan``'s pieces, shaped like their source tensors."""
         views = self._views.get(key)
         if views is None:
-            self.data[: plan.nbytes].zero_()  # padding bytes stay zero: files are deterministic
+            assert self.data is not None
+            self.data[: plan.nbytes].zero_()  # pages touched here; padding stays zero: files are deterministic
             views = [
                 self.data[p.offset : p.offset + p.nbytes].view(specs[p.spec_index].dtype).view(shape)
                 for p, shape in zip(plan.pieces, shapes)
@@ -47,28 +57,14 @@ class BufferPool:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._free: list[StagingBuffer] = []
-        self._count = 0
+        self._free: list[StagingBuffer] = [StagingBuffer() for _ in range(capacity)]
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int, pin: bool) -> StagingBuffer:
+    def acquire(self) -> StagingBuffer:
         with self._cond:
-            while not self._free and self._count >= self.capacity:
+            while not self._free:
                 self._cond.wait()
-            if self._free:
-                buf = self._free.pop()
-                if buf.nbytes >= nbytes and (not pin or buf.data.is_pinned()):
-                    return buf
-                self._count -= 1  # too small: replaced below
-            self._count += 1
-        try:
-            data = torch.zeros(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)  # zeros: pages touched now
-        except BaseException:
-            with self._cond:
-                self._count -= 1
-                self._cond.notify()
-            raise
-        return StagingBuffer(data)
+            return self._free.pop()
 
     def release(self, buf: StagingBuffer) -> None:
         with self._cond:
@@ -77,12 +73,14 @@ class BufferPool:
 
     def in_use(self) -> int:
         with self._cond:
-            return self._count - len(self._free)
+            return self.capacity - len(self._free)
 
     def clear(self) -> None:
+        """Drop the memory of idle buffers (they are reallocated on demand)."""
         with self._cond:
-            self._count -= len(self._free)
-            self._free.clear()
+            for buf in self._free:
+                buf.data = None
+                buf._views = {}
 
 
 def copy_into(

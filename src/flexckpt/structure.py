@@ -124,9 +124,19 @@ def walk(state: Any, rank: int, world_size: int) -> Walk:
 
 
 def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> None:
+    # the save path's per-tensor work: plain tensors under plain string keys take the
+    # short way (no call, no escaping)
+    key_list, tensors = out.key, out.tensors
     for key, value in d.items():
-        name = prefix + escape_key(key)
-        _walk_value(value, name, d, key, out, rank, world_size)
+        if type(key) is str and key and "/" not in key and "%" not in key:
+            name = prefix + key
+        else:
+            name = prefix + escape_key(key)
+        if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+            key_list.append((name, value.dtype, value.shape, value.device))
+            tensors.append(value)
+        else:
+            _walk_value(value, name, d, key, out, rank, world_size)
 
 
 def _walk_value(value: Any, name: str, parent: Any, key: Any, out: Walk, rank: int, world_size: int) -> None:

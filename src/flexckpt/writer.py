@@ -16,13 +16,22 @@ from flexckpt.storage import Storage
 def write_data_file(
     storage: Storage, rel: str, stream: memoryview, chunks: tuple[Chunk, ...], compression: Compression, fsync: bool
 ) -> list[StoredChunk]:
-    stored: list[StoredChunk] = []
+    if compression.codec == "none":
+        # stored bytes are the raw stream: checksum each chunk, then one write for the
+        # whole file (few GIL hand-offs, one syscall per OS limit)
+        stored = [
+            StoredChunk(c.offset, c.length, c.offset, c.length, "none", checksum(stream[c.offset : c.offset + c.length]))
+            for c in chunks
+        ]
+        storage.write_stream(rel, [stream], fsync=fsync)
+        return stored
+    stored = []
 
-    def parts() -> Iterator[memoryview]:
+    def parts() -> Iterator["bytes | memoryview"]:
         pos = 0
         for c in chunks:
             data = compress(stream[c.offset : c.offset + c.length], compression)
-            n = memoryview(data).nbytes
+            n = len(data)
             stored.append(StoredChunk(c.offset, c.length, pos, n, compression.codec, checksum(data)))
             pos += n
             yield data
