@@ -157,6 +157,24 @@ def test_large_tensors_are_read_straight_into_the_target(tmp_path):
     assert stats.fetches == 1  # adjacent chunks: one ranged read
 
 
+def test_direct_and_page_cache_writes_give_identical_files(tmp_path, monkeypatch):
+    state = {"a": torch.randn(1000, 7), "b": torch.arange(13, dtype=torch.int16)}  # sizes off any 4 KiB boundary
+    used = []
+    real = Storage.write_direct
+    monkeypatch.setattr(Storage, "write_direct", lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1])
+    files = {}
+    for direct in (True, False):
+        with Checkpointer(str(tmp_path / str(direct)), direct_io=direct, run_id="same") as ckpt:
+            ckpt.save(1, state).result()
+            files[direct] = (tmp_path / str(direct) / step_dir(1) / data_file("same", 0)).read_bytes()
+            target = {"a": torch.zeros(1000, 7), "b": torch.zeros(13, dtype=torch.int16)}
+            ckpt.load(target)
+            assert torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])
+    # a: 28000 bytes at 0; b: 26 bytes at 28032 (64-byte aligned); the stream ends padded to 28096
+    assert files[True] == files[False] and len(files[True]) == 28096
+    assert used and (used == [True] or used == [False])  # False only where the filesystem refuses O_DIRECT
+
+
 def test_manifest_is_written_last_and_atomically(tmp_path, monkeypatch):
     events = []
     real_stream, real_put = Storage.write_stream, Storage.put_atomic
@@ -170,7 +188,14 @@ def test_manifest_is_written_last_and_atomically(tmp_path, monkeypatch):
         assert not os.path.exists(self.path(rel)) or rel.endswith(MANIFEST)
         return real_put(self, rel, data, fsync)
 
+    real_direct = Storage.write_direct
+
+    def write_direct(self, rel, data, nbytes, fsync=True):
+        events.append(("data", rel))
+        return real_direct(self, rel, data, nbytes, fsync)
+
     monkeypatch.setattr(Storage, "write_stream", write_stream)
+    monkeypatch.setattr(Storage, "write_direct", write_direct)
     monkeypatch.setattr(Storage, "put_atomic", put_atomic)
     fsyncs = []
     real_fsync = os.fsync
@@ -298,13 +323,12 @@ def test_loading_never_unpickles(tmp_path, monkeypatch):
 
 
 def test_a_failed_write_is_reported_on_the_handle_and_the_log_not_raised(tmp_path, monkeypatch, caplog):
-    real = Storage.write_stream
-
     def broken(self, rel, parts, fsync=True):
         raise OSError(28, "No space left on device")
 
     with Checkpointer(str(tmp_path)) as ckpt:
         monkeypatch.setattr(Storage, "write_stream", broken)
+        monkeypatch.setattr(Storage, "write_direct", lambda self, rel, data, nbytes, fsync=True: broken(self, rel, [data]))
         with caplog.at_level(logging.ERROR, logger="flexckpt"):
             h = ckpt.save(1, {"w": torch.ones(4)})  # does not raise
             h.wait_staged()
@@ -312,7 +336,7 @@ def test_a_failed_write_is_reported_on_the_handle_and_the_log_not_raised(tmp_pat
                 h.result(timeout=10)
         assert isinstance(h.exception(), OSError)
         assert "save of step 1 failed while writing" in caplog.text
-        monkeypatch.setattr(Storage, "write_stream", real)
+        monkeypatch.undo()
         assert ckpt.save(2, {"w": torch.ones(4)}).result(timeout=10) == 2  # the next save works
         assert ckpt.steps() == [2]
 
@@ -326,6 +350,7 @@ def test_max_in_flight_bounds_staging_buffers_and_the_wait_is_trainer_wait(tmp_p
         return real(self, rel, parts, fsync)
 
     monkeypatch.setattr(Storage, "write_stream", slow)
+    monkeypatch.setattr(Storage, "write_direct", lambda self, rel, data, nbytes, fsync=True: (gate.wait(10), False)[1])
     with Checkpointer(str(tmp_path), max_in_flight=1) as ckpt:
         ckpt.save(1, {"w": torch.ones(1 << 16)}).wait_staged()
         threading.Timer(0.3, gate.set).start()

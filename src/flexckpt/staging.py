@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexckpt.plan import RankPlan
+from flexckpt.storage import DIRECT_ALIGN as ALIGN
 from flexckpt.structure import TensorSpec
 
 
@@ -22,7 +23,7 @@ class StagingBuffer:
     """A flat uint8 buffer, allocated lazily by :meth:`ensure` on the staging thread (a
     first save then costs the trainer nothing for allocation and page faults)."""
 
-    data: torch.Tensor | None = None  # flat uint8, pinned when staging from a GPU
+    data: torch.Tensor | None = None  # flat uint8, page-aligned, a multiple of ALIGN long; pinned for GPUs
     _views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -30,17 +31,22 @@ class StagingBuffer:
         return 0 if self.data is None else self.data.numel()
 
     def ensure(self, nbytes: int, pin: bool) -> None:
-        if self.data is None or self.data.numel() < nbytes or (pin and not self.data.is_pinned()):
+        """Room for ``nbytes``, rounded up to ALIGN, starting on an ALIGN boundary (what
+        O_DIRECT writes need)."""
+        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        if self.data is None or self.data.numel() < size or (pin and not self.data.is_pinned()):
             self.data = None
             self._views = {}
-            self.data = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin)
+            start = -raw.data_ptr() % ALIGN
+            self.data = raw[start : start + size]
 
     def views(self, key: int, plan: RankPlan, specs: tuple[TensorSpec, ...], shapes: list[tuple]) -> list[torch.Tensor]:
         """Destination views of ``plan``'s pieces, shaped like their source tensors."""
         views = self._views.get(key)
         if views is None:
             assert self.data is not None
-            self.data[: plan.nbytes].zero_()  # pages touched here; padding stays zero: files are deterministic
+            self.data.zero_()  # pages touched here; padding stays zero: files are deterministic
             views = [
                 self.data[p.offset : p.offset + p.nbytes].view(specs[p.spec_index].dtype).view(shape)
                 for p, shape in zip(plan.pieces, shapes)

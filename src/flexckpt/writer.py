@@ -10,20 +10,32 @@ from flexckpt.checksum import checksum
 from flexckpt.codec import Compression, compress
 from flexckpt.manifest import RECORD_FORMAT, VERSION, StoredChunk
 from flexckpt.plan import Chunk
-from flexckpt.storage import Storage
+from flexckpt.storage import DIRECT_ALIGN, Storage
 
 
 def write_data_file(
-    storage: Storage, rel: str, stream: memoryview, chunks: tuple[Chunk, ...], compression: Compression, fsync: bool
+    storage: Storage,
+    rel: str,
+    buffer: memoryview,
+    nbytes: int,
+    chunks: tuple[Chunk, ...],
+    compression: Compression,
+    fsync: bool,
+    direct: bool = True,
 ) -> list[StoredChunk]:
+    """Write the first ``nbytes`` of ``buffer`` (a staging buffer, aligned and padded for
+    O_DIRECT) as one data file; returns the stored chunks, checksummed."""
+    stream = buffer[:nbytes]
     if compression.codec == "none":
-        # stored bytes are the raw stream: checksum each chunk, then one write for the
-        # whole file (few GIL hand-offs, one syscall per OS limit)
+        # stored bytes are the raw stream: checksum each chunk, then write the whole file at
+        # once, straight from the staging buffer to the device where the filesystem allows
         stored = [
             StoredChunk(c.offset, c.length, c.offset, c.length, "none", checksum(stream[c.offset : c.offset + c.length]))
             for c in chunks
         ]
-        storage.write_stream(rel, [stream], fsync=fsync)
+        padded = buffer[: -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN]
+        if not (direct and padded.nbytes <= buffer.nbytes and storage.write_direct(rel, padded, nbytes, fsync=fsync)):
+            storage.write_stream(rel, [stream], fsync=fsync)
         return stored
     stored = []
 
