@@ -145,6 +145,17 @@ def test_after_the_fence_the_state_may_change_without_touching_the_checkpoint(tm
     assert torch.equal(target["w"], torch.arange(1 << 20, dtype=torch.float32))
 
 
+def test_the_fence_cuts_the_staging_pause_short(tmp_path):
+    with Checkpointer(str(tmp_path), stage_delay=1.0) as ckpt:
+        h = ckpt.save(1, {"w": torch.ones(1 << 16)})
+        time.sleep(0.05)
+        assert not h.staged()  # still pausing: the copy has not taken a core yet
+        t0 = time.monotonic()
+        h.wait_staged()
+        assert time.monotonic() - t0 < 0.5
+        assert h.result(timeout=10) == 1
+
+
 def test_large_tensors_are_read_straight_into_the_target(tmp_path):
     w = torch.randn(1 << 20)
     with Checkpointer(str(tmp_path), chunk_bytes=1 << 20) as ckpt:
