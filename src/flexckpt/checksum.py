@@ -9,3 +9,11 @@ ALGORITHM = "xxh3_64"
 
 def checksum(data: "bytes | memoryview") -> str:
     return format(xxhash.xxh3_64_intdigest(data), "016x")
+
+
+def checksum_parts(parts: "list[memoryview]") -> str:
+    """The checksum of the concatenation of ``parts`` (a chunk read into several places)."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return format(h.intdigest(), "016x")

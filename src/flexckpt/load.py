@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexckpt.checksum import checksum
+from flexckpt.checksum import checksum, checksum_parts
 from flexckpt.codec import decompress_into
 from flexckpt.dtypes import dtype_from_name, dtype_name
 from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
@@ -28,7 +28,7 @@ from flexshard import FlatRange
 
 log = logging.getLogger("flexckpt")
 
-FETCH_BYTES = 32 << 20  # adjacent chunks are fetched together, up to this many bytes a request
+FETCH_BYTES = 16 << 20  # adjacent chunks are fetched together, up to this many bytes a request
 
 
 @dataclass
@@ -127,16 +127,11 @@ class PendingLoad:
                 buf = local.buf = memoryview(np.empty(max(n, 1), dtype=np.uint8))
             return buf[:n]
 
-        def fetch(f: Fetch) -> None:
+        def fetch(f: Fetch) -> int:
+            """Read one fetch; returns how many of its chunks landed wholly in targets."""
             where = f"{folder}/{f.file} bytes [{f.offset}, {f.offset + f.length})"
-            if f.direct is not None:
-                target, pos = f.direct
-                mv = views[target][pos : pos + f.length]
-                reader(f.file).read_into(f.offset, mv)
-                for cr in f.reads:  # uncompressed: stored bytes are the raw bytes
-                    lo = cr.chunk.offset - f.offset
-                    _verify(mv[lo : lo + cr.chunk.length], cr.chunk.checksum, where)
-                return
+            if all(cr.chunk.codec == "none" for cr in f.reads):
+                return scatter(f, where)
             mv = scratch(f.length)
             reader(f.file).read_into(f.offset, mv)
             for cr in f.reads:
@@ -147,20 +142,52 @@ class PendingLoad:
                 raw = memoryview(decompress_into(c.codec, stored, c.raw_length, where))
                 for cp in cr.copies:
                     views[cp.target][cp.target_pos : cp.target_pos + cp.nbytes] = raw[cp.chunk_pos : cp.chunk_pos + cp.nbytes]
+            return 0
+
+        def scatter(f: Fetch, where: str) -> int:
+            # uncompressed: read each chunk's bytes straight into the targets that want them
+            # (the rest into scratch, still needed for the checksum), then verify each chunk
+            # over the places its bytes went
+            parts: list[list[memoryview]] = []
+            unwanted = sum(c.chunk.raw_length - sum(cp.nbytes for cp in c.copies) for c in f.reads)
+            sink = scratch(unwanted)
+            used = whole = 0
+            for cr in f.reads:
+                places = []
+                pos = 0
+                for cp in sorted(cr.copies, key=lambda cp: cp.chunk_pos):
+                    if cp.chunk_pos > pos:
+                        places.append(sink[used : used + cp.chunk_pos - pos])
+                        used += cp.chunk_pos - pos
+                    places.append(views[cp.target][cp.target_pos : cp.target_pos + cp.nbytes])
+                    pos = cp.chunk_pos + cp.nbytes
+                if pos < cr.chunk.raw_length:
+                    places.append(sink[used : used + cr.chunk.raw_length - pos])
+                    used += cr.chunk.raw_length - pos
+                whole += pos == cr.chunk.raw_length and len(places) == len(cr.copies)
+                parts.append(places)
+            reader(f.file).read_scatter(f.offset, [p for places in parts for p in places])
+            for cr, places in zip(f.reads, parts):
+                got = checksum_parts(places)
+                if got != cr.chunk.checksum:
+                    raise ChecksumError(
+                        f"{where}: chunk at byte {cr.chunk.offset} has checksum {got}, the manifest says "
+                        f"{cr.chunk.checksum}; the file is damaged"
+                    )
+            return whole
 
         fetches = coalesce(reads, FETCH_BYTES)
         try:
             if threads > 1 and len(fetches) > 1:
                 with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flexckpt-read") as pool:
-                    list(pool.map(fetch, fetches))
+                    whole = list(pool.map(fetch, fetches))
             else:
-                for f in fetches:
-                    fetch(f)
+                whole = [fetch(f) for f in fetches]
         finally:
             for r in readers.values():
                 r.close()
         self.stats.fetches = len(fetches)
-        self.stats.direct_chunks = sum(len(f.reads) for f in fetches if f.direct is not None)
+        self.stats.direct_chunks = sum(whole)
         self.stats.chunks = len(reads)
         self.stats.bytes_read = sum(cr.chunk.length for cr in reads)
         self.stats.tensors = len(self.targets)

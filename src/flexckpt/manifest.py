@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import torch
@@ -37,6 +37,7 @@ _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX = re.compile(r"[0-9a-f]*")
 
 
 def step_dir(step: int) -> str:
@@ -68,10 +69,10 @@ def failed_file(run_id: str) -> str:
     return f"{run_id}.failed"
 
 
-@dataclass(frozen=True)
-class StoredChunk:
+class StoredChunk(NamedTuple):
     """Raw bytes ``[raw_offset, raw_offset + raw_length)`` of a file's stream, stored at
-    ``[offset, offset + length)`` of the file, compressed with ``codec``."""
+    ``[offset, offset + length)`` of the file, compressed with ``codec``. (A named tuple:
+    there are thousands per file, and JSON writes it as the list it is.)"""
 
     raw_offset: int
     raw_length: int
@@ -81,7 +82,7 @@ class StoredChunk:
     checksum: str
 
     def to_json(self) -> list:
-        return [self.raw_offset, self.raw_length, self.offset, self.length, self.codec, self.checksum]
+        return list(self)
 
 
 @dataclass(frozen=True)
@@ -239,30 +240,49 @@ def _parse_file(name: str, entry: Any, where: str) -> FileEntry:
     if not isinstance(raw_chunks, list):
         raise _fail(where, f"file {name!r} chunks must be a list")
     chunks = []
+    checks = []
     raw_pos = pos = 0
-    for i, c in enumerate(raw_chunks):
-        what = f"file {name!r} chunk {i}"
-        if not isinstance(c, list) or len(c) != 6:
-            raise _fail(where, f"{what} must be [raw_offset, raw_length, offset, length, codec, checksum]")
-        raw_offset = _int(c[0], 0, MAX_FILE_BYTES, f"{what} raw_offset", where)
-        raw_length = _int(c[1], 1, MAX_CHUNK_BYTES, f"{what} raw_length", where)
-        offset = _int(c[2], 0, MAX_FILE_BYTES, f"{what} offset", where)
-        length = _int(c[3], 0, MAX_CHUNK_BYTES, f"{what} length", where)
-        codec, check = c[4], c[5]
-        if codec not in CODECS:
-            raise _fail(where, f"{what} codec {codec!r} is not one of {CODECS}")
-        if not isinstance(check, str) or not _HEX16.match(check):
-            raise _fail(where, f"{what} checksum {check!r} is not 16 hex digits")
-        if raw_offset != raw_pos or offset != pos:
-            raise _fail(where, f"{what} does not follow the previous chunk (gap or overlap)")
-        if codec == "none" and length != raw_length:
-            raise _fail(where, f"{what} is uncompressed but stores {length} bytes for {raw_length}")
+    for i, c in enumerate(raw_chunks):  # thousands per file: one tight loop, one error path
+        ok = type(c) is list and len(c) == 6
+        if ok:
+            raw_offset, raw_length, offset, length, codec, check = c
+            ok = (
+                type(raw_offset) is int and type(raw_length) is int and type(offset) is int and type(length) is int
+                and raw_offset == raw_pos and offset == pos
+                and 0 < raw_length <= MAX_CHUNK_BYTES and 0 <= length <= MAX_CHUNK_BYTES
+                and codec in CODECS and (codec != "none" or length == raw_length)
+                and type(check) is str and len(check) == 16
+            )
+        if not ok:
+            _explain_bad_chunk(name, i, c, raw_pos, pos, where)
         raw_pos += raw_length
         pos += length
+        checks.append(check)
         chunks.append(StoredChunk(raw_offset, raw_length, offset, length, codec, check))
+    if checks and not _HEX.fullmatch("".join(checks)):
+        bad = next(c for c in checks if not _HEX16.match(c))
+        raise _fail(where, f"file {name!r}: checksum {bad!r} is not 16 hex digits")
     if raw_pos != nbytes:
         raise _fail(where, f"file {name!r} chunks cover {raw_pos} bytes, not its {nbytes}")
     return FileEntry(name, nbytes, tuple(chunks))
+
+
+def _explain_bad_chunk(name: str, i: int, c: Any, raw_pos: int, pos: int, where: str) -> None:
+    what = f"file {name!r} chunk {i}"
+    if not isinstance(c, list) or len(c) != 6:
+        raise _fail(where, f"{what} must be [raw_offset, raw_length, offset, length, codec, checksum]")
+    raw_offset, raw_length, offset, length, codec, check = c
+    _int(raw_offset, 0, MAX_FILE_BYTES, f"{what} raw_offset", where)
+    _int(raw_length, 1, MAX_CHUNK_BYTES, f"{what} raw_length", where)
+    _int(offset, 0, MAX_FILE_BYTES, f"{what} offset", where)
+    _int(length, 0, MAX_CHUNK_BYTES, f"{what} length", where)
+    if codec not in CODECS:
+        raise _fail(where, f"{what} codec {codec!r} is not one of {CODECS}")
+    if not isinstance(check, str) or not _HEX16.match(check):
+        raise _fail(where, f"{what} checksum {check!r} is not 16 hex digits")
+    if raw_offset != raw_pos or offset != pos:
+        raise _fail(where, f"{what} does not follow the previous chunk (gap or overlap)")
+    raise _fail(where, f"{what} is uncompressed but stores {length} bytes for {raw_length}")
 
 
 def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str) -> SavedTensor:

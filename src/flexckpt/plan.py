@@ -101,24 +101,38 @@ def make_write_plan(specs: list[TensorSpec], world_size: int, chunk_bytes: int) 
     return WritePlan(world_size, tuple(specs), tuple(ranks))
 
 
-def cut_chunks(pieces: list[Piece], total: int, chunk_bytes: int) -> list[Chunk]:
-    """Tile ``[0, total)`` with chunks of at most ``chunk_bytes``. A piece of at least
-    ``chunk_bytes`` gets chunks of its own (so a reader can fetch them straight into the
-    target tensor); smaller pieces share chunks."""
-    chunks: list[Chunk] = []
+MIN_CHUNK = 64 << 10  # pieces at least this big get chunks of their own
+CHUNKS_PER_PIECE = 16  # ... about this many, so a load that wants part of a piece reads little more
 
-    def close(start: int, stop: int) -> None:
-        for o in range(start, stop, chunk_bytes):
-            chunks.append(Chunk(o, min(chunk_bytes, stop - o)))
+
+def piece_chunk_bytes(nbytes: int, chunk_bytes: int) -> int:
+    """Chunk size for a piece of ``nbytes``: about 1/16 of it, at least MIN_CHUNK (or
+    ``chunk_bytes`` if smaller), at most ``chunk_bytes``."""
+    return min(chunk_bytes, max(MIN_CHUNK, _align(-(-nbytes // CHUNKS_PER_PIECE))))
+
+
+def cut_chunks(pieces: list[Piece], total: int, chunk_bytes: int) -> list[Chunk]:
+    """Tile ``[0, total)`` with chunks of at most ``chunk_bytes``.
+
+    A piece of at least MIN_CHUNK gets chunks of its own, about 1/16 of the piece each, so
+    that a resharding load, which wants part of a piece, fetches (and verifies) little more
+    than that part, and a load that wants a whole chunk reads it straight into the target.
+    Smaller pieces share chunks of up to MIN_CHUNK."""
+    chunks: list[Chunk] = []
+    group_limit = min(MIN_CHUNK, chunk_bytes)
+
+    def close(start: int, stop: int, size: int) -> None:
+        for o in range(start, stop, size):
+            chunks.append(Chunk(o, min(size, stop - o)))
 
     group = 0
     for p in pieces:
-        if p.nbytes >= chunk_bytes:
-            close(group, p.offset)
-            close(p.offset, p.offset + p.nbytes)
+        if p.nbytes >= group_limit:
+            close(group, p.offset, group_limit)
+            close(p.offset, p.offset + p.nbytes, piece_chunk_bytes(p.nbytes, chunk_bytes))
             group = p.offset + p.nbytes
-        elif p.offset + p.nbytes - group > chunk_bytes:
-            close(group, p.offset)
+        elif p.offset + p.nbytes - group > group_limit:
+            close(group, p.offset, group_limit)
             group = p.offset
-    close(group, total)
+    close(group, total, group_limit)
     return chunks

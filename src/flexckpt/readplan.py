@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from flexckpt.dtypes import itemsize
 from flexckpt.manifest import Manifest, SavedTensor, StoredChunk
 from flexshard import FlatRange, covering
 
 
-@dataclass(frozen=True)
-class Copy:
+class Copy(NamedTuple):
     """``nbytes`` raw bytes at ``chunk_pos`` of a chunk go to byte ``target_pos`` of
     target ``target``."""
 
@@ -77,45 +77,34 @@ def _chunks_between(offsets: list[int], start: int, stop: int) -> range:
 
 @dataclass(frozen=True)
 class Fetch:
-    """One ranged read of consecutive stored chunks of one file. ``direct`` is
-    ``(target, target_pos)`` when every chunk lands whole, back to back, in that target, so
-    the bytes can be read straight into it; otherwise they go through a scratch buffer."""
+    """One ranged read of consecutive stored chunks of one file."""
 
     file: str
     offset: int
     length: int
     reads: tuple[ChunkRead, ...]
-    direct: tuple[int, int] | None
 
 
 def coalesce(reads: list[ChunkRead], max_bytes: int) -> list[Fetch]:
-    """Merge reads of adjacent chunks (same file, touching byte ranges, both direct into
-    the same stretch of one target or both not) into fetches of at most ``max_bytes``."""
+    """Merge reads of adjacent chunks (same file, touching byte ranges) into fetches of at
+    most ``max_bytes`` (a single chunk may exceed it)."""
     fetches: list[Fetch] = []
     run: list[ChunkRead] = []
-    direct: tuple[int, int] | None = None
 
     def flush() -> None:
         if run:
             start = run[0].chunk.offset
             end = run[-1].chunk.offset + run[-1].chunk.length
-            fetches.append(Fetch(run[0].file, start, end - start, tuple(run), direct))
+            fetches.append(Fetch(run[0].file, start, end - start, tuple(run)))
 
     for cr in reads:
-        here = (cr.copies[0].target, cr.copies[0].target_pos) if cr.whole else None
         if run:
             last = run[-1]
-            length = cr.chunk.offset + cr.chunk.length - run[0].chunk.offset
             touching = cr.file == last.file and cr.chunk.offset == last.chunk.offset + last.chunk.length
-            if direct is not None:
-                nxt = (direct[0], direct[1] + sum(r.chunk.raw_length for r in run))
-                same_kind = here == nxt
-            else:
-                same_kind = here is None
-            if touching and same_kind and length <= max_bytes:
+            if touching and cr.chunk.offset + cr.chunk.length - run[0].chunk.offset <= max_bytes:
                 run.append(cr)
                 continue
             flush()
-        run, direct = [cr], here
+        run = [cr]
     flush()
     return fetches

@@ -18,6 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, offsets and lengths on this boundary
 DIRECT_WRITE_BYTES = 64 << 20
+IOV_MAX = 1024  # buffers per preadv (Linux's UIO_MAXIOV)
 
 
 class Storage:
@@ -213,6 +214,36 @@ class RangeReader:
         if len(data) != n:
             raise EOFError(f"{self.path}: asked for {n} bytes at {offset}, got {len(data)}")
         out[:] = data
+
+    def read_scatter(self, offset: int, outs: list[memoryview]) -> None:
+        """Bytes from ``offset`` on, filling ``outs`` one after the other (one preadv per
+        IOV_MAX buffers on a local file; one ranged GET elsewhere)."""
+        if self._fd is None:
+            total = sum(o.nbytes for o in outs)
+            data = memoryview(self.storage.fs.cat_file(self.path, start=offset, end=offset + total))
+            if data.nbytes != total:
+                raise EOFError(f"{self.path}: asked for {total} bytes at {offset}, got {data.nbytes}")
+            pos = 0
+            for o in outs:
+                o[:] = data[pos : pos + o.nbytes]
+                pos += o.nbytes
+            return
+        pending = [o for o in outs if o.nbytes]
+        i, pos = 0, offset
+        while i < len(pending):
+            batch = pending[i : i + IOV_MAX]
+            got = os.preadv(self._fd, batch, pos)
+            if got == 0:
+                raise EOFError(f"{self.path} ends at byte {pos}, expected {pos + sum(o.nbytes for o in batch)}")
+            pos += got
+            while got:  # step past what was filled; a short read leaves a buffer partly filled
+                n = pending[i].nbytes
+                if got >= n:
+                    got -= n
+                    i += 1
+                else:
+                    pending[i] = pending[i][got:]
+                    got = 0
 
     def close(self) -> None:
         if self._fd is not None:
