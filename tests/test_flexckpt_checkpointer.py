@@ -462,7 +462,8 @@ def test_resharding_in_one_process_with_every_layout(tmp_path):
 
 def test_a_resharding_load_reads_little_more_than_it_keeps(tmp_path):
     """Saved by 2 ranks in 1 MiB pieces, loaded by 4: each rank wants half of each piece.
-    Chunks of 1/16 of a piece keep the bytes fetched (and verified) within 1/8 of that."""
+    Chunks of 1/16 of a piece (64 KiB here) bound the waste to the two chunks a wanted
+    range can cut at its ends."""
     glob = {f"t{i}": torch.randn(524288 + 37 * i) for i in range(6)}  # ~2 MiB each, odd sizes
     cks = [Checkpointer(str(tmp_path), rank=r, world_size=2, run_id="j") for r in range(2)]
     hs = [ck.save(1, {k: ShardedTensor.from_global(v, Shard(0), r, 2) for k, v in glob.items()}) for r, ck in enumerate(cks)]
@@ -475,4 +476,4 @@ def test_a_resharding_load_reads_little_more_than_it_keeps(tmp_path):
             ck.load(target)
             kept = sum(t.local.numel() * 4 for t in target.values())
             assert all(torch.equal(target[k].local, ShardedTensor.from_global(v, Shard(0), r, 4).local) for k, v in glob.items())
-            assert ck.last_load_stats.bytes_read <= 1.15 * kept, (r, ck.last_load_stats.bytes_read, kept)
+            assert ck.last_load_stats.bytes_read <= kept + 2 * (64 << 10) * len(glob), (r, ck.last_load_stats, kept)
