@@ -96,7 +96,8 @@ def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -
     _quiet()
     specs = H.state_specs(cfg["mb_per_rank"], cfg["tensors"], SAVE_WORLD)
     target = {s.name: torch.zeros(H.piece_range(s, rank, world)[2]) for s in specs}
-    ckpt = Checkpointer(os.path.join(root, "flexckpt"), read_threads=cfg["read_threads"])
+    extra = {} if cfg["read_threads"] is None else {"read_threads": cfg["read_threads"]}
+    ckpt = Checkpointer(os.path.join(root, "flexckpt"), **extra)
     out: dict[str, Any] = {"resident": 0.0}
 
     def cold() -> None:
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=200, help="tensors in the state (default 200)")
     p.add_argument("--load-worlds", type=int, nargs="+", default=[2, 1, 4], help="world sizes to load at (default: 2 1 4)")
     p.add_argument("--runs", type=int, default=3, help="runs; figures are medians over them (default 3)")
-    p.add_argument("--read-threads", type=int, default=4, help="flexckpt Checkpointer(read_threads=...) (its default: 4)")
+    p.add_argument("--read-threads", type=int, default=None,
+                   help="flexckpt Checkpointer(read_threads=...) (default: flexckpt's own default)")
     p.add_argument("--dir", default=None, help="folder for the checkpoints (default: a new temporary folder, removed after)")
     p.add_argument("--out", default=None, help="also write the markdown report here (default bench/out/restore-DATE.md)")
     args = p.parse_args(argv)
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.runs} runs, medians; seconds of the slowest rank (MiB/s of the whole state in brackets). Cold = every file of "
         f"both checkpoints dropped from the page cache (fadvise DONTNEED; at most {resident * 100:.0f}% of any file resident "
         f"after the drop). Raw = pread of the flexckpt data files split evenly over the ranks. flexckpt read_threads="
-        f"{args.read_threads}; e.g. rank 0 at world {args.load_worlds[0]} read {stats.get('bytes_read', 0) / H.MIB:.1f} MiB in "
+        f"{args.read_threads or 'default'}; e.g. rank 0 at world {args.load_worlds[0]} read {stats.get('bytes_read', 0) / H.MIB:.1f} MiB in "
         f"{stats.get('fetches', '?')} fetches ({stats.get('direct_chunks', '?')} of {stats.get('chunks', '?')} chunks straight into the targets).",
         "",
         H.markdown_table(["load", "flexckpt cold", "dcp.load cold", "speed-up", "raw cold MiB/s", "flexckpt warm", "dcp.load warm",

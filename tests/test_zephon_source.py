@@ -2,8 +2,6 @@
 bad records counted and reported, or raised."""
 import gzip
 import logging
-import os
-import socket
 from pathlib import Path
 
 import orjson
@@ -84,33 +82,8 @@ def test_in_memory_lists_of_texts_or_records_and_path_inference(tmp_path):
     assert isinstance(as_source(["text"]), InMemory)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def test_s3_jsonl_zst_reads_like_local_and_the_cache_keeps_a_local_copy(s3_endpoint, tmp_path):
+    # s3_endpoint (tests/conftest.py): a moto S3 server in its own process, on a free port
     import s3fs
 
     storage = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_endpoint}}
