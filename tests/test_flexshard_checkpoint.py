@@ -1,8 +1,6 @@
 """The sharded optimizer's state through a real flexckpt checkpoint: saved by 2 ranks,
 restored by 3 (owners recomputed, momentum moves with them), 3 more steps bit-identical to
 single-process torch.optim.Muon / AdamW fed the same gradients."""
-import torch
-
 from flexckpt import Checkpointer
 from flexshard import Owned
 from flexshard.optimizer import ShardedOptimizer, ShardingConfig

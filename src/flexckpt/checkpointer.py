@@ -273,8 +273,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
-        folder = step_dir(step)  # validates the step
-        del folder
+        step_dir(step)  # validates the step
         w = walk(state, self.rank, self.world_size)
         entry = self._plan_for(w)
         srcs = [w.tensors[i] for i in entry.order]

@@ -49,9 +49,6 @@ class WritePlan:
     specs: tuple[TensorSpec, ...]  # sorted by name
     ranks: tuple[RankPlan, ...]
 
-    def writer_of(self, spec_index: int) -> list[int]:
-        return [r for r, rp in enumerate(self.ranks) if any(p.spec_index == spec_index for p in rp.pieces)]
-
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
