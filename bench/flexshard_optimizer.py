@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from flexshard import MuonConfig, ShardedOptimizer, ShardingConfig  # noqa: E402
+from flexshard.collectives import process_bytes_written  # noqa: E402
 from flexshard.spawn import run_workers  # noqa: E402
 
 
@@ -40,17 +41,6 @@ def shapes(layers: int, d: int) -> dict[str, tuple[int, int]]:
         out[f"layers.{i}.mlp.up"] = (4 * d, d)
         out[f"layers.{i}.mlp.down"] = (d, 4 * d)
     return out
-
-
-def _written() -> int | None:
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("wchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def _worker(rank: int, world: int, layers: int, d: int, runs: int) -> dict:
@@ -72,13 +62,13 @@ def _worker(rank: int, world: int, layers: int, d: int, runs: int) -> dict:
             opt.stats.reset()
             opt.ns_flops = 0
             dist.barrier()
-            w0 = _written()
+            w0 = process_bytes_written()
             t0 = time.perf_counter()
             opt.reduce_gradients()
             opt.step()
             dist.barrier()
             elapsed = time.perf_counter() - t0
-            w1 = _written()
+            w1 = process_bytes_written()
             if run == 0:
                 continue
             rec = out[placement]

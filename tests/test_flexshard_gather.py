@@ -9,7 +9,7 @@ import torch
 
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor
 from flexshard.buckets import BucketPlan
-from flexshard.collectives import WireStats, binomial_children
+from flexshard.collectives import WireStats, binomial_children, process_bytes_written
 from flexshard.gather import (
     all_gather_bf16_then_quantize,
     all_gather_mx,
@@ -43,17 +43,6 @@ def same_mx(a, b):
     return torch.equal(a.scale, b.scale) and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
 
 
-def _wchar():
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("wchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 class Metered:
     """Counts modeled bytes (WireStats) and bytes this process wrote (socket writes)."""
 
@@ -62,9 +51,9 @@ class Metered:
         self.written = 0
 
     def run(self, fn, *args, **kwargs):
-        before = _wchar()
+        before = process_bytes_written()
         out = fn(*args, stats=self.stats, **kwargs)
-        after = _wchar()
+        after = process_bytes_written()
         if before is not None and after is not None:
             self.written += after - before
         return out

@@ -21,6 +21,20 @@ from flexshard.buckets import BucketPlan
 from flexshard.world import current_world
 
 
+def process_bytes_written() -> int | None:
+    """Bytes this process has written through syscalls so far (``wchar`` of
+    ``/proc/self/io``), to check modelled wire bytes against what gloo sends; None where
+    the file does not exist."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 @dataclass
 class WireStats:
     """Bytes this rank sent, padding included (``padding_bytes`` says how much of it)."""
