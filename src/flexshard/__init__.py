@@ -1,6 +1,6 @@
 """flexshard: where training state lives across data-parallel ranks.
 
-Layouts (``Replicate``, ``Shard(0)``, ``Owned``, ``BlockShard``) map a global tensor to one
+Layouts (``Replicate``, ``Shard(0)``, ``Owned``, ``BlockShard``, ``HybridShard``) map a global tensor to one
 contiguous flat range per rank; ``ShardedTensor`` is one rank's piece. On top of them:
 MXFP8 blocks (``quantize``/``dequantize``), gathers by layout (block-aligned MXFP8
 all-gather, owner broadcast) and ``ShardedOptimizer`` (Muon on ``Owned`` matrices, AdamW on
@@ -9,6 +9,7 @@ all-gather, owner broadcast) and ``ShardedOptimizer`` (Muon on ``Owned`` matrice
 """
 from flexshard.layout import (
     BlockShard,
+    HybridShard,
     Layout,
     Owned,
     Replicate,
@@ -16,6 +17,7 @@ from flexshard.layout import (
     holders,
     layout_from_json,
     local_shape,
+    write_range,
 )
 from flexshard.adamw import AdamWConfig
 from flexshard.collectives import WireStats
@@ -33,6 +35,7 @@ __all__ = [
     "AdamWConfig",
     "BlockShard",
     "FlatRange",
+    "HybridShard",
     "Layout",
     "MXBlocks",
     "MuonConfig",
@@ -60,4 +63,5 @@ __all__ = [
     "overlaps",
     "quantize",
     "rank_loads",
+    "write_range",
 ]

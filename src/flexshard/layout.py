@@ -141,8 +141,55 @@ class BlockShard:
         return {"kind": "block_shard", "block_size": self.block_size}
 
 
-Layout = Union[Replicate, Shard, Owned, BlockShard]
-LAYOUT_TYPES = (Replicate, Shard, Owned, BlockShard)
+@dataclass(frozen=True)
+class HybridShard:
+    """Sharded within groups, replicated across them (FSDP2's HSDP mesh ``(replicate,
+    shard)``): ranks form groups of ``group_size`` consecutive ranks, and rank ``r`` holds
+    what ``Shard(0)`` (``block_size`` None) or ``BlockShard(block_size)`` gives rank
+    ``r % group_size`` in a world of ``group_size``. Every group holds a whole copy."""
+
+    group_size: int
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
+            raise ValueError(f"HybridShard(group_size=...) needs an int >= 1, got {self.group_size!r}")
+        if self.block_size is not None and (
+            not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1
+        ):
+            raise ValueError(f"HybridShard(block_size=...) needs None or an int >= 1, got {self.block_size!r}")
+
+    @property
+    def inner(self) -> "Shard | BlockShard":
+        """The layout each group applies among its ``group_size`` ranks."""
+        return Shard(0) if self.block_size is None else BlockShard(self.block_size)
+
+    def groups(self, world_size: int) -> int:
+        """How many replicas (groups) a world of ``world_size`` ranks has."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if world_size % self.group_size:
+            raise ValueError(
+                f"HybridShard(group_size={self.group_size}) needs a world size divisible by the group size, "
+                f"got world_size={world_size}; use a group_size that divides {world_size} (e.g. the GPUs per node)"
+            )
+        return world_size // self.group_size
+
+    def flat_range(self, shape: Sequence[int], world_size: int, rank: int) -> FlatRange:
+        _check_world(world_size, rank)
+        self.groups(world_size)
+        return self.inner.flat_range(shape, self.group_size, rank % self.group_size)
+
+    def rows_per_rank(self, shape: Sequence[int], world_size: int) -> int:
+        self.groups(world_size)
+        return self.inner.rows_per_rank(shape, self.group_size)
+
+    def to_json(self) -> dict:
+        return {"kind": "hybrid_shard", "group_size": self.group_size, "block_size": self.block_size}
+
+
+Layout = Union[Replicate, Shard, Owned, BlockShard, HybridShard]
+LAYOUT_TYPES = (Replicate, Shard, Owned, BlockShard, HybridShard)
 
 
 def layout_from_json(obj: object) -> Layout:
@@ -150,7 +197,7 @@ def layout_from_json(obj: object) -> Layout:
     if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str):
         raise ValueError(f"a layout must be an object with a 'kind', got {obj!r}")
     kind = obj["kind"]
-    extra = set(obj) - {"kind", "dim", "owner", "block_size"}
+    extra = set(obj) - {"kind", "dim", "owner", "block_size", "group_size"}
     if extra:
         raise ValueError(f"unknown layout fields {sorted(extra)} in {obj!r}")
     if kind == "replicate":
@@ -161,7 +208,12 @@ def layout_from_json(obj: object) -> Layout:
         return Owned(_json_int(obj, "owner"))
     if kind == "block_shard":
         return BlockShard(_json_int(obj, "block_size"))
-    raise ValueError(f"unknown layout kind {kind!r}; expected replicate, shard, owned or block_shard")
+    if kind == "hybrid_shard":
+        block = obj.get("block_size")
+        return HybridShard(_json_int(obj, "group_size"), None if block is None else _json_int(obj, "block_size"))
+    raise ValueError(
+        f"unknown layout kind {kind!r}; expected replicate, shard, owned, block_shard or hybrid_shard"
+    )
 
 
 def _json_int(obj: dict, key: str) -> int:
@@ -188,6 +240,8 @@ def local_shape(layout: Layout, shape: Sequence[int], world_size: int, rank: int
 def _rows_when_rows_are_empty(layout: Layout, shape: Shape, world_size: int, rank: int) -> int:
     # Rows of zero elements (a shape like (10, 0)): the flat range cannot tell rows apart,
     # so count them from the row split itself.
+    if isinstance(layout, HybridShard):
+        return _rows_when_rows_are_empty(layout.inner, shape, layout.group_size, rank % layout.group_size)
     if isinstance(layout, (Shard, BlockShard)):
         per = layout.rows_per_rank(shape, world_size)
         first = min(rank * per, shape[0])
@@ -195,6 +249,21 @@ def _rows_when_rows_are_empty(layout: Layout, shape: Shape, world_size: int, ran
     if isinstance(layout, Owned):
         return shape[0] if rank == layout.owner else 0
     return shape[0]
+
+
+def write_range(layout: Layout, shape: Sequence[int], world_size: int, rank: int) -> FlatRange:
+    """The part of its piece that ``rank`` writes to a checkpoint when every element is
+    written once. Sharded layouts: the whole piece. ``HybridShard``: each group member's
+    piece is split into ``groups`` near-equal contiguous parts, and the member in group
+    ``g`` writes part ``g``, so the writing is spread evenly over the replicas.
+    (``Replicate`` is not covered here: its one writer is chosen by a balancer.)"""
+    piece = layout.flat_range(shape, world_size, rank)
+    if not isinstance(layout, HybridShard):
+        return piece
+    groups = layout.groups(world_size)
+    g = rank // layout.group_size
+    n = len(piece)
+    return FlatRange(piece.start + g * n // groups, piece.start + (g + 1) * n // groups)
 
 
 def holders(layout: Layout, shape: Sequence[int], world_size: int) -> list[int]:
