@@ -19,9 +19,17 @@ from flexckpt import (
     SaveError,
     StructureMismatch,
 )
-from flexckpt.manifest import MANIFEST, data_file, record_file, step_dir
+from flexckpt.manifest import MANIFEST, step_dir
 from flexckpt.storage import Storage
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor
+
+
+def data_path(root, step, rank):
+    """Rank ``rank``'s data file of the committed attempt of ``step``."""
+    import orjson
+
+    attempt = orjson.loads((root / step_dir(step) / MANIFEST).read_bytes())["attempt"]
+    return root / step_dir(step) / attempt / f"r{rank:05d}.data"
 
 
 class Counter:
@@ -125,7 +133,7 @@ def test_zstd_shrinks_compressible_state_and_still_verifies(tmp_path):
     for comp in (None, "zstd:3"):
         with Checkpointer(str(tmp_path / str(comp)), compression=comp) as ckpt:
             ckpt.save(1, state).result()
-            sizes[comp] = os.path.getsize(tmp_path / str(comp) / step_dir(1) / data_file(ckpt.run_id, 0))
+            sizes[comp] = os.path.getsize(data_path(tmp_path / str(comp), 1, 0))
             target = {"zeros": torch.ones(1 << 18), "ramp": torch.zeros(1 << 16, dtype=torch.int32)}
             ckpt.load(target)
             assert torch.equal(target["zeros"], state["zeros"]) and torch.equal(target["ramp"], state["ramp"])
@@ -178,7 +186,7 @@ def test_direct_and_page_cache_writes_give_identical_files(tmp_path, monkeypatch
     for direct in (True, False):
         with Checkpointer(str(tmp_path / str(direct)), direct_io=direct, run_id="same") as ckpt:
             ckpt.save(1, state).result()
-            files[direct] = (tmp_path / str(direct) / step_dir(1) / data_file("same", 0)).read_bytes()
+            files[direct] = data_path(tmp_path / str(direct), 1, 0).read_bytes()
             target = {"a": torch.zeros(1000, 7), "b": torch.zeros(13, dtype=torch.int16)}
             ckpt.load(target)
             assert torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])
@@ -197,7 +205,7 @@ def test_manifest_is_written_last_and_atomically(tmp_path, monkeypatch):
 
     def put_atomic(self, rel, data, fsync=True):
         events.append(("put", rel))
-        assert not os.path.exists(self.path(rel)) or rel.endswith(MANIFEST)
+        assert not os.path.exists(self.path(rel))  # an attempt never overwrites a file
         return real_put(self, rel, data, fsync)
 
     real_direct = Storage.write_direct
@@ -224,15 +232,19 @@ def test_manifest_is_written_last_and_atomically(tmp_path, monkeypatch):
     h1 = r1.save(3, state(1))
     assert h0.result(timeout=30) == 3 and h1.result(timeout=30) == 3
     r0.close(), r1.close()
-    assert events[-1] == ("put", f"{step_dir(3)}/{MANIFEST}")
-    assert set(events[:-1]) == {
-        ("data", f"{step_dir(3)}/{data_file('job', 0)}"),
-        ("data", f"{step_dir(3)}/{data_file('job', 1)}"),
-        ("put", f"{step_dir(3)}/{record_file('job', 1)}"),
+    a = f"{step_dir(3)}/{h0.attempt}"
+    assert h0.attempt == h1.attempt and h0.attempt.startswith("job.")
+    # the manifest is the commit; only the attempt's "committed" marker (for the other ranks) follows
+    assert events[-2:] == [("put", f"{step_dir(3)}/{MANIFEST}"), ("put", f"{a}/committed")]
+    assert set(events[:-2]) == {
+        ("data", f"{a}/r00000.data"), ("data", f"{a}/r00001.data"),
+        ("put", f"{a}/r00000.table"), ("put", f"{a}/r00001.table"),
+        ("put", f"{a}/rec/g00000/r00001.json"),
     }
-    tmp_name, final = replaces[-1]
-    assert final.endswith(MANIFEST) and os.path.basename(tmp_name).startswith(".manifest.json.")
-    assert len(fsyncs) == 4  # two data files, the manifest and its folder (records need none)
+    tmp_name, final = [r for r in replaces if r[1].endswith(MANIFEST)][-1]
+    assert os.path.basename(tmp_name).startswith(".manifest.json.")
+    # two data files, two chunk tables and their folder, the manifest and its folder (records need none)
+    assert len(fsyncs) == 8
 
 
 def test_retention_keeps_the_newest_and_deletes_the_manifest_first(tmp_path, monkeypatch):
@@ -276,7 +288,7 @@ def test_a_damaged_chunk_fails_the_load_and_fallback_takes_the_previous_step(tmp
     with Checkpointer(str(tmp_path), chunk_bytes=1024) as ckpt:
         ckpt.save(1, {"w": torch.full((1000,), 1.0)}).result()
         ckpt.save(2, {"w": torch.full((1000,), 2.0)}).result()
-        path = tmp_path / step_dir(2) / data_file(ckpt.run_id, 0)
+        path = data_path(tmp_path, 2, 0)
         raw = bytearray(path.read_bytes())
         raw[1500] ^= 0x01  # one flipped bit in the second chunk
         path.write_bytes(bytes(raw))
@@ -379,7 +391,7 @@ def test_structures_that_differ_between_ranks_fail_the_checkpoint_naming_the_key
     h1 = r1.save(1, {"a": torch.ones(4), "c": torch.ones(2)})
     with pytest.raises(SaveError, match=r"only on rank 0: \['b'\].*only on the other rank: \['c'\]"):
         h0.result(timeout=30)
-    with pytest.raises(SaveError, match="failed on the coordinator"):
+    with pytest.raises(SaveError, match="failed on another rank: rank 0 failed while committing.*different state"):
         h1.result(timeout=30)
     assert r0.steps() == []
     r0.close(), r1.close()
@@ -391,7 +403,7 @@ def test_records_of_an_earlier_job_cannot_complete_a_checkpoint(tmp_path):
     stray.save(5, state(1)).wait_staged()
     stray.close()
     r0 = Checkpointer(str(tmp_path), rank=0, world_size=2, run_id="new-job", commit_timeout=1.0)
-    with pytest.raises(SaveError, match=r"ranks \[1\] of 2 did not write their records"):
+    with pytest.raises(SaveError, match=r"record of ranks \[1\] missing.*commit_timeout"):
         r0.save(5, state(0)).result(timeout=30)
     assert r0.steps() == []
     # the real rank 1 arrives: the next save commits, and the stray's files are cleaned up
@@ -411,7 +423,7 @@ def test_lane_values_are_merged_across_ranks_and_lanes_may_not_repeat(tmp_path):
     assert h0.result(timeout=30) == 1 and h1.result(timeout=30) == 1
     h0 = r0.save(2, {"data": ByLane({"0": 10}), "rng": PerRank(0)})
     h1 = r1.save(2, {"data": ByLane({"0": 10}), "rng": PerRank(1)})
-    with pytest.raises(SaveError, match="lane '0'.*ranks 0 and 1"):
+    with pytest.raises(SaveError, match="lane '0' of 'data' was saved twice"):
         h0.result(timeout=30)
     r0.close(), r1.close()
     # one rank now hosts every lane; per-rank values do not carry over to another world size

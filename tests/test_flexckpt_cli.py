@@ -3,7 +3,9 @@ import torch
 
 from flexckpt import ByLane, Checkpointer
 from flexckpt.cli import main
-from flexckpt.manifest import data_file, step_dir
+import orjson
+
+from flexckpt.manifest import MANIFEST, step_dir
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor
 
 GLOBAL = {"emb": torch.randn(300, 16), "norm": torch.randn(16), "w": torch.randn(64, 64), "m": torch.randn(1000)}
@@ -39,7 +41,8 @@ def test_verify_finds_a_damaged_chunk(tmp_path, capsys):
     _save(tmp_path)
     assert main(["verify", str(tmp_path)]) == 0
     assert "ok" in capsys.readouterr().out
-    path = tmp_path / step_dir(5) / data_file("cli", 1)
+    attempt = orjson.loads((tmp_path / step_dir(5) / MANIFEST).read_bytes())["attempt"]
+    path = tmp_path / step_dir(5) / attempt / "r00001.data"
     raw = bytearray(path.read_bytes())
     raw[10] ^= 1
     path.write_bytes(bytes(raw))

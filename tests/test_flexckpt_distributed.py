@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer, ChecksumError, LoadError, PerRank
-from flexckpt.manifest import data_file, step_dir
+from flexckpt.commit import read_manifest
+from flexckpt.manifest import data_name, step_dir
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor, assign_owners
 from flexshard.spawn import run_workers
 
@@ -208,7 +209,7 @@ def _corrupt_one_rank(rank: int, world: int, url: str) -> dict:
         st = {"w": ShardedTensor.from_global(full + step, Shard(0))}
         ckpt.save(step, st).result(timeout=60)
     if rank == 2:
-        path = os.path.join(url, step_dir(2), data_file("corrupt", 2))
+        path = os.path.join(url, step_dir(2), data_name(read_manifest(ckpt.storage, 2).attempt, 2))
         with open(path, "r+b") as f:
             f.seek(700)
             b = f.read(1)

@@ -4,7 +4,8 @@ import s3fs
 import torch
 
 from flexckpt import Checkpointer, ChecksumError
-from flexckpt.manifest import MANIFEST, data_file, step_dir
+from flexckpt.commit import read_manifest
+from flexckpt.manifest import MANIFEST, data_name, step_dir
 from flexckpt.storage import Storage
 from flexshard import BlockShard, Shard, ShardedTensor
 
@@ -40,7 +41,7 @@ def test_s3_damaged_object_fails_the_load(s3_options):
     with Checkpointer(url, storage_options=opts, chunk_bytes=256) as ck:
         ck.save(1, {"w": torch.arange(200.0)}).result(timeout=60)
         fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
-        key = f"{bucket}/run2/{step_dir(1)}/{data_file(ck.run_id, 0)}"
+        key = f"{bucket}/run2/{step_dir(1)}/{data_name(read_manifest(ck.storage, 1).attempt, 0)}"
         data = bytearray(fs.cat_file(key))
         data[300] ^= 0xFF
         fs.pipe_file(key, bytes(data))

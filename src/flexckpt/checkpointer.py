@@ -4,13 +4,16 @@ write, and the coordinator commits. ``load`` restores at any world size.
 Threads (started on the first save):
   stager  - copies this rank's pieces into a staging buffer, then releases the fence;
   writer  - chunks, compresses, checksums and writes the rank's file, then its record;
-  commit  - rank 0 only: waits for every record by reading storage, writes the manifest,
-            applies retention.
+  commit  - rank 0: gathers the records by reading storage, writes the manifest, applies
+            retention; other group leaders (every GROUP-th rank): gather their group's
+            records into one.
 No thread ever enters a collective on the save path.
 """
 from __future__ import annotations
 
 import atexit
+import functools
+import hashlib
 import logging
 import os
 import queue
@@ -26,38 +29,57 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from flexckpt.checksum import checksum
 from flexckpt.codec import parse_compression
 from flexckpt.commit import (
+    AnnouncedFailure,
     apply_retention,
     build_manifest,
-    check_records,
+    check_fingerprints,
     commit,
+    committed_attempt,
     committed_steps,
+    failure_message,
+    gather,
+    lead_group,
     mark_failed,
+    other_live_job,
     read_manifest,
-    wait_for_records,
+    record_doc,
 )
 from flexckpt.errors import LoadError, SaveError
 from flexckpt.load import LoadStats, PendingLoad, encode_per_rank
-from flexckpt.manifest import MANIFEST, check_run_id, data_file, failed_file, record_file, step_dir
+from flexckpt.manifest import (
+    GROUP,
+    attempt_id,
+    check_run_id,
+    committed_name,
+    data_name,
+    group_name,
+    record_name,
+    step_dir,
+    table_name,
+)
 from flexckpt.plan import RankPlan, WritePlan, make_write_plan
 from flexckpt.staging import BufferPool, StagingBuffer, copy_into
 from flexckpt.storage import Storage
 from flexckpt.structure import Walk, encode_plain, fingerprint, walk
-from flexckpt.writer import record_bytes, write_data_file
+from flexckpt.writer import table_bytes, write_data_file
 from flexshard import current_world
 
 log = logging.getLogger("flexckpt")
 
 DEFAULT_CHUNK_BYTES = 2 << 20
+DEFAULT_EXIT_TIMEOUT = 30.0
 
 
 class SaveHandle:
     """One save in flight. ``wait_staged()`` is the fence after which the caller may
     change the state; ``result()`` returns once the checkpoint is committed."""
 
-    def __init__(self, step: int, wait_commit: "Any") -> None:
+    def __init__(self, step: int, wait_commit: "Any", attempt: str = "") -> None:
         self.step = step
+        self.attempt = attempt  # this save attempt's folder inside the step folder
         self.save_seconds = 0.0  # time spent inside save()
         self.fence_seconds = 0.0  # time spent inside wait_staged()
         self.timings: dict[str, float] = {}
@@ -125,6 +147,9 @@ class _PlanEntry:
     order: list[int]  # walk indices of this rank's pieces, in stream order
     shapes: list[tuple]
     cuda: bool
+    per_rank_keys: list[str] = field(default_factory=list)
+    parts: list = field(default_factory=list)  # per piece: None (all of it) or (start, stop) of the local flat piece
+    published: bool = False  # the structure went out in a record (the first save with it)
 
 
 @dataclass(eq=False)
@@ -138,7 +163,9 @@ class _Job:
     lanes: dict[str, bytes]
     per_rank: dict[str, bytes]
     cuda: Any
+    attempt: str = ""
     chunks: list = field(default_factory=list)
+    line: list = field(default_factory=list)  # [fingerprint, table checksum, table bytes, stored bytes]
 
 
 class Checkpointer:
@@ -156,7 +183,11 @@ class Checkpointer:
             ``FLEXCKPT_RUN_ID`` or torchrun's run id and restart count, else rank 0's random id
             is broadcast once, here (never during a save).
         rank, world_size: override the ``torch.distributed`` world (both or neither).
-        commit_timeout: seconds the coordinator waits for the other ranks' records.
+        commit_timeout: seconds the coordinator waits for the other ranks' records (and the
+            other ranks for the commit).
+        exit_timeout: at interpreter exit, seconds to wait for saves in flight before
+            leaving without them (default 30; a save whose ranks never all arrive would
+            otherwise hold the exit for ``commit_timeout``).
         fsync: make files durable before the commit (turn off only for throwaway runs).
         read_threads: parallel ranged reads during load.
         poll_interval: longest pause between the listings that wait for other ranks'
@@ -184,6 +215,7 @@ class Checkpointer:
         rank: int | None = None,
         world_size: int | None = None,
         commit_timeout: float = 600.0,
+        exit_timeout: float = DEFAULT_EXIT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         fsync: bool = True,
         read_threads: int = 2,
@@ -214,6 +246,7 @@ class Checkpointer:
         self.compression = parse_compression(compression)
         self.chunk_bytes = chunk_bytes
         self.commit_timeout = float(commit_timeout)
+        self.exit_timeout = float(exit_timeout)
         self.fsync = fsync
         self.read_threads = max(1, int(read_threads))
         self.direct_io = bool(direct_io)
@@ -222,7 +255,10 @@ class Checkpointer:
         self.stage_delay = float(stage_delay)
         self.poll_interval = float(poll_interval) if poll_interval is not None else (0.01 if self.storage.local else 0.1)
         self.is_coordinator = rank == 0
+        self.is_leader = rank % GROUP == 0  # gathers its group's records (rank 0: everyone's)
         self.run_id = self._resolve_run_id(run_id)
+        self.session = self._resolve_session(reused=run_id is None and not os.environ.get("FLEXCKPT_RUN_ID"))
+        self._attempts: dict[int, int] = {}
         self.last_load_stats: LoadStats | None = None
         self._pool = BufferPool(max_in_flight)
         self._plan_key: list | None = None
@@ -237,7 +273,7 @@ class Checkpointer:
         self._cuda_stream = None
         self._lock = threading.Lock()
         ref = weakref.ref(self)
-        self._atexit = lambda: (ref() and ref().close())
+        self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout))
         atexit.register(self._atexit)
 
     # -- run id ------------------------------------------------------------------------------
@@ -262,6 +298,20 @@ class Checkpointer:
             f"pass run_id= (the same on every rank) or set FLEXCKPT_RUN_ID"
         )
 
+    def _resolve_session(self, reused: bool) -> str:
+        """8 hex digits that tell this launch's save attempts from an earlier launch's with
+        the same run id. A run id taken from torchrun (``reused``) repeats when a job is
+        requeued with the same id and restart count: then rank 0 draws the digits and
+        broadcasts them once, here. A run id passed in (or set in FLEXCKPT_RUN_ID) is the
+        caller's to keep unique per launch, and the digits follow from it (no collective)."""
+        if self.world_size == 1:
+            return uuid.uuid4().hex[:8]
+        if reused and os.environ.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") and dist.is_available() and dist.is_initialized():
+            t = torch.tensor(list(uuid.uuid4().bytes[:4]), dtype=torch.uint8, device=_collective_device(self.group))
+            dist.broadcast(t, src=_global_rank(0, self.group), group=self.group)
+            return bytes(t.cpu().tolist()).hex()
+        return hashlib.sha256(self.run_id.encode()).hexdigest()[:8]
+
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int, state: dict) -> SaveHandle:
         """Start saving ``state`` as ``step``; returns once the copy is queued.
@@ -276,11 +326,17 @@ class Checkpointer:
         step_dir(step)  # validates the step
         w = walk(state, self.rank, self.world_size)
         entry = self._plan_for(w)
-        srcs = [w.tensors[i] for i in entry.order]
+        srcs = [w.tensors[i] if part is None else w.tensors[i].reshape(-1)[part[0] : part[1]]
+                for i, part in zip(entry.order, entry.parts)]
         plain = {k: encode_plain(v) for k, v in w.plain.items()} if self.is_coordinator else {}
         lanes = {k: orjson.dumps(v.values) for k, v in w.lanes.items()}
         per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
-        handle = SaveHandle(step, None if self.is_coordinator else self._wait_for_commit)
+        # every rank numbers its saves of a step alike: attempt k of step s is the same save
+        # on every rank, and its files, records and markers are its own
+        n = self._attempts[step] = self._attempts.get(step, 0) + 1
+        attempt = attempt_id(self.run_id, self.session, n)
+        waiter = None if self.is_coordinator else functools.partial(self._wait_for_commit, attempt=attempt)
+        handle = SaveHandle(step, waiter, attempt)
         cuda = None
         if entry.cuda:
             ready = torch.cuda.Event()
@@ -292,7 +348,7 @@ class Checkpointer:
         t_wait = time.perf_counter()
         buffer = self._pool.acquire()  # waits while max_in_flight saves are staged but not written
         handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
-        job = _Job(step, handle, entry, buffer, srcs, plain, lanes, per_rank, cuda)
+        job = _Job(step, handle, entry, buffer, srcs, plain, lanes, per_rank, cuda, attempt)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
         self._stage_q.put(job)
@@ -304,9 +360,15 @@ class Checkpointer:
             return self._plan_entry
         structure = w.structure_json()
         plan = make_write_plan(w.specs, self.world_size, self.chunk_bytes)
-        rank_plan = plan.ranks[self.rank]
+        rank_plan = plan.rank_plan(self.rank)
         walk_index = {s.name: i for i, s in enumerate(w.specs)}
         order = [walk_index[plan.specs[p.spec_index].name] for p in rank_plan.pieces]
+        # a piece this rank writes only part of (HybridShard: the replicas share the writing)
+        parts: list[tuple[int, int] | None] = []
+        for p, i in zip(rank_plan.pieces, order):
+            spec = w.specs[i]
+            held = spec.layout.flat_range(spec.shape, self.world_size, self.rank)
+            parts.append(None if (p.start, p.stop) == tuple(held) else (p.start - held.start, p.stop - held.start))
         self._plan_ids += 1
         entry = _PlanEntry(
             id=self._plan_ids,
@@ -316,8 +378,10 @@ class Checkpointer:
             structure=structure,
             structure_bytes=orjson.dumps(structure),
             order=order,
-            shapes=[tuple(w.tensors[i].shape) for i in order],
+            shapes=[tuple(w.tensors[i].shape) if part is None else (part[1] - part[0],) for i, part in zip(order, parts)],
+            parts=parts,
             cuda=any(w.tensors[i].device.type == "cuda" for i in order),
+            per_rank_keys=sorted(w.per_rank),
         )
         self._plan_key, self._plan_entry = w.key, entry
         return entry
@@ -325,7 +389,7 @@ class Checkpointer:
     def _ensure_threads(self) -> None:
         if self._threads:
             return
-        loops = [self._stage_loop, self._write_loop] + ([self._commit_loop] if self.is_coordinator else [])
+        loops = [self._stage_loop, self._write_loop] + ([self._commit_loop] if self.is_leader else [])
         for loop in loops:
             t = threading.Thread(target=loop, name=f"flexckpt-{loop.__name__[1:-5]}-r{self.rank}", daemon=True)
             t.start()
@@ -365,12 +429,13 @@ class Checkpointer:
                 return
             t0 = time.perf_counter()
             try:
-                rank_plan = job.entry.rank_plan
-                folder = step_dir(job.step)
+                e = job.entry
+                rank_plan = e.rank_plan
+                folder = f"{step_dir(job.step)}/{job.attempt}"
                 self.storage.makedirs(folder)
                 if rank_plan.nbytes:
                     job.chunks = write_data_file(
-                        self.storage, f"{folder}/{data_file(self.run_id, self.rank)}",
+                        self.storage, f"{step_dir(job.step)}/{data_name(job.attempt, self.rank)}",
                         memoryview(job.buffer.data.numpy()), rank_plan.nbytes,
                         rank_plan.chunks, self.compression, self.fsync, self.direct_io,
                     )
@@ -379,25 +444,37 @@ class Checkpointer:
                 continue
             finally:
                 self._pool.release(job.buffer)
+            try:
+                table = table_bytes(rank=self.rank, attempt=job.attempt, codec=self.compression.codec,
+                                    chunks=job.chunks, per_rank=job.per_rank)
+                self.storage.put_atomic(f"{step_dir(job.step)}/{table_name(job.attempt, self.rank)}", table,
+                                        fsync=self.fsync)
+                job.line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in job.chunks)]
+            except BaseException as exc:  # noqa: BLE001
+                self._report_failure(job, exc, "writing its chunk table")
+                continue
             job.handle.timings["write_s"] = time.perf_counter() - t0
-            job.handle.timings["bytes"] = float(job.entry.rank_plan.nbytes)
-            if self.is_coordinator:
+            job.handle.timings["bytes"] = float(rank_plan.nbytes)
+            if self.is_leader:
                 self._commit_q.put(job)
                 continue
             try:
-                rec = record_bytes(
-                    run_id=self.run_id, step=job.step, rank=self.rank, world_size=self.world_size,
-                    fingerprint=job.entry.fingerprint, structure=job.entry.structure_bytes,
-                    file=data_file(self.run_id, self.rank), nbytes=job.entry.rank_plan.nbytes,
-                    chunks=job.chunks, lanes=job.lanes, per_rank=job.per_rank,
-                )
-                # no fsync: a record only tells the coordinator that this rank's (fsynced) data
-                # is complete; after the commit the manifest holds everything it said
-                self.storage.put_atomic(f"{step_dir(job.step)}/{record_file(self.run_id, self.rank)}", rec, fsync=False)
+                # no fsync: a record only tells the leader that this rank's (fsynced) files are
+                # complete; after the commit the manifest holds everything it said
+                self.storage.makedirs(f"{step_dir(job.step)}/{record_name(job.attempt, self.rank).rsplit('/', 1)[0]}")
+                self.storage.put_atomic(f"{step_dir(job.step)}/{record_name(job.attempt, self.rank)}",
+                                        self._record(job), fsync=False)
             except BaseException as exc:  # noqa: BLE001
                 self._report_failure(job, exc, "writing its record")
                 continue
             job.handle._done.set()
+
+    def _record(self, job: _Job) -> bytes:
+        e = job.entry
+        structure = e.structure_bytes if not e.published and self.world_size <= GROUP else None
+        e.published = True
+        return record_doc(run_id=self.run_id, attempt=job.attempt, step=job.step, world_size=self.world_size,
+                          entries={self.rank: job.line}, lanes=job.lanes, structure=structure)
 
     def _commit_loop(self) -> None:
         while True:
@@ -410,49 +487,81 @@ class Checkpointer:
                 self._commit_q.task_done()
 
     def _commit(self, job: _Job) -> None:
+        if not self.is_coordinator:
+            return self._lead(job)
         t0 = time.perf_counter()
         try:
             e = job.entry
-            records = wait_for_records(
-                self.storage, job.step, self.run_id, self.world_size, self.commit_timeout, self.poll_interval
+            structures: dict[str, dict] = {}
+            entries, lanes = gather(
+                self.storage, step=job.step, run_id=self.run_id, attempt=job.attempt, world_size=self.world_size,
+                own=self._record(job), timeout=self.commit_timeout, max_delay=self.poll_interval,
+                structures=structures,
             )
-            check_records(records, job.step, self.run_id, self.world_size, e.fingerprint, e.structure)
+            job.handle.timings["gather_s"] = time.perf_counter() - t0
+            check_fingerprints(entries, job.step, e.fingerprint, e.structure, structures)
+            other = other_live_job(self.storage, job.step, self.run_id, job.attempt, self.commit_timeout)
+            if other is not None:
+                raise SaveError(
+                    f"step {job.step}: another job is saving into {self.storage.url} (attempt folder {other} was "
+                    f"written in the last {self.commit_timeout:.0f} s); give each job its own URL"
+                )
             manifest = build_manifest(
-                step=job.step, run_id=self.run_id, plan=e.plan, fingerprint=e.fingerprint,
-                own_chunks=job.chunks, records=records, plain=job.plain,
-                own_lanes=job.lanes, own_per_rank=job.per_rank,
+                step=job.step, run_id=self.run_id, attempt=job.attempt, plan=e.plan, fingerprint=e.fingerprint,
+                codec=self.compression.codec, entries=entries, plain=job.plain, lanes=lanes,
+                per_rank_keys=e.per_rank_keys,
             )
             commit(self.storage, manifest, self.fsync)
+            now = committed_attempt(self.storage, job.step)
+            if now != job.attempt:
+                raise SaveError(f"step {job.step}: another job committed over this save (the manifest names {now})")
         except BaseException as exc:  # noqa: BLE001
-            mark_failed(self.storage, job.step, self.run_id, f"{type(exc).__name__}: {exc}")
             self._report_failure(job, exc, "committing")
             return
         job.handle.timings["commit_s"] = time.perf_counter() - t0
         job.handle._done.set()  # committed: retention below is housekeeping, not part of the save
         try:
-            apply_retention(self.storage, self.keep_last, job.step, self.run_id)
+            apply_retention(self.storage, self.keep_last, job.step, job.attempt, self.commit_timeout)
         except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
             log.exception("retention after step %d failed", job.step)
 
+    def _lead(self, job: _Job) -> None:
+        """A group leader (not rank 0): gather the group's records into one for rank 0."""
+        try:
+            group = lead_group(
+                self.storage, step=job.step, run_id=self.run_id, attempt=job.attempt, world_size=self.world_size,
+                rank=self.rank, own=self._record(job), timeout=self.commit_timeout, max_delay=self.poll_interval,
+            )
+            rel = f"{step_dir(job.step)}/{group_name(job.attempt, self.rank // GROUP)}"
+            self.storage.makedirs(rel.rsplit("/", 1)[0])
+            self.storage.put_atomic(rel, group, fsync=False)
+        except BaseException as exc:  # noqa: BLE001
+            self._report_failure(job, exc, "gathering its group's records")
+            return
+        job.handle._done.set()
+
     def _report_failure(self, job: _Job, exc: BaseException, what: str) -> None:
+        """Every rank announces its own failure to the attempt's other ranks (rank 0's
+        included): nobody waits out commit_timeout for a save that cannot commit."""
         log.error("flexckpt rank %d: save of step %d failed while %s: %s", self.rank, job.step, what, exc, exc_info=exc)
+        if not isinstance(exc, AnnouncedFailure):
+            mark_failed(self.storage, job.step, job.attempt, f"rank {self.rank} failed while {what}: {type(exc).__name__}: {exc}")
         job.handle._fail(exc)
 
-    def _wait_for_commit(self, step: int, timeout: float | None) -> None:
-        """Non-coordinators learn of the commit from storage: the manifest, or rank 0's
-        failure marker."""
-        folder = step_dir(step)
+    def _wait_for_commit(self, step: int, timeout: float | None, attempt: str) -> None:
+        """Other ranks learn of the commit from storage: the attempt's ``committed`` marker,
+        or its failure marker (a few existence checks per poll, never a listing of the step)."""
         limit = self.commit_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         delay = 0.002
+        folder = step_dir(step)
         while True:
-            names = self.storage.list_names(folder)
-            if MANIFEST in names:
+            if self.storage.exists(f"{folder}/{committed_name(attempt)}"):
                 return
-            if failed_file(self.run_id) in names:
-                msg = self.storage.read_bytes(f"{folder}/{failed_file(self.run_id)}", limit=1 << 20).decode(errors="replace")
-                raise SaveError(f"save of step {step} failed on the coordinator: {msg}")
-            if not names:  # this rank's own files are gone: the folder was removed under us
+            failed = failure_message(self.storage, step, attempt)
+            if failed is not None:
+                raise SaveError(failed)
+            if not self.storage.exists(f"{folder}/{table_name(attempt, self.rank)}"):
                 raise SaveError(f"the folder of step {step} was removed before this rank saw its commit "
                                 f"(retention with a small keep_last, or another job on the same URL)")
             if time.monotonic() > deadline:
@@ -481,8 +590,9 @@ class Checkpointer:
         atexit.unregister(self._atexit)
         if self._threads:
             self._stage_q.put(None)
+            deadline = None if timeout is None else time.monotonic() + timeout
             for t in self._threads:
-                t.join(timeout)
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._threads = []
         self._pool.clear()
 

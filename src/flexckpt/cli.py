@@ -8,7 +8,7 @@
                                                   rewrite a checkpoint for another world size
 
 Layout kinds for --layout (glob PATTERN=KIND, repeatable): replicate, shard, owned,
-block[:SIZE]; by default each tensor keeps its saved kind (Owned tensors get owners
+block[:SIZE], hybrid:GROUP[:BLOCK]; by default each tensor keeps its saved kind (Owned tensors get owners
 balanced for the new world).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from flexckpt.readplan import coalesce, plan_reads
 from flexckpt.storage import Storage
 from flexckpt.structure import decode_plain
 from flexckpt.values import ByLane, PerRank
-from flexshard import BlockShard, Layout, Owned, Replicate, Shard, ShardedTensor, assign_owners
+from flexshard import BlockShard, HybridShard, Layout, Owned, Replicate, Shard, ShardedTensor, assign_owners
 
 
 def _mib(n: float) -> str:
@@ -64,15 +64,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
     m = read_manifest(storage, _pick_step(storage, args.step))
     kinds = Counter(type(t.layout).__name__ for t in m.tensors.values())
-    stored = sum(c.length for f in m.files.values() for c in f.chunks)
-    codecs = Counter(c.codec for f in m.files.values() for c in f.chunks)
     print(f"step {m.step} of run {m.run_id}, saved by {m.world_size} ranks at "
-          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.time))}")
-    print(f"  {len(m.tensors)} tensors, {_mib(m.total_bytes)} raw, {_mib(stored)} stored "
-          f"in {len(m.files)} files, {sum(len(f.chunks) for f in m.files.values())} chunks {dict(codecs)}")
+          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.time))} (format version {m.version})")
+    if m.version == 1:
+        codecs = Counter(c.codec for f in m.files.values() for c in f.chunks)
+        print(f"  {len(m.tensors)} tensors, {_mib(m.total_bytes)} raw, {_mib(m.stored_bytes)} stored "
+              f"in {len(m.files)} files, {sum(len(f.chunks) for f in m.files.values())} chunks {dict(codecs)}")
+    else:  # chunk counts would need every rank's table: not read here
+        print(f"  {len(m.tensors)} tensors, {_mib(m.total_bytes)} raw, {_mib(m.stored_bytes)} stored "
+              f"in {len(m.files)} files ({m.codec}), save attempt {m.attempt}")
     print(f"  layouts: {dict(kinds)}")
-    for name, f in sorted(m.files.items()):
-        print(f"  file {name}: {_mib(f.nbytes)} in {len(f.chunks)} chunks")
+    if m.version == 1:
+        for name, f in sorted(m.files.items()):
+            print(f"  file {name}: {_mib(f.nbytes)} in {len(f.chunks)} chunks")
+    else:
+        for r, e in enumerate(m.ranks[:64]):
+            if e.stored_nbytes:
+                print(f"  file {m.attempt}/r{r:05d}.data: {_mib(e.stored_nbytes)} stored")
     if m.plain:
         print("  plain values:")
         for k, v in sorted(m.plain.items()):
@@ -84,7 +92,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.tensors:
         print(f"  {'tensor':40s} {'dtype':9s} {'shape':18s} {'layout':28s} pieces")
         for name, t in sorted(m.tensors.items()):
-            print(f"  {name:40s} {dtype_name(t.dtype):9s} {str(list(t.shape)):18s} {str(t.layout):28s} {len(t.pieces)}")
+            print(f"  {name:40s} {dtype_name(t.dtype):9s} {str(list(t.shape)):18s} {str(t.layout):28s} {len(t.all_pieces())}")
     return 0
 
 
@@ -99,7 +107,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for s in steps:
         m = read_manifest(storage, s)
         total, errors = 0, []
-        for name, f in sorted(m.files.items()):
+        if m.version == 2:  # every rank's chunk table, data file or not
+            for r in range(m.world_size):
+                try:
+                    m.files.table(r)  # type: ignore[attr-defined]
+                except (OSError, CheckpointError) as e:
+                    errors.append(f"chunk table of rank {r}: {e}")
+        for name in sorted(m.files):
+            try:
+                f = m.files[name]
+            except (OSError, CheckpointError) as e:
+                if m.version == 1:
+                    errors.append(str(e))
+                continue
             with storage.open_reader(f"{step_dir(s)}/{name}") as reader:
                 for c in f.chunks:
                     buf = memoryview(bytearray(c.length))
@@ -130,7 +150,10 @@ def _parse_kind(kind: str) -> Any:
     if kind == "block" or kind.startswith("block:"):
         size = int(kind.split(":")[1]) if ":" in kind else 32
         return lambda name, world, owners: BlockShard(size)
-    raise SystemExit(f"unknown layout kind {kind!r}: use replicate, shard, owned or block[:SIZE]")
+    if kind.startswith("hybrid:"):
+        parts = [int(p) for p in kind.split(":")[1:]]
+        return lambda name, world, owners: HybridShard(parts[0], parts[1] if len(parts) > 1 else None)
+    raise SystemExit(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or hybrid:GROUP[:BLOCK]")
 
 
 def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, Layout]:
@@ -146,6 +169,8 @@ def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, L
         kind = {"Replicate": "replicate", "Shard": "shard", "Owned": "owned"}.get(type(t.layout).__name__)
         if isinstance(t.layout, BlockShard):
             kind = f"block:{t.layout.block_size}"
+        if isinstance(t.layout, HybridShard):
+            kind = f"hybrid:{t.layout.group_size}" + (f":{t.layout.block_size}" if t.layout.block_size else "")
         for pattern, k in rules:
             if fnmatch.fnmatchcase(name, pattern):
                 kind = k

@@ -1,29 +1,43 @@
-"""The coordinator's side of a save: wait for every rank's record by reading storage,
-check them against each other, write the manifest (the commit), then apply retention.
-No collective and no barrier: ranks meet only through storage."""
+"""The commit side of a save: records gathered through storage, checked against each
+other, the manifest written (the commit), then cleanup and retention. No collective and
+no barrier: ranks meet only through storage.
+
+Every file of a save attempt lives in the attempt's folder (``step-N/RUN.SESSION.K/``), so
+records, failure markers and data of another attempt (an earlier try of the same step, a
+requeued job, another job on the same URL) are never mistaken for this one's.
+
+Gathering takes fewer than W reads on the coordinator: rank ``r`` writes its record under
+its group (``GROUP`` consecutive ranks); each group's first rank (its leader) waits for
+its group's records, merges them and writes one group record; rank 0 reads the group
+records. With W <= GROUP rank 0 reads the records itself.
+"""
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import orjson
 
 from flexckpt.errors import ManifestError, SaveError
 from flexckpt.manifest import (
+    GROUP,
     MANIFEST,
     MAX_MANIFEST_BYTES,
-    FileEntry,
+    RECORD_FORMAT,
+    VERSION,
     Manifest,
-    SavedPiece,
+    RankEntry,
     SavedTensor,
-    StoredChunk,
-    data_file,
-    failed_file,
+    attempt_run_id,
+    committed_name,
+    failed_name,
+    group_name,
     parse_manifest,
     parse_record,
     parse_step_dir,
-    record_file,
+    record_name,
     step_dir,
 )
 from flexckpt.plan import WritePlan
@@ -31,49 +45,157 @@ from flexckpt.storage import Storage
 
 log = logging.getLogger("flexckpt")
 
+class AnnouncedFailure(SaveError):
+    """Another rank announced (by the attempt's failure marker) that this save failed."""
 
-def wait_for_records(
-    storage: Storage, step: int, run_id: str, world_size: int, timeout: float, max_delay: float = 0.01
+
+READ_CONCURRENCY = 64  # records read in parallel (an object store serves these at once)
+
+
+# -- records -----------------------------------------------------------------------------------
+def record_doc(
+    *, run_id: str, attempt: str, step: int, world_size: int, entries: dict[int, list], lanes: dict[str, Any],
+    structure: bytes | None = None,
+) -> bytes:
+    """A record: one rank's line (``entries[rank] = [fingerprint, table checksum, table
+    bytes, stored bytes]``) and lanes, or a group's, merged by its leader. Lane values may
+    be already-encoded JSON (bytes), spliced in without re-encoding. ``structure`` (a
+    rank's first save with a structure, in a world of at most GROUP ranks) lets rank 0 name
+    the keys that differ if the fingerprints do."""
+    extra = {"structure": orjson.Fragment(structure)} if structure is not None else {}
+    return orjson.dumps({**extra,
+        "format": RECORD_FORMAT,
+        "version": VERSION,
+        "run_id": run_id,
+        "attempt": attempt,
+        "step": step,
+        "world_size": world_size,
+        "ranks": {str(r): e for r, e in entries.items()},
+        "lanes": {k: orjson.Fragment(v) if isinstance(v, bytes) else v for k, v in lanes.items()},
+    })
+
+
+def wait_for(
+    storage: Storage,
+    folder: str,
+    names: dict[str, int],
+    timeout: float,
+    max_delay: float,
+    what: str,
+    failed: Callable[[], str | None] | None = None,
 ) -> dict[int, dict]:
-    """Records of ranks 1..world-1 for ``step`` of this run, polled with backoff up to
-    ``max_delay`` seconds between listings."""
-    folder = step_dir(step)
-    pending = set(range(1, world_size))
-    records: dict[int, dict] = {}
+    """Wait until every object of ``names`` (file name in ``folder`` -> key) exists, then
+    read them (up to READ_CONCURRENCY at once): listings of one folder, never W reads."""
+    pending = dict(names)
+    found: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
     delay = 0.001
-    while pending:
-        names = set(storage.list_names(folder))
-        for r in sorted(pending):
-            name = record_file(run_id, r)
-            if name in names:
-                where = f"record {folder}/{name}"
-                records[r] = parse_record(storage.read_bytes(f"{folder}/{name}"), where)
-                pending.discard(r)
-        if not pending:
-            break
-        if time.monotonic() > deadline:
-            raise SaveError(
-                f"step {step}: ranks {sorted(pending)} of {world_size} did not write their records within "
-                f"{timeout:.0f} s (commit_timeout); is every rank calling save({step}, ...)?"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, max_delay)
-    return records
+    with ThreadPoolExecutor(max_workers=READ_CONCURRENCY, thread_name_prefix="flexckpt-gather") as pool:
+        while pending:
+            present = set(storage.list_names(folder)) & set(pending)
+            ready = sorted(present)
+            docs = pool.map(lambda n: parse_record(storage.read_bytes(f"{folder}/{n}"), f"{what} {folder}/{n}"), ready)
+            for name, doc in zip(ready, docs):
+                found[pending.pop(name)] = doc
+            if not pending:
+                break
+            message = failed() if failed else None
+            if message is not None:
+                raise AnnouncedFailure(message)
+            if time.monotonic() > deadline:
+                keys = sorted(pending.values())
+                raise SaveError(
+                    f"{what}s {keys[:20]}{' ...' if len(keys) > 20 else ''} missing in {folder} after {timeout:.0f} s "
+                    f"(commit_timeout); is every rank calling save() for this step?"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, max_delay)
+    return found
 
 
-def check_records(
-    records: dict[int, dict], step: int, run_id: str, world_size: int, fingerprint: str, structure: dict
+def merge_records(
+    docs: list[dict], *, step: int, run_id: str, attempt: str, world_size: int,
+    structures: dict[str, dict] | None = None,
+) -> tuple[dict[int, list], dict[str, dict]]:
+    """Rank lines and lanes of several records, checked to belong to this attempt; a lane
+    saved by two ranks is an error. Structures that records carry go to ``structures``."""
+    entries: dict[int, list] = {}
+    lanes: dict[str, dict] = {}
+    for doc in docs:
+        if structures is not None and isinstance(doc.get("structure"), dict) and len(doc["ranks"]) == 1:
+            structures[str(next(iter(doc["ranks"].values()))[0])] = doc["structure"]
+        for key, want in (("run_id", run_id), ("attempt", attempt), ("step", step), ("world_size", world_size)):
+            if doc[key] != want:
+                raise SaveError(f"step {step}: a record has {key}={doc[key]!r}, expected {want!r}")
+        for r, e in doc["ranks"].items():
+            if not r.isdigit() or not 0 <= int(r) < world_size or int(r) in entries:
+                raise SaveError(f"step {step}: a record has a bad or repeated rank {r!r}")
+            if not (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str)):
+                raise SaveError(f"step {step}: the record line of rank {r} is malformed")
+            entries[int(r)] = e
+        for path, mapping in doc["lanes"].items():
+            if not isinstance(mapping, dict):
+                raise SaveError(f"step {step}: lanes of {path!r} are not keyed by lane")
+            merged = lanes.setdefault(path, {})
+            for lane, v in mapping.items():
+                if lane in merged:
+                    raise SaveError(
+                        f"step {step}: lane {lane!r} of {path!r} was saved twice; each lane must be hosted by "
+                        f"exactly one rank"
+                    )
+                merged[lane] = v
+    return entries, lanes
+
+
+def lead_group(
+    storage: Storage, *, step: int, run_id: str, attempt: str, world_size: int, rank: int,
+    own: bytes, timeout: float, max_delay: float, structures: dict[str, dict] | None = None,
+) -> bytes:
+    """A group leader's part: wait for the group's other records, merge them with its own
+    (``own``), and return the group record (rank 0 keeps it; other leaders write it)."""
+    folder = f"{step_dir(step)}/{attempt}/rec/g{rank // GROUP:05d}"
+    members = range(rank + 1, min(rank + GROUP, world_size))
+    names = {record_name(attempt, r).rsplit("/", 1)[1]: r for r in members}
+    found = wait_for(storage, folder, names, timeout, max_delay, "record of rank",
+                     failed=lambda: failure_message(storage, step, attempt))
+    docs = [parse_record(own, "own record")] + [found[r] for r in sorted(found)]
+    entries, lanes = merge_records(docs, step=step, run_id=run_id, attempt=attempt, world_size=world_size,
+                                   structures=structures)
+    return record_doc(run_id=run_id, attempt=attempt, step=step, world_size=world_size, entries=entries, lanes=lanes)
+
+
+def gather(
+    storage: Storage, *, step: int, run_id: str, attempt: str, world_size: int, own: bytes,
+    timeout: float, max_delay: float, structures: dict[str, dict] | None = None,
+) -> tuple[dict[int, list], dict[str, dict]]:
+    """Rank 0's part: its group's records, then every other group's record."""
+    group0 = lead_group(storage, step=step, run_id=run_id, attempt=attempt, world_size=world_size, rank=0,
+                        own=own, timeout=timeout, max_delay=max_delay, structures=structures)
+    groups = range(1, -(-world_size // GROUP))
+    docs = [parse_record(group0, "group 0")]
+    if groups:
+        folder = f"{step_dir(step)}/{attempt}/grp"
+        names = {group_name(attempt, g).rsplit("/", 1)[1]: g for g in groups}
+        found = wait_for(storage, folder, names, timeout, max_delay, "record of group",
+                         failed=lambda: failure_message(storage, step, attempt))
+        docs += [found[g] for g in sorted(found)]
+    entries, lanes = merge_records(docs, step=step, run_id=run_id, attempt=attempt, world_size=world_size)
+    missing = sorted(set(range(world_size)) - set(entries))
+    if missing:
+        raise SaveError(f"step {step}: no record of ranks {missing[:20]}")
+    return entries, lanes
+
+
+def check_fingerprints(
+    entries: dict[int, list], step: int, fingerprint: str, structure: dict, structures: dict[str, dict]
 ) -> None:
-    for r, rec in sorted(records.items()):
-        for key, want in (("run_id", run_id), ("step", step), ("rank", r), ("world_size", world_size)):
-            if rec[key] != want:
-                raise SaveError(f"step {step}: record of rank {r} has {key}={rec[key]!r}, expected {want!r}")
-        if rec["fingerprint"] != fingerprint:
-            raise SaveError(
-                f"step {step}: rank {r} saved a different state structure than rank 0: "
-                f"{describe_difference(structure, rec['structure'])}"
-            )
+    for r in sorted(entries):
+        theirs = entries[r][0]
+        if theirs != fingerprint:
+            other = structures.get(theirs)
+            detail = (describe_difference(structure, other) if other is not None
+                      else f"its structure hashes to {theirs}, rank 0's to {fingerprint}")
+            raise SaveError(f"step {step}: rank {r} saved a different state structure than rank 0: {detail}")
 
 
 def describe_difference(ours: dict, theirs: dict) -> str:
@@ -101,68 +223,77 @@ def build_manifest(
     *,
     step: int,
     run_id: str,
+    attempt: str,
     plan: WritePlan,
     fingerprint: str,
-    own_chunks: list[StoredChunk],
-    records: dict[int, dict],
+    codec: str,
+    entries: dict[int, list],
     plain: dict[str, Any],
-    own_lanes: dict[str, bytes],
-    own_per_rank: dict[str, bytes],
+    lanes: dict[str, dict],
+    per_rank_keys: list[str],
 ) -> Manifest:
-    world = plan.world_size
-    chunks_by_rank = {0: own_chunks}
-    for r, rec in records.items():
-        chunks_by_rank[r] = [StoredChunk(*c) for c in rec["chunks"]]
-    files: dict[str, FileEntry] = {}
-    pieces: dict[int, list[SavedPiece]] = {i: [] for i in range(len(plan.specs))}
-    for r, rank_plan in enumerate(plan.ranks):
-        name = data_file(run_id, r)
-        if rank_plan.nbytes == 0:
+    ranks = []
+    for r in range(plan.world_size):
+        _fp, check, table_nbytes, stored = entries[r]
+        ranks.append(RankEntry(check, table_nbytes, stored))
+    tensors = {s.name: SavedTensor(s.name, s.dtype, s.shape, s.layout) for s in plan.specs}
+    return Manifest(
+        step, run_id, plan.world_size, time.time(), fingerprint, {}, tensors, plain, lanes,
+        {k: None for k in per_rank_keys}, 2, attempt, plan.rules, codec, tuple(ranks),
+    )
+
+
+# -- the commit --------------------------------------------------------------------------------
+def other_live_job(storage: Storage, step: int, run_id: str, attempt: str, stale_after: float) -> str | None:
+    """An attempt folder in this step of another job (another run id, or the same run id
+    from another launch) with a file written in the last ``stale_after`` seconds: two jobs
+    are saving into one URL."""
+    folder = step_dir(step)
+    session = attempt.rsplit(".", 1)[0]
+    for name in storage.list_names(folder):
+        owner = attempt_run_id(name)
+        if owner is None or name.rsplit(".", 1)[0] == session:
             continue
-        stored = chunks_by_rank[r]
-        if [(c.raw_offset, c.raw_length) for c in stored] != [(c.offset, c.length) for c in rank_plan.chunks]:
-            raise SaveError(f"step {step}: rank {r} wrote chunks that do not follow the write plan")
-        files[name] = FileEntry(name, rank_plan.nbytes, tuple(stored))
-        for p in rank_plan.pieces:
-            pieces[p.spec_index].append(SavedPiece(name, p.start, p.stop, p.offset))
-    tensors = {
-        spec.name: SavedTensor(spec.name, spec.dtype, spec.shape, spec.layout, tuple(sorted(pieces[i], key=lambda p: p.start)))
-        for i, spec in enumerate(plan.specs)
-    }
-    lanes: dict[str, dict[str, Any]] = {}
-    sources: dict[tuple[str, str], int] = {}
-    for r, lane_values in [(0, own_lanes)] + [(r, rec["lanes"]) for r, rec in sorted(records.items())]:
-        for path, value in lane_values.items():
-            mapping = orjson.loads(value) if isinstance(value, bytes) else value
-            if not isinstance(mapping, dict):
-                raise SaveError(f"step {step}: rank {r} sent lanes of {path!r} that are not keyed by lane")
-            merged = lanes.setdefault(path, {})
-            for lane, v in mapping.items():
-                if lane in merged:
-                    raise SaveError(
-                        f"step {step}: lane {lane!r} of {path!r} was saved by ranks {sources[(path, lane)]} and {r}; "
-                        f"each lane must be hosted by exactly one rank"
-                    )
-                merged[lane] = v
-                sources[(path, lane)] = r
-    per_rank: dict[str, list[Any]] = {}
-    for path, value in own_per_rank.items():
-        per_rank[path] = [orjson.loads(value)] + [records[r]["per_rank"].get(path) for r in range(1, world)]
-    return Manifest(step, run_id, world, time.time(), fingerprint, files, tensors, plain, lanes, per_rank)
+        age = storage.age(f"{folder}/{name}")
+        if age is not None and age < stale_after:
+            return name
+    return None
 
 
 def commit(storage: Storage, manifest: Manifest, fsync: bool) -> None:
-    """Write the manifest last, atomically: this is the commit."""
-    storage.put_atomic(f"{step_dir(manifest.step)}/{MANIFEST}", manifest.to_bytes(), fsync=fsync)
+    """Write the manifest last, atomically: this is the commit. Then the attempt's
+    ``committed`` marker, which the other ranks wait for."""
+    folder = step_dir(manifest.step)
+    storage.put_atomic(f"{folder}/{MANIFEST}", manifest.to_bytes(), fsync=fsync)
+    storage.put_atomic(f"{folder}/{committed_name(manifest.attempt)}", b"", fsync=False)
 
 
-def mark_failed(storage: Storage, step: int, run_id: str, message: str) -> None:
-    """Tell the other ranks (who poll for the manifest) that this step will not commit."""
+def committed_attempt(storage: Storage, step: int) -> str | None:
+    """The attempt the step's manifest names now (None: no manifest, or version 1)."""
     try:
-        storage.makedirs(step_dir(step))
-        storage.put_atomic(f"{step_dir(step)}/{failed_file(run_id)}", message.encode(), fsync=False)
+        return read_manifest(storage, step).attempt
+    except (OSError, ValueError):
+        return None
+
+
+def mark_failed(storage: Storage, step: int, attempt: str, message: str) -> None:
+    """Tell the other ranks of this attempt (who wait for its marker) that it will not commit."""
+    try:
+        storage.makedirs(f"{step_dir(step)}/{attempt}")
+        storage.put_atomic(f"{step_dir(step)}/{failed_name(attempt)}", message.encode(), fsync=False)
     except Exception:  # noqa: BLE001 - best effort; the save already failed
         log.exception("could not write the failure marker of step %d", step)
+
+
+def failure_message(storage: Storage, step: int, attempt: str) -> str | None:
+    rel = f"{step_dir(step)}/{failed_name(attempt)}"
+    if not storage.exists(rel):
+        return None
+    try:
+        msg = storage.read_bytes(rel, limit=1 << 20).decode(errors="replace")
+    except OSError:
+        msg = "(the marker could not be read)"
+    return f"save of step {step} failed on another rank: {msg}"
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -178,16 +309,21 @@ def committed_steps(storage: Storage) -> list[int]:
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
+    """The step's manifest, validated; a version-2 manifest is bound to ``storage`` so that
+    its chunk tables are read on first use."""
     rel = f"{step_dir(step)}/{MANIFEST}"
     manifest = parse_manifest(storage.read_bytes(rel, limit=MAX_MANIFEST_BYTES), where=f"manifest {rel}")
     if manifest.step != step:
         raise ManifestError(f"{rel} describes step {manifest.step}, not {step}")
+    if manifest.version == 2:
+        manifest.files.bind(storage, step_dir(step))  # type: ignore[attr-defined]
     return manifest
 
 
-def apply_retention(storage: Storage, keep_last: int | None, newest: int, run_id: str) -> None:
+def apply_retention(storage: Storage, keep_last: int | None, newest: int, attempt: str, stale_after: float) -> None:
     """Delete committed checkpoints beyond the newest ``keep_last`` (manifest first, then
-    data) and incomplete folders older than the newest commit."""
+    data), incomplete folders older than the newest commit, and the newest step's attempt
+    folders that its manifest does not name (see :func:`remove_other_attempts`)."""
     steps = committed_steps(storage)
     doomed = steps[:-keep_last] if keep_last else []
     for s in doomed:
@@ -200,14 +336,25 @@ def apply_retention(storage: Storage, keep_last: int | None, newest: int, run_id
         if s is not None and s < newest and s not in committed:
             storage.remove_tree(name)
             log.info("removed incomplete checkpoint folder %s", name)
-    _remove_strays(storage, newest, run_id)
+    remove_other_attempts(storage, newest, attempt, stale_after)
 
 
-def _remove_strays(storage: Storage, step: int, run_id: str) -> None:
-    """Files in the just-committed folder that its manifest does not own (an earlier job's
-    attempt at the same step)."""
+def remove_other_attempts(storage: Storage, step: int, attempt: str, stale_after: float) -> None:
+    """Attempt folders of the just-committed step other than the committed ``attempt``:
+    this job's own earlier attempts at once; another job's only once untouched for
+    ``stale_after`` seconds (a live job's files are never deleted, and the manifest just
+    written names only ``attempt``). Version-1 files of earlier jobs count as stale."""
     folder = step_dir(step)
+    session = attempt.rsplit(".", 1)[0]
     for name in storage.list_names(folder):
-        if name == MANIFEST or name.startswith(run_id + "-") or name.startswith("."):
+        if name in (MANIFEST, attempt) or name.startswith("."):
             continue
-        storage.remove(f"{folder}/{name}")
+        owner = attempt_run_id(name)
+        if owner is not None and name.rsplit(".", 1)[0] != session:
+            age = storage.age(f"{folder}/{name}")
+            if age is not None and age < stale_after:
+                continue
+        if owner is not None:
+            storage.remove_tree(f"{folder}/{name}")
+        else:
+            storage.remove(f"{folder}/{name}")

@@ -38,6 +38,7 @@ class LoadStats:
     bytes_read: int = 0
     direct_chunks: int = 0
     tensors: int = 0
+    metadata_bytes: int = 0  # chunk tables read (version 2), besides the manifest
     skipped: list[str] = field(default_factory=list)
 
 
@@ -176,6 +177,16 @@ class PendingLoad:
                     )
             return whole
 
+        # per-rank values are read (version 2: from this rank's chunk table) and checked
+        # now, before the ranks agree, so that apply() cannot fail half-way
+        same_world = self.manifest.world_size == self.world_size
+        self._rank_values = self.manifest.rank_values(self.rank) if self.per_rank and same_world else {}
+        self._decoded = {
+            name: decode_per_rank(self._rank_values[name], name) for name in self.per_rank if name in self._rank_values
+        }
+        missing = sorted(n for n in self.per_rank if same_world and n not in self._rank_values)
+        if missing:
+            raise ManifestError(f"checkpoint step {self.manifest.step} has no per-rank values {missing} for rank {self.rank}")
         fetches = coalesce(reads, FETCH_BYTES)
         try:
             if threads > 1 and len(fetches) > 1:
@@ -191,6 +202,7 @@ class PendingLoad:
         self.stats.chunks = len(reads)
         self.stats.bytes_read = sum(cr.chunk.length for cr in reads)
         self.stats.tensors = len(self.targets)
+        self.stats.metadata_bytes = self.manifest.metadata_bytes_read
 
     def apply(self) -> None:
         """Copy staged tensors home, set plain, per-lane and per-rank values, and call
@@ -214,7 +226,7 @@ class PendingLoad:
         for name in self.per_rank:
             target = w.per_rank[name]
             if same_world:
-                target.value = decode_per_rank(m.per_rank[name][self.rank], name)
+                target.value = self._decoded[name]
                 target.restored = True
             else:
                 target.restored = False

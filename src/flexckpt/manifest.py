@@ -1,6 +1,15 @@
 """The manifest: one JSON document per committed checkpoint, written last. Its presence
 is the commit. Also the per-rank records the coordinator builds it from.
 
+Version 2 (written now) holds O(tensors + ranks): each tensor's dtype, shape and layout,
+the plan rules, and per rank one line (its chunk table's checksum and length, its data
+file's stored length). Pieces, offsets and chunk boundaries are recomputed from those
+(:mod:`flexckpt.plan`); chunk checksums and stored lengths live in each rank's table file
+(:mod:`flexckpt.chunktable`), read only by the ranks that read that rank's data. Every
+file of a save attempt sits in the attempt's own folder inside the step folder, so an
+attempt never writes into a committed checkpoint's files. Version 1 (a list of every
+piece and chunk) still loads.
+
 A manifest read back is untrusted input: every name, path, dtype, shape, offset and
 length is validated here, before anything is allocated or read, and no file name may
 leave the checkpoint's folder.
@@ -9,20 +18,26 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterator, NamedTuple
 
 import orjson
 import torch
 
-from flexckpt.checksum import ALGORITHM
+from flexckpt.checksum import ALGORITHM, checksum
+from flexckpt.chunktable import MAX_TABLE_BYTES, ChunkTable, parse_table
 from flexckpt.dtypes import dtype_from_name, dtype_name, itemsize
 from flexckpt.errors import ManifestError
-from flexshard import Layout, layout_from_json
+from flexckpt.plan import RULES_VERSION, PlanRules, WritePlan
+from flexckpt.structure import TensorSpec
+from flexshard import FlatRange, Layout, layout_from_json
 
 FORMAT = "flexckpt"
 RECORD_FORMAT = "flexckpt-record"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 CODECS = ("none", "zstd")
 
@@ -38,6 +53,8 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX = re.compile(r"[0-9a-f]*")
+_ATTEMPT = re.compile(r"([A-Za-z0-9_-]{1,64})\.[0-9a-f]{8}\.[0-9]{1,9}")
+MAX_CHUNKS_PER_FILE = 1 << 22
 
 
 def step_dir(step: int) -> str:
@@ -67,6 +84,58 @@ def record_file(run_id: str, rank: int) -> str:
 
 def failed_file(run_id: str) -> str:
     return f"{run_id}.failed"
+
+
+# -- version 2: every file of a save attempt in the attempt's own folder ---------------------
+GROUP = 64  # ranks per record group: a group leader gathers its group's records
+
+
+def attempt_id(run_id: str, session: str, n: int) -> str:
+    """``RUN.SESSION.N``: the ``n``-th save of a step by this job launch (``session``, 8 hex
+    digits, drawn once per launch). Every rank counts its saves of a step the same way."""
+    out = f"{run_id}.{session}.{n}"
+    if not _ATTEMPT.fullmatch(out):
+        raise ValueError(f"attempt id {out!r} must match {_ATTEMPT.pattern}")
+    return out
+
+
+def attempt_run_id(attempt: str) -> str | None:
+    """The run id of an attempt folder's name, or None if the name is not an attempt's."""
+    m = _ATTEMPT.fullmatch(attempt)
+    return m.group(1) if m else None
+
+
+def data_name(attempt: str, rank: int) -> str:
+    return f"{attempt}/r{rank:05d}.data"
+
+
+def table_name(attempt: str, rank: int) -> str:
+    return f"{attempt}/r{rank:05d}.table"
+
+
+def record_name(attempt: str, rank: int) -> str:
+    return f"{attempt}/rec/g{rank // GROUP:05d}/r{rank:05d}.json"
+
+
+def group_name(attempt: str, group: int) -> str:
+    return f"{attempt}/grp/g{group:05d}.json"
+
+
+def failed_name(attempt: str) -> str:
+    return f"{attempt}/failed"
+
+
+def committed_name(attempt: str) -> str:
+    return f"{attempt}/committed"
+
+
+class RankEntry(NamedTuple):
+    """What the manifest keeps of one rank: its table file's checksum and length, and the
+    stored length of its data file (0: no data file)."""
+
+    table_checksum: str
+    table_nbytes: int
+    stored_nbytes: int
 
 
 class StoredChunk(NamedTuple):
@@ -110,23 +179,145 @@ class SavedPiece:
 
 @dataclass(frozen=True)
 class SavedTensor:
+    """A saved tensor. Version 1 lists its ``pieces``; version 2 recomputes them from the
+    plan (``source``) for just the range a reader wants: :meth:`pieces_in`."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     layout: Layout
-    pieces: tuple[SavedPiece, ...]
+    pieces: tuple[SavedPiece, ...] | None = None
+    source: "PlanPieces | None" = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def pieces_in(self, rng: FlatRange) -> list[SavedPiece]:
+        """Saved pieces that hold elements of ``rng`` (for version 1: all of them)."""
+        if self.pieces is not None:
+            return list(self.pieces)
+        assert self.source is not None
+        return self.source.pieces_in(self.name, rng)
+
+    def all_pieces(self) -> list[SavedPiece]:
+        return self.pieces_in(FlatRange(0, self.numel))
+
     def to_json(self) -> dict:
-        return {
-            "dtype": dtype_name(self.dtype),
-            "shape": list(self.shape),
-            "layout": self.layout.to_json(),
-            "pieces": [p.to_json() for p in self.pieces],
-        }
+        out = {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "layout": self.layout.to_json()}
+        if self.pieces is not None:
+            out["pieces"] = [p.to_json() for p in self.pieces]
+        return out
+
+
+class PlanPieces:
+    """Version 2: a tensor's saved pieces, recomputed from the write plan in closed form
+    (only the writers of the wanted range, and only their offsets)."""
+
+    def __init__(self, plan: WritePlan, attempt: str) -> None:
+        self.plan = plan
+        self.attempt = attempt
+        self.index = {s.name: i for i, s in enumerate(plan.specs)}
+        self._offsets: dict[int, dict[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def offset(self, rank: int, spec_index: int) -> int:
+        with self._lock:
+            offsets = self._offsets.get(rank)
+            if offsets is None:
+                offsets = self._offsets[rank] = {p.spec_index: p.offset for p in self.plan.rank_plan(rank).pieces}
+        return offsets[spec_index]
+
+    def pieces_in(self, name: str, rng: FlatRange) -> list[SavedPiece]:
+        i = self.index[name]
+        return [
+            SavedPiece(data_name(self.attempt, r), part.start, part.stop, self.offset(r, i))
+            for r, part in self.plan.writers(i, rng)
+        ]
+
+
+class TableFiles(Mapping):
+    """Version 2's ``manifest.files``: the data files by name, each read on first use from
+    its rank's table file (verified against the manifest), never all at once."""
+
+    def __init__(self, plan: WritePlan, attempt: str, codec: str, ranks: tuple[RankEntry, ...]) -> None:
+        self.plan = plan
+        self.attempt = attempt
+        self.codec = codec
+        self.ranks = ranks
+        self._names = {data_name(attempt, r): r for r, e in enumerate(ranks) if e.stored_nbytes}
+        self._entries: dict[int, FileEntry] = {}
+        self._tables: dict[int, ChunkTable] = {}
+        self._lock = threading.Lock()
+        self.storage: Any = None  # bound by commit.read_manifest
+        self.folder = ""
+        self.bytes_read = 0  # metadata read through this mapping (table files)
+
+    def bind(self, storage: Any, folder: str) -> None:
+        self.storage, self.folder = storage, folder
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __getitem__(self, name: str) -> FileEntry:
+        rank = self._names[name]
+        with self._lock:
+            entry = self._entries.get(rank)
+        if entry is None:
+            entry = self._file_entry(rank, self.table(rank))
+            with self._lock:
+                self._entries[rank] = entry
+        return entry
+
+    def table(self, rank: int) -> ChunkTable:
+        """Rank ``rank``'s table file, read and verified once."""
+        with self._lock:
+            table = self._tables.get(rank)
+        if table is not None:
+            return table
+        if self.storage is None:
+            raise ManifestError("this version-2 manifest is not bound to its storage; read it with read_manifest")
+        e = self.ranks[rank]
+        rel = f"{self.folder}/{table_name(self.attempt, rank)}"
+        data = self.storage.read_bytes(rel, limit=e.table_nbytes)
+        got = checksum(data)
+        if len(data) != e.table_nbytes or got != e.table_checksum:
+            raise ManifestError(
+                f"chunk table {rel}: {len(data)} bytes with checksum {got}, the manifest says {e.table_nbytes} bytes "
+                f"with {e.table_checksum}; the table is damaged or belongs to another save"
+            )
+        raw = self.plan.rank_plan(rank)
+        if raw.nbytes // min(self.plan.rules.min_chunk, self.plan.chunk_bytes) > MAX_CHUNKS_PER_FILE:
+            raise ManifestError(f"chunk table {rel}: rank {rank}'s stream of {raw.nbytes} bytes needs too many chunks")
+        table = parse_table(data, rel, rank=rank, attempt=self.attempt, chunks=len(raw.chunks))
+        with self._lock:
+            self._tables[rank] = table
+            self.bytes_read += len(data)
+        return table
+
+    def _file_entry(self, rank: int, table: ChunkTable) -> FileEntry:
+        raw = self.plan.rank_plan(rank)
+        name = data_name(self.attempt, rank)
+        where = f"chunk table of rank {rank}"
+        if table.codec != self.codec:
+            raise ManifestError(f"{where}: codec {table.codec!r}, the manifest says {self.codec!r}")
+        lengths = table.stored_lengths.tolist()
+        if any(n > MAX_CHUNK_BYTES for n in lengths) or sum(lengths) != self.ranks[rank].stored_nbytes:
+            raise ManifestError(f"{where}: chunk lengths do not add up to the {self.ranks[rank].stored_nbytes} bytes stored")
+        chunks = []
+        pos = 0
+        for c, n, check in zip(raw.chunks, lengths, table.checksums.tolist()):
+            if self.codec == "none" and n != c.length:
+                raise ManifestError(f"{where}: uncompressed chunk at {c.offset} stores {n} bytes for {c.length}")
+            chunks.append(StoredChunk(c.offset, c.length, pos, n, self.codec, format(check, "016x")))
+            pos += n
+        return FileEntry(name, raw.nbytes, tuple(chunks))
 
 
 @dataclass(frozen=True)
@@ -140,12 +331,48 @@ class Manifest:
     tensors: dict[str, SavedTensor]
     plain: dict[str, Any]  # encoded plain values (see structure.encode_plain)
     lanes: dict[str, dict[str, Any]]
-    per_rank: dict[str, list[Any]]
+    per_rank: dict[str, list[Any]]  # version 1: every rank's value; version 2: keys only (values None)
+    version: int = 1
+    attempt: str | None = None
+    rules: PlanRules | None = None
+    codec: str = "none"
+    ranks: tuple[RankEntry, ...] = ()
+
+    def rank_values(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s per-rank values (version 2: read from its table file)."""
+        if self.version == 1:
+            return {k: v[rank] for k, v in self.per_rank.items()}
+        assert isinstance(self.files, TableFiles)
+        return self.files.table(rank).per_rank_values(f"chunk table of rank {rank}")
+
+    @property
+    def metadata_bytes_read(self) -> int:
+        """Bytes of table files read so far (version 2), besides the manifest itself."""
+        return self.files.bytes_read if isinstance(self.files, TableFiles) else 0
 
     def to_bytes(self) -> bytes:
+        if self.version == 2:
+            return orjson.dumps({
+                "format": FORMAT,
+                "version": 2,
+                "checksum": ALGORITHM,
+                "step": self.step,
+                "run_id": self.run_id,
+                "attempt": self.attempt,
+                "world_size": self.world_size,
+                "time": self.time,
+                "fingerprint": self.fingerprint,
+                "rules": self.rules.to_json() if self.rules else None,
+                "codec": self.codec,
+                "tensors": {name: t.to_json() for name, t in self.tensors.items()},
+                "ranks": [list(e) for e in self.ranks],
+                "plain": self.plain,
+                "lanes": self.lanes,
+                "per_rank": sorted(self.per_rank),
+            })
         doc = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": 1,
             "checksum": ALGORITHM,
             "step": self.step,
             "run_id": self.run_id,
@@ -162,7 +389,16 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """Raw bytes saved (version 2: the tensors' bytes, without the streams' padding)."""
+        if self.version == 2:
+            return sum(t.numel * itemsize(t.dtype) for t in self.tensors.values())
         return sum(f.nbytes for f in self.files.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        if self.version == 2:
+            return sum(e.stored_nbytes for e in self.ranks)
+        return sum(c.length for f in self.files.values() for c in f.chunks)
 
 
 # -- validation of untrusted documents ---------------------------------------------------------
@@ -202,8 +438,9 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
     doc = parse_json(data, where)
     if doc.get("format") != FORMAT:
         raise _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
-    if doc.get("version") != VERSION:
-        raise _fail(where, f"version {doc.get('version')!r} is not supported (this flexckpt reads {VERSION})")
+    version = doc.get("version")
+    if version not in READ_VERSIONS or isinstance(version, bool):
+        raise _fail(where, f"version {version!r} is not supported (this flexckpt reads {list(READ_VERSIONS)})")
     if doc.get("checksum") != ALGORITHM:
         raise _fail(where, f"checksum algorithm {doc.get('checksum')!r} is not supported (expected {ALGORITHM})")
     step = _int(doc.get("step"), 0, 10**12 - 1, "step", where)
@@ -214,6 +451,8 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
     world = _int(doc.get("world_size"), 1, MAX_WORLD, "world_size", where)
     wall = _get(doc, "time", (int, float), where)
     fp = _get(doc, "fingerprint", str, where)
+    if version == 2:
+        return _parse_v2(doc, step, run_id, world, float(wall), fp, where)
     files = {name: _parse_file(name, entry, where) for name, entry in _get(doc, "files", dict, where).items()}
     tensors = {
         name: _parse_tensor(name, entry, files, where) for name, entry in _get(doc, "tensors", dict, where).items()
@@ -228,6 +467,69 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
         if not isinstance(values, list) or len(values) != world:
             raise _fail(where, f"per-rank values of {path!r} must be a list of {world} entries")
     return Manifest(step, run_id, world, float(wall), fp, files, tensors, plain, lanes, per_rank)
+
+
+def _parse_values(doc: dict, where: str) -> tuple[dict, dict]:
+    plain = _get(doc, "plain", dict, where)
+    lanes = _get(doc, "lanes", dict, where)
+    for path, mapping in lanes.items():
+        if not isinstance(mapping, dict):
+            raise _fail(where, f"lanes of {path!r} must be an object keyed by lane")
+    return plain, lanes
+
+
+def _parse_rules(raw: Any, where: str) -> PlanRules:
+    if not isinstance(raw, dict) or raw.get("version") != RULES_VERSION:
+        raise _fail(where, f"plan rules {raw!r} are not version {RULES_VERSION} (the rules this flexckpt computes)")
+    if set(raw) != {"version", "align", "chunk_bytes", "min_chunk", "chunks_per_piece"}:
+        raise _fail(where, f"plan rules have fields {sorted(raw)}")
+    align = _int(raw["align"], 1, 4096, "rules align", where)
+    if align & (align - 1):
+        raise _fail(where, f"rules align {align} is not a power of two")
+    chunk = _int(raw["chunk_bytes"], align, MAX_CHUNK_BYTES, "rules chunk_bytes", where)
+    min_chunk = _int(raw["min_chunk"], align, MAX_CHUNK_BYTES, "rules min_chunk", where)
+    per_piece = _int(raw["chunks_per_piece"], 1, 1 << 16, "rules chunks_per_piece", where)
+    return PlanRules(chunk, RULES_VERSION, align, min_chunk, per_piece)
+
+
+def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: str, where: str) -> Manifest:
+    attempt = _get(doc, "attempt", str, where)
+    if attempt_run_id(attempt) != run_id:
+        raise _fail(where, f"attempt {attempt[:80]!r} is not an attempt of run {run_id!r}")
+    rules = _parse_rules(doc.get("rules"), where)
+    codec = doc.get("codec")
+    if codec not in CODECS:
+        raise _fail(where, f"codec {codec!r} is not one of {CODECS}")
+    specs = []
+    for name, entry in _get(doc, "tensors", dict, where).items():
+        t = _parse_tensor(name, entry, {}, where, pieces=False)
+        specs.append(TensorSpec(name, t.dtype, t.shape, t.layout))
+    try:
+        plan = WritePlan(specs, world, rules)
+    except ValueError as e:
+        raise _fail(where, str(e)) from None
+    raw_ranks = _get(doc, "ranks", list, where)
+    if len(raw_ranks) != world:
+        raise _fail(where, f"ranks lists {len(raw_ranks)} entries for a world of {world}")
+    ranks = []
+    for r, e in enumerate(raw_ranks):
+        ok = (
+            type(e) is list and len(e) == 3 and type(e[0]) is str and _HEX16.fullmatch(e[0]) is not None
+            and type(e[1]) is int and 0 < e[1] <= MAX_TABLE_BYTES and type(e[2]) is int and 0 <= e[2] <= MAX_FILE_BYTES
+        )
+        if not ok:
+            raise _fail(where, f"rank {r} entry must be [table checksum (16 hex), table bytes, stored bytes], got {str(e)[:80]}")
+        ranks.append(RankEntry(*e))
+    ranks_t = tuple(ranks)
+    source = PlanPieces(plan, attempt)
+    tensors = {s.name: SavedTensor(s.name, s.dtype, s.shape, s.layout, None, source) for s in plan.specs}
+    plain, lanes = _parse_values(doc, where)
+    keys = _get(doc, "per_rank", list, where)
+    if not all(isinstance(k, str) for k in keys):
+        raise _fail(where, "per_rank must list value names")
+    files = TableFiles(plan, attempt, codec, ranks_t)
+    return Manifest(step, run_id, world, wall, fp, files, tensors, plain, lanes, {k: None for k in keys},
+                    2, attempt, rules, codec, ranks_t)
 
 
 def _parse_file(name: str, entry: Any, where: str) -> FileEntry:
@@ -285,7 +587,7 @@ def _explain_bad_chunk(name: str, i: int, c: Any, raw_pos: int, pos: int, where:
     raise _fail(where, f"{what} is uncompressed but stores {length} bytes for {raw_length}")
 
 
-def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str) -> SavedTensor:
+def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str, pieces: bool = True) -> SavedTensor:
     if not name or len(name) > 4096:
         raise _fail(where, f"tensor name {name[:80]!r} is empty or too long")
     if not isinstance(entry, dict):
@@ -302,11 +604,15 @@ def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str
     numel = math.prod(shape)
     if numel > MAX_NUMEL:
         raise _fail(where, f"tensor {name!r} has {numel} elements, more than {MAX_NUMEL}")
+    if not pieces:
+        if set(entry) != {"dtype", "shape", "layout"}:
+            raise _fail(where, f"tensor {name!r} has fields {sorted(entry)}, expected dtype, shape and layout")
+        return SavedTensor(name, dtype, shape, layout)
     size = itemsize(dtype)
     pieces_raw = entry.get("pieces")
     if not isinstance(pieces_raw, list):
         raise _fail(where, f"tensor {name!r} pieces must be a list")
-    pieces = []
+    saved = []
     for i, p in enumerate(pieces_raw):
         what = f"tensor {name!r} piece {i}"
         if not isinstance(p, list) or len(p) != 4:
@@ -319,20 +625,20 @@ def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str
         raw_offset = _int(p[3], 0, MAX_FILE_BYTES, f"{what} raw_offset", where)
         if raw_offset + (stop - start) * size > files[file].nbytes:
             raise _fail(where, f"{what} ends past the end of {file!r}")
-        pieces.append(SavedPiece(file, start, stop, raw_offset))
-    return SavedTensor(name, dtype, shape, layout, tuple(pieces))
+        saved.append(SavedPiece(file, start, stop, raw_offset))
+    return SavedTensor(name, dtype, shape, layout, tuple(saved))
 
 
 def parse_record(data: bytes, where: str) -> dict:
-    """A per-rank record: checked for shape here; its meaning is checked by the coordinator."""
+    """A per-rank record (or a group's records gathered by its leader): checked for shape
+    here; its meaning is checked by the coordinator."""
     if len(data) > MAX_RECORD_BYTES:
         raise _fail(where, f"{len(data)} bytes, more than the {MAX_RECORD_BYTES} allowed")
     doc = parse_json(data, where)
     if doc.get("format") != RECORD_FORMAT or doc.get("version") != VERSION:
         raise _fail(where, f"not a version-{VERSION} flexckpt record")
-    for key, kind in (("run_id", str), ("fingerprint", str), ("file", str), ("chunks", list), ("lanes", dict),
-                      ("per_rank", dict), ("structure", dict)):
+    for key, kind in (("run_id", str), ("attempt", str), ("ranks", dict), ("lanes", dict)):
         _get(doc, key, kind, where)
-    for key in ("step", "rank", "world_size", "nbytes"):
+    for key in ("step", "world_size"):
         _int(doc.get(key), 0, MAX_FILE_BYTES, key, where)
     return doc

@@ -47,9 +47,10 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange]])
     offsets: dict[str, list[int]] = {}
     for t, (saved, rng) in enumerate(targets):
         size = itemsize(saved.dtype)
-        sources = [FlatRange(p.start, p.stop) for p in saved.pieces]
+        pieces = saved.pieces_in(rng)  # version 2: only the writers of rng, recomputed
+        sources = [FlatRange(p.start, p.stop) for p in pieces]
         for ov in covering(rng, sources):
-            piece = saved.pieces[ov.source_index]
+            piece = pieces[ov.source_index]
             raw_start = piece.raw_offset + ov.source_offset * size
             raw_stop = raw_start + (ov.stop - ov.start) * size
             target_pos = ov.target_offset * size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 import uuid
 from typing import Any, Iterable
 
@@ -172,6 +173,34 @@ class Storage:
         path = self.path(rel)
         self.fs.invalidate_cache(path)
         return self.fs.exists(path)
+
+    def age(self, rel: str) -> float | None:
+        """Seconds since ``rel``, or the newest object directly under it, was last written;
+        None if there is nothing there."""
+        path = self.path(rel)
+        if self.local:
+            try:
+                times = [os.stat(path).st_mtime]
+                if os.path.isdir(path):
+                    times += [e.stat().st_mtime for e in os.scandir(path)]
+            except FileNotFoundError:
+                return None
+            return max(0.0, time.time() - max(times))
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return None
+        stamps = []
+        for e in entries:
+            t = e.get("LastModified") or e.get("mtime") or e.get("created")
+            if hasattr(t, "timestamp"):
+                stamps.append(t.timestamp())
+            elif isinstance(t, (int, float)):
+                stamps.append(float(t))
+        if not stamps:
+            return None if not entries else 0.0
+        return max(0.0, time.time() - max(stamps))
 
     def remove(self, rel: str) -> None:
         try:

@@ -1,14 +1,16 @@
 """Writing one rank's staged stream: cut into chunks, compress each (optionally),
-checksum what is stored, and write the rank's data file, then its small record."""
+checksum what is stored, and write the rank's data file, then its chunk table."""
 from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
 import orjson
 
 from flexckpt.checksum import checksum
+from flexckpt.chunktable import ChunkTable
 from flexckpt.codec import Compression, compress
-from flexckpt.manifest import RECORD_FORMAT, VERSION, StoredChunk
+from flexckpt.manifest import StoredChunk
 from flexckpt.plan import Chunk
 from flexckpt.storage import DIRECT_ALIGN, Storage
 
@@ -52,35 +54,15 @@ def write_data_file(
     return stored
 
 
-def record_bytes(
-    *,
-    run_id: str,
-    step: int,
-    rank: int,
-    world_size: int,
-    fingerprint: str,
-    structure: bytes,
-    file: str,
-    nbytes: int,
-    chunks: list[StoredChunk],
-    lanes: dict[str, bytes],
-    per_rank: dict[str, bytes],
+def table_bytes(
+    *, rank: int, attempt: str, codec: str, chunks: list[StoredChunk], per_rank: dict[str, bytes]
 ) -> bytes:
-    """The record a rank leaves for the coordinator. ``structure`` and the values are
-    already-encoded JSON, spliced in without re-encoding."""
-    doc = {
-        "format": RECORD_FORMAT,
-        "version": VERSION,
-        "run_id": run_id,
-        "step": step,
-        "rank": rank,
-        "world_size": world_size,
-        "fingerprint": fingerprint,
-        "structure": orjson.Fragment(structure),
-        "file": file,
-        "nbytes": nbytes,
-        "chunks": [c.to_json() for c in chunks],
-        "lanes": {k: orjson.Fragment(v) for k, v in lanes.items()},
-        "per_rank": {k: orjson.Fragment(v) for k, v in per_rank.items()},
-    }
-    return orjson.dumps(doc)
+    """The rank's table file: stored length and checksum of every chunk of its data file,
+    and its per-rank values (already-encoded JSON, spliced in without re-encoding)."""
+    values = orjson.dumps({k: orjson.Fragment(v) for k, v in per_rank.items()}) if per_rank else b""
+    return ChunkTable(
+        rank, codec, attempt,
+        np.fromiter((c.length for c in chunks), dtype=np.uint64, count=len(chunks)),
+        np.fromiter((int(c.checksum, 16) for c in chunks), dtype=np.uint64, count=len(chunks)),
+        values,
+    ).to_bytes()
