@@ -312,7 +312,7 @@ def _install_profile() -> _Timers:
     timers.wrap(wr, "compress", "compress (none: slicing)")
     timers.wrap(os, "write", "os.write")
     timers.wrap(os, "fsync", "os.fsync")
-    timers.wrap(ck, "wait_for_records", "commit: wait for records")
+    timers.wrap(ck, "gather", "commit: gather records")
     return timers
 
 

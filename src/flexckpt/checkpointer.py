@@ -71,6 +71,7 @@ log = logging.getLogger("flexckpt")
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 DEFAULT_EXIT_TIMEOUT = 30.0
+CLOCK_SKEW = 5.0  # seconds an object store's timestamps may differ from this host's clock
 
 
 class SaveHandle:
@@ -259,6 +260,9 @@ class Checkpointer:
         self.run_id = self._resolve_run_id(run_id)
         self.session = self._resolve_session(reused=run_id is None and not os.environ.get("FLEXCKPT_RUN_ID"))
         self._attempts: dict[int, int] = {}
+        # files of another job written after this instant mean a live job on the same URL;
+        # object stores stamp files with their own clock: allow for skew
+        self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
         self.last_load_stats: LoadStats | None = None
         self._pool = BufferPool(max_in_flight)
         self._plan_key: list | None = None
@@ -500,11 +504,11 @@ class Checkpointer:
             )
             job.handle.timings["gather_s"] = time.perf_counter() - t0
             check_fingerprints(entries, job.step, e.fingerprint, e.structure, structures)
-            other = other_live_job(self.storage, job.step, self.run_id, job.attempt, self.commit_timeout)
+            other = other_live_job(self.storage, job.step, job.attempt, self._since)
             if other is not None:
                 raise SaveError(
-                    f"step {job.step}: another job is saving into {self.storage.url} (attempt folder {other} was "
-                    f"written in the last {self.commit_timeout:.0f} s); give each job its own URL"
+                    f"step {job.step}: another job is saving into {self.storage.url} (its attempt folder {other} was "
+                    f"written after this job started); give each job its own URL"
                 )
             manifest = build_manifest(
                 step=job.step, run_id=self.run_id, attempt=job.attempt, plan=e.plan, fingerprint=e.fingerprint,
@@ -521,7 +525,7 @@ class Checkpointer:
         job.handle.timings["commit_s"] = time.perf_counter() - t0
         job.handle._done.set()  # committed: retention below is housekeeping, not part of the save
         try:
-            apply_retention(self.storage, self.keep_last, job.step, job.attempt, self.commit_timeout)
+            apply_retention(self.storage, self.keep_last, job.step, job.attempt, self._since)
         except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
             log.exception("retention after step %d failed", job.step)
 

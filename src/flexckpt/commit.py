@@ -244,18 +244,23 @@ def build_manifest(
 
 
 # -- the commit --------------------------------------------------------------------------------
-def other_live_job(storage: Storage, step: int, run_id: str, attempt: str, stale_after: float) -> str | None:
-    """An attempt folder in this step of another job (another run id, or the same run id
-    from another launch) with a file written in the last ``stale_after`` seconds: two jobs
-    are saving into one URL."""
+def _written_since(storage: Storage, rel: str, since: float) -> bool:
+    age = storage.age(rel)
+    return age is not None and time.time() - age >= since
+
+
+def other_live_job(storage: Storage, step: int, attempt: str, since: float) -> str | None:
+    """An attempt folder in this step of another job launch (another run id, or the same
+    run id launched again) written to after ``since`` (when this job started): two jobs
+    are saving into one URL. (A job that ended before this one started, e.g. the one this
+    job was requeued from, is not live: its step may be saved again.)"""
     folder = step_dir(step)
     session = attempt.rsplit(".", 1)[0]
     for name in storage.list_names(folder):
         owner = attempt_run_id(name)
         if owner is None or name.rsplit(".", 1)[0] == session:
             continue
-        age = storage.age(f"{folder}/{name}")
-        if age is not None and age < stale_after:
+        if _written_since(storage, f"{folder}/{name}", since):
             return name
     return None
 
@@ -320,7 +325,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     return manifest
 
 
-def apply_retention(storage: Storage, keep_last: int | None, newest: int, attempt: str, stale_after: float) -> None:
+def apply_retention(storage: Storage, keep_last: int | None, newest: int, attempt: str, since: float) -> None:
     """Delete committed checkpoints beyond the newest ``keep_last`` (manifest first, then
     data), incomplete folders older than the newest commit, and the newest step's attempt
     folders that its manifest does not name (see :func:`remove_other_attempts`)."""
@@ -336,24 +341,23 @@ def apply_retention(storage: Storage, keep_last: int | None, newest: int, attemp
         if s is not None and s < newest and s not in committed:
             storage.remove_tree(name)
             log.info("removed incomplete checkpoint folder %s", name)
-    remove_other_attempts(storage, newest, attempt, stale_after)
+    remove_other_attempts(storage, newest, attempt, since)
 
 
-def remove_other_attempts(storage: Storage, step: int, attempt: str, stale_after: float) -> None:
+def remove_other_attempts(storage: Storage, step: int, attempt: str, since: float) -> None:
     """Attempt folders of the just-committed step other than the committed ``attempt``:
-    this job's own earlier attempts at once; another job's only once untouched for
-    ``stale_after`` seconds (a live job's files are never deleted, and the manifest just
-    written names only ``attempt``). Version-1 files of earlier jobs count as stale."""
+    this job launch's own earlier attempts, and those of jobs that ended before it started
+    (``since``); never a folder written to since then (another live job's: its files stay,
+    whatever happens to its saves). The manifest just written names only ``attempt``.
+    Version-1 files of earlier jobs go too."""
     folder = step_dir(step)
     session = attempt.rsplit(".", 1)[0]
     for name in storage.list_names(folder):
         if name in (MANIFEST, attempt) or name.startswith("."):
             continue
         owner = attempt_run_id(name)
-        if owner is not None and name.rsplit(".", 1)[0] != session:
-            age = storage.age(f"{folder}/{name}")
-            if age is not None and age < stale_after:
-                continue
+        if owner is not None and name.rsplit(".", 1)[0] != session and _written_since(storage, f"{folder}/{name}", since):
+            continue
         if owner is not None:
             storage.remove_tree(f"{folder}/{name}")
         else:
