@@ -74,18 +74,6 @@ def check_run_id(run_id: object) -> str:
     return run_id
 
 
-def data_file(run_id: str, rank: int) -> str:
-    return f"{run_id}-r{rank:05d}.data"
-
-
-def record_file(run_id: str, rank: int) -> str:
-    return f"{run_id}-r{rank:05d}.json"
-
-
-def failed_file(run_id: str) -> str:
-    return f"{run_id}.failed"
-
-
 # -- version 2: every file of a save attempt in the attempt's own folder ---------------------
 GROUP = 64  # ranks per record group: a group leader gathers its group's records
 
