@@ -60,10 +60,10 @@ from flexckpt import ManifestError  # noqa: E402
 from flexckpt.cli import main as cli_main  # noqa: E402
 from flexckpt.commit import build_manifest, gather, lead_group, mark_failed, record_doc  # noqa: E402
 from flexckpt.manifest import GROUP, MANIFEST, group_name, record_name, step_dir  # noqa: E402
-from flexckpt.plan import make_write_plan, sharded_loads  # noqa: E402
+from flexckpt.plan import PlanRules, WritePlan, make_write_plan, sharded_loads  # noqa: E402
 from flexckpt.storage import Storage  # noqa: E402
 from flexckpt.structure import TensorSpec  # noqa: E402
-from flexshard import FlatRange, HybridShard, Owned, Replicate, Shard, write_range  # noqa: E402
+from flexshard import FlatRange, HybridShard, Owned, Replicate, Shard  # noqa: E402
 
 V2_TENSORS = {
     "a": ((97, 5), torch.float32), "b": ((33,), torch.bfloat16), "c": ((), torch.float64), "d": ((64, 3), torch.int64),
@@ -155,21 +155,34 @@ def _spec_set(world):
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(world=st.integers(1, 9), start=st.integers(0, 400), length=st.integers(0, 400))
-def test_writers_in_closed_form_match_every_ranks_own_plan(world, start, length):
-    specs = _spec_set(world)
-    plan = make_write_plan(specs, world, 128)
+@given(world=st.integers(1, 9), start=st.integers(0, 400), length=st.integers(0, 400), part=st.sampled_from([64, 128, 1 << 20]))
+def test_writers_in_closed_form_match_every_ranks_own_plan(world, start, length, part):
+    plan = WritePlan(_spec_set(world), world, PlanRules(128, hybrid_part_bytes=part))
     for i, spec in enumerate(plan.specs):
+        written = sorted((FlatRange(p.start, p.stop), r) for r in range(world) for p in plan.rank_plan(r).pieces
+                         if p.spec_index == i)
+        pos = 0
+        for piece, _ in written:  # every element written once
+            assert piece.start == pos
+            pos = piece.stop
+        assert pos == spec.numel
         rng = FlatRange(min(start, spec.numel), min(start + length, spec.numel))
-        brute = sorted(
-            (FlatRange(p.start, p.stop), r) for r in range(world) for p in plan.rank_plan(r).pieces
-            if p.spec_index == i and FlatRange(p.start, p.stop).intersect(rng)
-        )
-        assert sorted((part, r) for r, part in plan.writers(i, rng)) == brute, spec
-    loads = sharded_loads(plan.specs, world).tolist()
-    want = [sum(len(write_range(s.layout, s.shape, world, r)) * s.dtype.itemsize
-                for s in plan.specs if not isinstance(s.layout, Replicate)) for r in range(world)]
+        brute = [(p, r) for p, r in written if p.intersect(rng)]
+        assert sorted((p, r) for r, p in plan.writers(i, rng)) == brute, spec
+    loads = sharded_loads(plan.specs, world, plan.rules).tolist()
+    want = [sum(p.nbytes for p in plan.rank_plan(r).pieces if not isinstance(plan.specs[p.spec_index].layout, Replicate))
+            for r in range(world)]
     assert loads == want
+
+
+def test_hybrid_shard_writing_is_spread_over_the_replicas():
+    # 8 tensors of 4096 x 64 fp32 in groups of 4 over 32 ranks: each position's piece is
+    # 256 KiB, written in 4 parts of 64 KiB by 4 of its 8 replicas, going round
+    specs = [TensorSpec(f"t{i}", torch.float32, (4096, 64), HybridShard(4)) for i in range(8)]
+    plan = WritePlan(specs, 32, PlanRules(1 << 20, hybrid_part_bytes=64 << 10))
+    loads = [plan.rank_plan(r).nbytes for r in range(32)]
+    assert sum(loads) == 8 * 4096 * 64 * 4
+    assert max(loads) == min(loads) == sum(loads) // 32  # perfectly even here
 
 
 def test_manifest_grows_with_tensors_plus_ranks_not_their_product():
@@ -233,3 +246,24 @@ def test_group_leaders_gather_records_so_rank_0_reads_one_per_group(tmp_path):
     with pytest.raises(SaveError, match="rank 9 failed"):
         lead_group(storage, step=8, run_id="job", attempt=attempt, world_size=world, rank=0, own=own(0),
                    timeout=30, max_delay=0.01)
+
+
+def test_hybrid_shard_parts_round_trip_when_pieces_are_cut_small(tmp_path, monkeypatch):
+    import flexckpt.checkpointer as ckmod
+
+    monkeypatch.setattr(ckmod, "make_write_plan", lambda specs, w, c: WritePlan(specs, w, PlanRules(c, hybrid_part_bytes=64)))
+    world = 4
+    saved = {n: HybridShard(2, 8 if i % 2 else None) for i, n in enumerate(V2_TENSORS)}
+    cps = [Checkpointer(str(tmp_path), rank=r, world_size=world, run_id="v2", chunk_bytes=128, fsync=False) for r in range(world)]
+    assert [h.result(30) for h in [cp.save(2, _v2_state(r, world, saved)) for r, cp in enumerate(cps)]] == [2] * world
+    for cp in cps:
+        cp.close()
+    rules = orjson.loads((tmp_path / step_dir(2) / MANIFEST).read_bytes())["rules"]
+    assert rules["hybrid_part_bytes"] == 64
+    layouts = _v2_layouts(3, 1)
+    for r in range(3):
+        target = _v2_state(r, 3, layouts, empty=True)
+        with Checkpointer(str(tmp_path), rank=r, world_size=3, run_id="rd") as ck:
+            ck.load(target)
+        for n in V2_TENSORS:
+            assert torch.equal(target[n].local, ShardedTensor.from_global(_v2_global(n), layouts[n], r, 3).local), n

@@ -469,7 +469,7 @@ def _parse_values(doc: dict, where: str) -> tuple[dict, dict]:
 def _parse_rules(raw: Any, where: str) -> PlanRules:
     if not isinstance(raw, dict) or raw.get("version") != RULES_VERSION:
         raise _fail(where, f"plan rules {raw!r} are not version {RULES_VERSION} (the rules this flexckpt computes)")
-    if set(raw) != {"version", "align", "chunk_bytes", "min_chunk", "chunks_per_piece"}:
+    if set(raw) != {"version", "align", "chunk_bytes", "min_chunk", "chunks_per_piece", "hybrid_part_bytes"}:
         raise _fail(where, f"plan rules have fields {sorted(raw)}")
     align = _int(raw["align"], 1, 4096, "rules align", where)
     if align & (align - 1):
@@ -477,7 +477,8 @@ def _parse_rules(raw: Any, where: str) -> PlanRules:
     chunk = _int(raw["chunk_bytes"], align, MAX_CHUNK_BYTES, "rules chunk_bytes", where)
     min_chunk = _int(raw["min_chunk"], align, MAX_CHUNK_BYTES, "rules min_chunk", where)
     per_piece = _int(raw["chunks_per_piece"], 1, 1 << 16, "rules chunks_per_piece", where)
-    return PlanRules(chunk, RULES_VERSION, align, min_chunk, per_piece)
+    part = _int(raw["hybrid_part_bytes"], align, MAX_CHUNK_BYTES, "rules hybrid_part_bytes", where)
+    return PlanRules(chunk, RULES_VERSION, align, min_chunk, per_piece, part)
 
 
 def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: str, where: str) -> Manifest:

@@ -25,11 +25,13 @@ import numpy as np
 from flexckpt.dtypes import itemsize
 from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, HybridShard, Owned, Replicate, Shard
-from flexshard.layout import row_numel, write_range
+from flexshard.layout import row_numel
 
+CHUNK_BYTES_DEFAULT = 2 << 20
 ALIGN = 64  # every piece starts on a 64-byte boundary of its stream (any dtype view is aligned)
 MIN_CHUNK = 64 << 10  # pieces at least this big get chunks of their own
 CHUNKS_PER_PIECE = 16  # ... about this many, so a load that wants part of a piece reads little more
+HYBRID_PART_BYTES = 1 << 20  # a HybridShard piece is written in parts of about this size, spread over its replicas
 RULES_VERSION = 2  # version of the rules below; recorded in every manifest
 
 
@@ -43,11 +45,13 @@ class PlanRules:
     align: int = ALIGN
     min_chunk: int = MIN_CHUNK
     chunks_per_piece: int = CHUNKS_PER_PIECE
+    hybrid_part_bytes: int = HYBRID_PART_BYTES
 
     def to_json(self) -> dict:
         return {
             "version": self.version, "align": self.align, "chunk_bytes": self.chunk_bytes,
             "min_chunk": self.min_chunk, "chunks_per_piece": self.chunks_per_piece,
+            "hybrid_part_bytes": self.hybrid_part_bytes,
         }
 
 
@@ -101,9 +105,10 @@ class WritePlan:
         self.world_size = world_size
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
         self.rules = rules
-        self.replicated_writer: dict[int, int] = _balance_replicated(self.specs, world_size)
+        self.replicated_writer: dict[int, int] = _balance_replicated(self.specs, world_size, rules)
         self.ranks = _Ranks(self)
         self._rank_plans: dict[int, RankPlan] = {}
+        self._geometry = _geometries(self.specs, world_size, rules)
 
     @property
     def chunk_bytes(self) -> int:
@@ -131,44 +136,89 @@ class WritePlan:
         return RankPlan(tuple(pieces), offset, tuple(cut_chunks(pieces, offset, self.rules.chunk_bytes, self.rules)))
 
     def _written_by(self, i: int, rank: int) -> FlatRange | None:
+        geo = self._geometry[i]
+        n, span = geo.n, geo.span
+        if geo.kind == "rows":
+            start = min(rank * span, n)
+            return FlatRange(start, min(start + span, n))
+        if geo.kind == "hybrid":
+            g, p = divmod(rank, geo.group)
+            j = (g - geo.first - p) % geo.replicas  # the part of its group's piece this replica writes
+            if j >= geo.parts:
+                return None
+            start = min(p * span, n)
+            m = min(start + span, n) - start
+            return FlatRange(start + j * m // geo.parts, start + (j + 1) * m // geo.parts)
+        if geo.kind == "replicate":
+            return FlatRange(0, n) if self.replicated_writer.get(i) == rank else None
         spec = self.specs[i]
-        if isinstance(spec.layout, Replicate):
-            return FlatRange(0, spec.numel) if self.replicated_writer.get(i) == rank else None
-        return write_range(spec.layout, spec.shape, self.world_size, rank)
+        return spec.layout.flat_range(spec.shape, self.world_size, rank)
 
     def writers(self, i: int, rng: FlatRange) -> list[tuple[int, FlatRange]]:
         """``(rank, written range)`` of every rank whose written part of tensor ``i``
         intersects ``rng``, in element order: closed form for every known layout."""
-        spec = self.specs[i]
         if not len(rng):
             return []
-        layout, w, n = spec.layout, self.world_size, spec.numel
-        if isinstance(layout, Replicate):
+        geo, w = self._geometry[i], self.world_size
+        n, span = geo.n, geo.span
+        if geo.kind == "replicate":
             r = self.replicated_writer.get(i)
             return [] if r is None else [(r, FlatRange(0, n))]
-        if isinstance(layout, Owned):
-            return [(layout.owner, FlatRange(0, n))]
-        if isinstance(layout, (Shard, BlockShard)):
-            span = layout.rows_per_rank(spec.shape, w) * row_numel(spec.shape)
+        if geo.kind == "rows":
             return [(k, FlatRange(k * span, min((k + 1) * span, n))) for k in range(rng.start // span, min(w, -(-rng.stop // span)))]
-        if isinstance(layout, HybridShard):
-            g_size, replicas = layout.group_size, layout.groups(w)
-            span = layout.rows_per_rank(spec.shape, w) * row_numel(spec.shape)
+        if geo.kind == "hybrid":
             out = []
-            for p in range(rng.start // span, min(g_size, -(-rng.stop // span))):
-                start, stop = p * span, min((p + 1) * span, n)
-                m = stop - start
-                bound = lambda g: start + g * m // replicas  # noqa: E731 - part g starts here
-                first = max(bisect.bisect_right(range(replicas + 1), rng.start, key=bound) - 1, 0)
-                for g in range(first, replicas):
-                    part = FlatRange(bound(g), bound(g + 1))
+            for p in range(rng.start // span, min(geo.group, -(-rng.stop // span))):
+                start = p * span
+                m = min(start + span, n) - start
+                bound = lambda j: start + j * m // geo.parts  # noqa: E731 - part j starts here
+                first = max(bisect.bisect_right(range(geo.parts + 1), rng.start, key=bound) - 1, 0)
+                for j in range(first, geo.parts):
+                    part = FlatRange(bound(j), bound(j + 1))
                     if part.start >= rng.stop:
                         break
                     if len(part):
-                        out.append((g * g_size + p, part))
+                        out.append((((geo.first + p + j) % geo.replicas) * geo.group + p, part))
             return out
-        # an unknown layout: ask every rank (O(W), correct for any partitioning layout)
-        return [(r, x) for r in range(w) if len(x := write_range(layout, spec.shape, w, r)) and x.intersect(rng)]
+        spec = self.specs[i]  # Owned, or a layout without closed form here: every holder
+        return [(r, x) for r in range(w) if len(x := spec.layout.flat_range(spec.shape, w, r)) and x.intersect(rng)]
+
+
+class _Geometry(NamedTuple):
+    """What the range math of one tensor's layout needs, computed once per plan. ``span``:
+    elements of one rank's (or, for HybridShard, one position's) piece. HybridShard only:
+    ``group``, ``replicas``, ``parts`` (each position's piece is cut into this many
+    near-equal parts, one per replica, about ``hybrid_part_bytes`` each) and ``first``
+    (which replica writes part 0 of position 0: a cursor running over the plan's
+    HybridShard tensors, so that the parts of consecutive tensors go round the replicas)."""
+
+    kind: str  # replicate, rows (Shard, BlockShard), hybrid, other
+    n: int
+    span: int = 0
+    group: int = 1
+    replicas: int = 1
+    parts: int = 1
+    first: int = 0
+
+
+def _geometries(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules) -> list[_Geometry]:
+    out = []
+    cursor = 0
+    for spec in specs:
+        layout, n = spec.layout, spec.numel
+        if isinstance(layout, Replicate):
+            out.append(_Geometry("replicate", n, n))
+        elif isinstance(layout, (Shard, BlockShard)):
+            out.append(_Geometry("rows", n, layout.rows_per_rank(spec.shape, world_size) * row_numel(spec.shape)))
+        elif isinstance(layout, HybridShard):
+            span = layout.rows_per_rank(spec.shape, world_size) * row_numel(spec.shape)
+            replicas = layout.groups(world_size)
+            parts = max(1, min(replicas, -(-span * itemsize(spec.dtype) // rules.hybrid_part_bytes)))
+            out.append(_Geometry("hybrid", n, span, layout.group_size, replicas, parts, cursor % replicas))
+            cursor += parts
+        else:
+            out.append(_Geometry("other", n))
+    return out
 
 
 class _Ranks(Sequence[RankPlan]):
@@ -192,8 +242,8 @@ class _Ranks(Sequence[RankPlan]):
 
 
 def make_write_plan(specs: Sequence[TensorSpec], world_size: int, chunk_bytes: int) -> WritePlan:
-    """Each sharded piece is written by the rank that holds it (a ``HybridShard`` piece by
-    all its replicas, a part each); each replicated tensor once, by the least-loaded rank
+    """Each sharded piece is written by the rank that holds it (a ``HybridShard`` piece in
+    parts of about ``hybrid_part_bytes``, spread round its replicas); each replicated tensor once, by the least-loaded rank
     (largest first, ties by name then rank), so no rank writes much more than another."""
     if chunk_bytes < ALIGN:
         raise ValueError(f"chunk_bytes must be >= {ALIGN}, got {chunk_bytes}")
@@ -201,56 +251,42 @@ def make_write_plan(specs: Sequence[TensorSpec], world_size: int, chunk_bytes: i
 
 
 # -- the one global decision: who writes each replicated tensor --------------------------------
-def sharded_loads(specs: Sequence[TensorSpec], world_size: int) -> np.ndarray:
-    """Bytes each rank writes for the non-replicated tensors, summed in closed form:
-    O(tensors + W) numpy work (a difference array for row splits), plus O(W) per distinct
-    ``HybridShard`` tensor shape."""
+def sharded_loads(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules | None = None) -> np.ndarray:
+    """Bytes each rank writes for the non-replicated tensors, summed in closed form with
+    numpy: a difference array for row splits (O(1) a tensor), O(G x parts) for a
+    HybridShard tensor, O(W) only for a layout without closed form."""
     w = world_size
+    rules = rules or PlanRules(CHUNK_BYTES_DEFAULT)
     diff = np.zeros(w + 1, dtype=np.int64)  # prefix-summed: spans held by a run of ranks
-    point = np.zeros(w, dtype=np.int64)
-    hybrid: dict[tuple, int] = {}
-    for spec in specs:
-        n, size, layout = spec.numel, itemsize(spec.dtype), spec.layout
-        if not n or isinstance(layout, Replicate):
+    loads = np.zeros(w, dtype=np.int64)
+    for spec, geo in zip(specs, _geometries(specs, w, rules)):
+        n, size = geo.n, itemsize(spec.dtype)
+        if not n or geo.kind == "replicate":
             continue
-        if isinstance(layout, Owned):
-            point[layout.owner] += n * size
-        elif isinstance(layout, (Shard, BlockShard)):
-            span = layout.rows_per_rank(spec.shape, w) * row_numel(spec.shape)
-            full, rest = divmod(n, span)
-            diff[0] += span * size
-            diff[full] -= span * size
+        if geo.kind == "rows":
+            full, rest = divmod(n, geo.span)
+            diff[0] += geo.span * size
+            diff[full] -= geo.span * size
             if rest:
-                point[full] += rest * size
-        elif isinstance(layout, HybridShard):
-            key = (spec.shape, layout, size)
-            hybrid[key] = hybrid.get(key, 0) + 1
+                loads[full] += rest * size
+        elif geo.kind == "hybrid":
+            pos = np.arange(geo.group, dtype=np.int64)
+            piece = np.clip(n - pos * geo.span, 0, geo.span)  # elements held by each position
+            j = np.arange(geo.parts + 1, dtype=np.int64)[:, None]
+            bounds = j * piece[None, :] // geo.parts
+            replica = (geo.first + pos[None, :] + j[:-1]) % geo.replicas
+            np.add.at(loads, (replica * geo.group + pos[None, :]).ravel(), ((bounds[1:] - bounds[:-1]) * size).ravel())
         else:
             for r in range(w):
-                point[r] += len(write_range(layout, spec.shape, w, r)) * size
-    loads = np.cumsum(diff)[:w] + point
-    for (shape, layout, size), count in hybrid.items():
-        loads += count * size * _hybrid_parts(shape, layout, w)
-    return loads
+                loads[r] += len(spec.layout.flat_range(spec.shape, w, r)) * size
+    return loads + np.cumsum(diff)[:w]
 
 
-def _hybrid_parts(shape: tuple[int, ...], layout: HybridShard, w: int) -> np.ndarray:
-    """Elements each rank writes of one ``HybridShard`` tensor (rank = group * G + position)."""
-    g_size, replicas = layout.group_size, layout.groups(w)
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    span = layout.rows_per_rank(shape, w) * row_numel(shape)
-    pos = np.arange(g_size, dtype=np.int64)
-    piece = np.clip(n - pos * span, 0, span)  # elements held by each position
-    g = np.arange(replicas + 1, dtype=np.int64)[:, None]
-    bounds = g * piece[None, :] // replicas  # (replicas + 1, G)
-    return (bounds[1:] - bounds[:-1]).reshape(-1)
-
-
-def _balance_replicated(specs: Sequence[TensorSpec], world_size: int) -> dict[int, int]:
+def _balance_replicated(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules) -> dict[int, int]:
     replicated = [i for i, s in enumerate(specs) if isinstance(s.layout, Replicate) and s.numel]
     if not replicated:
         return {}
-    loads = sharded_loads(specs, world_size)
+    loads = sharded_loads(specs, world_size, rules)
     heap = list(zip(loads.tolist(), range(world_size)))
     heapq.heapify(heap)
     out = {}

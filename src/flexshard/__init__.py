@@ -17,7 +17,6 @@ from flexshard.layout import (
     holders,
     layout_from_json,
     local_shape,
-    write_range,
 )
 from flexshard.adamw import AdamWConfig
 from flexshard.collectives import WireStats
@@ -63,5 +62,4 @@ __all__ = [
     "overlaps",
     "quantize",
     "rank_loads",
-    "write_range",
 ]

@@ -251,21 +251,6 @@ def _rows_when_rows_are_empty(layout: Layout, shape: Shape, world_size: int, ran
     return shape[0]
 
 
-def write_range(layout: Layout, shape: Sequence[int], world_size: int, rank: int) -> FlatRange:
-    """The part of its piece that ``rank`` writes to a checkpoint when every element is
-    written once. Sharded layouts: the whole piece. ``HybridShard``: each group member's
-    piece is split into ``groups`` near-equal contiguous parts, and the member in group
-    ``g`` writes part ``g``, so the writing is spread evenly over the replicas.
-    (``Replicate`` is not covered here: its one writer is chosen by a balancer.)"""
-    piece = layout.flat_range(shape, world_size, rank)
-    if not isinstance(layout, HybridShard):
-        return piece
-    groups = layout.groups(world_size)
-    g = rank // layout.group_size
-    n = len(piece)
-    return FlatRange(piece.start + g * n // groups, piece.start + (g + 1) * n // groups)
-
-
 def holders(layout: Layout, shape: Sequence[int], world_size: int) -> list[int]:
     """Ranks whose piece is non-empty (for Replicate: every rank)."""
     return [r for r in range(world_size) if len(layout.flat_range(shape, world_size, r)) > 0]
