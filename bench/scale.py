@@ -57,7 +57,7 @@ from flexckpt.commit import (
     wait_for,
 )
 from flexckpt.manifest import GROUP, group_name, parse_manifest, record_name, step_dir
-from flexckpt.plan import WritePlan, make_write_plan
+from flexckpt.plan import WritePlan, make_write_plan, sharded_loads
 from flexckpt.storage import Storage
 from flexckpt.structure import TensorSpec
 from flexckpt.chunktable import _HEADER
@@ -89,6 +89,16 @@ def structure(world: int, variant: str, d: int = 4096, ffn: int = 16384, vocab: 
 
 
 # -- plan per rank ---------------------------------------------------------------------------
+def write_balance(world: int, variant: str) -> float:
+    """Most bytes any rank writes, over the mean (total / W)."""
+    from flexckpt.dtypes import itemsize
+    plan = make_write_plan(structure(world, variant), world, CHUNK)
+    loads = sharded_loads(plan.specs, world, plan.rules)
+    for i, r in plan.replicated_writer.items():
+        loads[r] += plan.specs[i].numel * itemsize(plan.specs[i].dtype)
+    return float(loads.max() / loads.mean())
+
+
 def plan_cost(world: int, variant: str, rank: int) -> tuple[float, float, int]:
     specs = structure(world, variant)
     gc.collect()
@@ -256,6 +266,40 @@ def commit_time(world: int, variant: str, root: str, args: argparse.Namespace) -
     return out
 
 
+def real_save(world: int, root: str, args: argparse.Namespace) -> dict:
+    """W emulated ranks (a real Checkpointer each, rank/world given) save a small state with
+    the same 737 names (64 x 16 pieces) through the simulated store, each rank its own
+    client: seconds from the last rank's record to the committed manifest, and in all."""
+    specs = [TensorSpec(s.name, s.dtype, (64, 16) if len(s.shape) == 2 else (16,), s.layout if isinstance(s.layout, Replicate)
+                        else BlockShard(4)) for s in structure(world, "block")]
+    folder = os.path.join(root, f"real-{world}")
+    cks = []
+    for r in range(world):
+        ck = Checkpointer(folder, rank=r, world_size=world, run_id="real", fsync=False, commit_timeout=120, stage_delay=0)
+        ck.storage = SlowStorage(folder, args.latency, args.inflight, args.page)
+        cks.append(ck)
+    states = []
+    for r in range(world):
+        st: dict = {"data": ByLane({str(r): LANE_VALUE}), "rng": PerRank({"state": "x" * 5000})}
+        for s in specs:
+            st[s.name] = torch.zeros(s.shape) if isinstance(s.layout, Replicate) else \
+                ShardedTensor.empty(s.shape, s.layout, rank=r, world_size=world)
+        states.append(st)
+    t0 = time.perf_counter()
+    hs = [ck.save(1, st) for ck, st in zip(cks, states)]
+    others = [h for r, h in enumerate(hs) if r % GROUP]
+    for h in others:
+        h._done.wait(300)  # its record is written
+    last_record = time.perf_counter()
+    hs[0]._done.wait(300)
+    committed = time.perf_counter()
+    ok = hs[0].exception() is None
+    for ck in cks:
+        ck.close(timeout=30)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"ok": ok, "after_last_record_s": committed - last_record, "total_s": committed - t0}
+
+
 def fit(xs: list[int], ys: list[float]) -> str:
     a, b = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
     return f"{b:,.0f} + {a:,.1f} x W"
@@ -270,6 +314,7 @@ def main() -> int:
     p.add_argument("--inflight", type=int, default=64, help="requests in flight per client (64)")
     p.add_argument("--page", type=int, default=1000, help="names per listing request (1000)")
     p.add_argument("--leader-sample", type=int, default=8, help="group leaders timed on the slow store (8)")
+    p.add_argument("--real", type=int, nargs="*", default=[8, 128], help="W of the end-to-end saves of emulated ranks (8 128)")
     p.add_argument("--dir", default=None, help="scratch folder (default: a temporary one)")
     args = p.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="flexckpt-scale-")
@@ -288,7 +333,7 @@ def main() -> int:
                 sizes[world] = len(data)
                 meta = [load_metadata(data, world, variant, r) for r in sorted({0, max(0, world // 4 - 1)})] if world >= 2 else []
                 c = commit_time(world, variant, os.path.join(root, f"c{world}"), args)
-                rows.append((variant, world, max(t0, t1), max(mem0, mem1), chunks0, s0, s1, len(data), meta, c))
+                rows.append((variant, world, max(t0, t1), max(mem0, mem1), write_balance(world, variant), s0, s1, len(data), meta, c))
                 r = rows[-1]
                 print(f"{variant:6s} W={world:>6}: plan {r[2]:.3f} s / {r[3]:.1f} MiB (rank 0: {chunks0} chunks); "
                       f"first save() {s0 * 1000:.1f} ms (rank 0), {s1 * 1000:.1f} ms (rank {mid}); manifest {len(data) / 1e6:.3f} MB; "
@@ -297,14 +342,21 @@ def main() -> int:
             if len(sizes) > 1:
                 print(f"{variant}: manifest bytes = {fit(list(sizes), list(sizes.values()))}")
         print()
-        print("| variant | W | plan per rank: s (today) | plan peak MiB | first save() ms, rank 0 / mid | manifest MB "
-              "| load W->W/2: metadata MB per rank / parse s | commit: leaders + rank 0 = s (one reader s) | rank 0 requests |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for variant, world, t, mem, _, s0, s1, size, meta, c in rows:
+        for world in args.real:
+            res = real_save(world, root, args)
+            print(f"end-to-end save, {world} emulated ranks (real Checkpointers, each its own client of the simulated store): "
+                  f"committed {'ok' if res['ok'] else 'FAILED'}, {res['after_last_record_s']:.2f} s after the last record, "
+                  f"{res['total_s']:.2f} s in all", flush=True)
+        print()
+        print("| variant | W | plan per rank: s (today) | plan peak MiB | busiest writer / mean | first save() ms, rank 0 / mid "
+              "| manifest MB | load W->W/2: metadata MB per rank / parse s | commit: leaders + rank 0 = s (one reader s) "
+              "| rank 0 requests (one reader) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for variant, world, t, mem, balance, s0, s1, size, meta, c in rows:
             today = TODAY.get(world, "-") if variant == "block" else "-"
             m = max(meta, default=None)
             mtxt = f"{m[0] / 1e6:.3f} / {max(x[1] for x in meta):.2f}" if m else "-"
-            print(f"| {variant} | {world:,} | {t:.3f} ({today}) | {mem:.1f} | {s0 * 1000:.1f} / {s1 * 1000:.1f} | {size / 1e6:.3f} "
+            print(f"| {variant} | {world:,} | {t:.3f} ({today}) | {mem:.1f} | {balance:.2f} | {s0 * 1000:.1f} / {s1 * 1000:.1f} | {size / 1e6:.3f} "
                   f"| {mtxt} | {c['leader_s']:.2f} + {c['rank0_s']:.2f} = {c['total_s']:.2f} ({c['one_reader_s']:.2f}) "
                   f"| {c['rank0_requests']} ({c['one_reader_requests']}) |")
     finally:
