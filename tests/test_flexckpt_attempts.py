@@ -163,3 +163,40 @@ def test_process_exit_waits_a_bounded_time_for_a_save_that_cannot_commit(tmp_pat
     finally:
         proc.kill()
     assert time.monotonic() - t0 < 10  # exit_timeout=1 plus interpreter teardown
+
+
+def _requeued_launch(rank: int, world: int, url: str, savers: list[int]) -> str:
+    """One launch of a job whose torchrun run id and restart count repeat (a requeue):
+    only ranks in ``savers`` save step 1; returns rank 0's outcome."""
+    import inspect
+
+    bounded = {"exit_timeout": 1} if "exit_timeout" in inspect.signature(Checkpointer).parameters else {}
+    ck = Checkpointer(url, commit_timeout=1.0, **bounded)
+    assert ck.run_id == "slurm4242-0"
+    outcome = "not saving"
+    if rank in savers:
+        h = ck.save(1, {"w": ShardedTensor.from_global(torch.full((64,), float(len(savers))), Shard(0), rank, world)})
+        h.wait_staged()
+        if rank == 0:
+            try:
+                h.result(timeout=30)
+                outcome = "committed"
+            except SaveError as e:
+                outcome = f"failed: {e}"
+        else:
+            h._done.wait(30)  # its record is written
+    ck.close(timeout=5)
+    return outcome
+
+
+def test_a_requeued_job_with_the_same_torchrun_id_never_uses_the_earlier_launchs_records(tmp_path):
+    # defect 2: both launches get run id slurm4242-0; the first leaves rank 1's record of
+    # step 1 behind; in the second, rank 1 never saves: rank 0 must not commit with the old record
+    from flexshard.spawn import run_workers
+
+    env = {"TORCHELASTIC_RUN_ID": "slurm4242", "TORCHELASTIC_RESTART_COUNT": "0"}
+    first = run_workers(_requeued_launch, 2, str(tmp_path), [1], timeout=120, env=env)
+    assert first == ["not saving", "not saving"]
+    second = run_workers(_requeued_launch, 2, str(tmp_path), [0], timeout=120, env=env)
+    assert second[0].startswith("failed") and "missing" in second[0], second
+    assert Checkpointer(str(tmp_path)).steps() == []
