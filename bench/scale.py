@@ -168,6 +168,7 @@ class SlowStorage(Storage):
 
     def __init__(self, url: str, latency: float, inflight: int, page: int) -> None:
         super().__init__(url)
+        self.parallel_reads = True  # it answers like an object store
         self.latency, self.page = latency, page
         self._gate = threading.Semaphore(inflight)
         self.requests = 0

@@ -90,11 +90,17 @@ def wait_for(
     found: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
     delay = 0.001
-    with ThreadPoolExecutor(max_workers=READ_CONCURRENCY, thread_name_prefix="flexckpt-gather") as pool:
+
+    def read(name: str) -> dict:
+        return parse_record(storage.read_bytes(f"{folder}/{name}"), f"{what} {folder}/{name}")
+
+    # an object store answers many reads at once; a local folder needs no threads for them
+    workers = min(READ_CONCURRENCY, len(names)) if storage.parallel_reads and len(names) > 1 else 1
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flexckpt-gather") as pool:
         while pending:
             present = set(storage.list_names(folder)) & set(pending)
             ready = sorted(present)
-            docs = pool.map(lambda n: parse_record(storage.read_bytes(f"{folder}/{n}"), f"{what} {folder}/{n}"), ready)
+            docs = pool.map(read, ready) if workers > 1 else map(read, ready)
             for name, doc in zip(ready, docs):
                 found[pending.pop(name)] = doc
             if not pending:

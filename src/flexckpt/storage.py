@@ -33,6 +33,7 @@ class Storage:
         self.local = isinstance(fs, LocalFileSystem)
         if self.local:
             self.root = os.path.abspath(self.root)
+        self.parallel_reads = not self.local  # small reads pay per request: issue them at once
 
     def __getstate__(self) -> dict:
         raise TypeError("Storage is not picklable; pass the URL instead")
