@@ -135,7 +135,7 @@ def first_save(world: int, variant: str, rank: int, root: str) -> float:
 def manifest_bytes(world: int, variant: str) -> tuple[bytes, WritePlan]:
     specs = structure(world, variant)
     plan = make_write_plan(specs, world, CHUNK)
-    entries = {r: ["f" * 32, f"{r:016x}", 6000, 1 << 30] for r in range(world)}
+    entries = {r: ["f" * 32, f"{r:016x}", 6000, 1 << 30, f"{r:016x}", 5100] for r in range(world)}
     lanes = {"data": {str(lane): LANE_VALUE for lane in range(world)}}
     m = build_manifest(step=1000, run_id="job", attempt="job.0123abcd.1", plan=plan, fingerprint="f" * 32, codec="none",
                        entries=entries, plain={"step": 1000, "lr": 3e-4}, lanes=lanes, per_rank_keys=["rng"])
@@ -145,7 +145,8 @@ def manifest_bytes(world: int, variant: str) -> tuple[bytes, WritePlan]:
 def load_metadata(data: bytes, save_world: int, variant: str, rank: int) -> tuple[int, float, int]:
     """Bytes of metadata rank ``rank`` of world save_world/2 reads, and the time to parse the
     manifest and resolve its targets to files and chunks (the table bytes are computed from
-    the plan: header + attempt + 16 bytes a chunk + the 5 kB per-rank value)."""
+    the plan: header + attempt + 16 bytes a chunk; per-rank values are not read at another
+    world size)."""
     load_world = save_world // 2
     t0 = time.perf_counter()
     m = parse_manifest(data)
@@ -157,7 +158,7 @@ def load_metadata(data: bytes, save_world: int, variant: str, rank: int) -> tupl
             for p in m.tensors[spec.name].pieces_in(rng):
                 writers.add(int(p.file.rsplit("/r", 1)[1].split(".")[0]))
     plan = m.files.plan  # type: ignore[attr-defined]
-    tables = sum(_HEADER.size + len(m.attempt) + 16 * len(plan.rank_plan(q).chunks) + 5100 for q in writers)
+    tables = sum(_HEADER.size + len(m.attempt) + 16 * len(plan.rank_plan(q).chunks) for q in writers)
     return len(data) + tables, time.perf_counter() - t0, len(writers)
 
 
@@ -215,7 +216,8 @@ def commit_time(world: int, variant: str, root: str, args: argparse.Namespace) -
 
     def own(r: int) -> bytes:
         return record_doc(run_id="job", attempt=attempt, step=step, world_size=world,
-                          entries={r: ["f" * 32, f"{r:016x}", 6000, 1 << 20]}, lanes={"data": {str(r): LANE_VALUE}})
+                          entries={r: ["f" * 32, f"{r:016x}", 6000, 1 << 20, f"{r:016x}", 5100]},
+                          lanes={"data": {str(r): LANE_VALUE}})
 
     for g in range(-(-world // GROUP)):
         fast.makedirs(f"{step_dir(step)}/{attempt}/rec/g{g:05d}")

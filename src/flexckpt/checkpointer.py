@@ -59,12 +59,13 @@ from flexckpt.manifest import (
     record_name,
     step_dir,
     table_name,
+    values_name,
 )
 from flexckpt.plan import RankPlan, WritePlan, make_write_plan
 from flexckpt.staging import BufferPool, StagingBuffer, copy_into
 from flexckpt.storage import Storage
 from flexckpt.structure import Walk, encode_plain, fingerprint, walk
-from flexckpt.writer import table_bytes, write_data_file
+from flexckpt.writer import table_bytes, values_bytes, write_data_file
 from flexshard import current_world
 
 log = logging.getLogger("flexckpt")
@@ -449,11 +450,15 @@ class Checkpointer:
             finally:
                 self._pool.release(job.buffer)
             try:
-                table = table_bytes(rank=self.rank, attempt=job.attempt, codec=self.compression.codec,
-                                    chunks=job.chunks, per_rank=job.per_rank)
+                table = table_bytes(rank=self.rank, attempt=job.attempt, codec=self.compression.codec, chunks=job.chunks)
                 self.storage.put_atomic(f"{step_dir(job.step)}/{table_name(job.attempt, self.rank)}", table,
                                         fsync=self.fsync)
-                job.line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in job.chunks)]
+                values = values_bytes(job.per_rank)
+                if values:  # this rank's own values: a file that only this rank reads back
+                    self.storage.put_atomic(f"{step_dir(job.step)}/{values_name(job.attempt, self.rank)}", values,
+                                            fsync=self.fsync)
+                job.line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in job.chunks),
+                            checksum(values) if values else "", len(values)]
             except BaseException as exc:  # noqa: BLE001
                 self._report_failure(job, exc, "writing its chunk table")
                 continue

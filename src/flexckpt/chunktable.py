@@ -8,7 +8,8 @@ Layout (little-endian)::
     attempt                   attempt_len bytes (ASCII): binds the table to its save attempt
     stored_length[chunks]     u64 each: bytes of chunk i in the data file
     checksum[chunks]          u64 each: xxh3-64 of the stored bytes of chunk i
-    per_rank                  per_rank_len bytes: this rank's per-rank values (JSON object)
+    per_rank                  per_rank_len bytes (0 as written now: per-rank values have a
+                              file of their own, see ``manifest.values_name``)
 
 Raw chunk boundaries are not stored: the plan recomputes them. The manifest holds each
 table file's xxh3-64 and length, so a table is verified before it is parsed, and the

@@ -107,12 +107,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for s in steps:
         m = read_manifest(storage, s)
         total, errors = 0, []
-        if m.version == 2:  # every rank's chunk table, data file or not
+        if m.version == 2:  # every rank's chunk table (data file or not) and per-rank values
             for r in range(m.world_size):
                 try:
                     m.files.table(r)  # type: ignore[attr-defined]
                 except (OSError, CheckpointError) as e:
                     errors.append(f"chunk table of rank {r}: {e}")
+                try:
+                    m.rank_values(r)
+                except (OSError, CheckpointError) as e:
+                    errors.append(f"per-rank values of rank {r}: {e}")
         for name in sorted(m.files):
             try:
                 f = m.files[name]

@@ -58,7 +58,7 @@ def record_doc(
     structure: bytes | None = None,
 ) -> bytes:
     """A record: one rank's line (``entries[rank] = [fingerprint, table checksum, table
-    bytes, stored bytes]``) and lanes, or a group's, merged by its leader. Lane values may
+    bytes, stored bytes, values checksum, values bytes]``) and lanes, or a group's, merged by its leader. Lane values may
     be already-encoded JSON (bytes), spliced in without re-encoding. ``structure`` (a
     rank's first save with a structure, in a world of at most GROUP ranks) lets rank 0 name
     the keys that differ if the fingerprints do."""
@@ -136,7 +136,7 @@ def merge_records(
         for r, e in doc["ranks"].items():
             if not r.isdigit() or not 0 <= int(r) < world_size or int(r) in entries:
                 raise SaveError(f"step {step}: a record has a bad or repeated rank {r!r}")
-            if not (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str)):
+            if not (isinstance(e, list) and len(e) == 6 and isinstance(e[0], str)):
                 raise SaveError(f"step {step}: the record line of rank {r} is malformed")
             entries[int(r)] = e
         for path, mapping in doc["lanes"].items():
@@ -240,8 +240,8 @@ def build_manifest(
 ) -> Manifest:
     ranks = []
     for r in range(plan.world_size):
-        _fp, check, table_nbytes, stored = entries[r]
-        ranks.append(RankEntry(check, table_nbytes, stored))
+        _fp, check, table_nbytes, stored, values_check, values_nbytes = entries[r]
+        ranks.append(RankEntry(check, table_nbytes, stored, values_check, values_nbytes))
     tensors = {s.name: SavedTensor(s.name, s.dtype, s.shape, s.layout) for s in plan.specs}
     return Manifest(
         step, run_id, plan.world_size, time.time(), fingerprint, {}, tensors, plain, lanes,

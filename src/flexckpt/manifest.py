@@ -109,6 +109,10 @@ def group_name(attempt: str, group: int) -> str:
     return f"{attempt}/grp/g{group:05d}.json"
 
 
+def values_name(attempt: str, rank: int) -> str:
+    return f"{attempt}/r{rank:05d}.values"
+
+
 def failed_name(attempt: str) -> str:
     return f"{attempt}/failed"
 
@@ -118,12 +122,15 @@ def committed_name(attempt: str) -> str:
 
 
 class RankEntry(NamedTuple):
-    """What the manifest keeps of one rank: its table file's checksum and length, and the
-    stored length of its data file (0: no data file)."""
+    """What the manifest keeps of one rank: its table file's checksum and length, the
+    stored length of its data file (0: no data file), and its per-rank values file's
+    checksum and length ("" and 0: none)."""
 
     table_checksum: str
     table_nbytes: int
     stored_nbytes: int
+    values_checksum: str = ""
+    values_nbytes: int = 0
 
 
 class StoredChunk(NamedTuple):
@@ -289,6 +296,25 @@ class TableFiles(Mapping):
             self.bytes_read += len(data)
         return table
 
+    def rank_values(self, rank: int) -> dict:
+        """Rank ``rank``'s per-rank values file, verified against the manifest."""
+        e = self.ranks[rank]
+        if not e.values_nbytes:
+            return {}
+        if self.storage is None:
+            raise ManifestError("this version-2 manifest is not bound to its storage; read it with read_manifest")
+        rel = f"{self.folder}/{values_name(self.attempt, rank)}"
+        data = self.storage.read_bytes(rel, limit=e.values_nbytes)
+        got = checksum(data)
+        if len(data) != e.values_nbytes or got != e.values_checksum:
+            raise ManifestError(
+                f"per-rank values {rel}: {len(data)} bytes with checksum {got}, the manifest says {e.values_nbytes} "
+                f"bytes with {e.values_checksum}; the file is damaged or belongs to another save"
+            )
+        with self._lock:
+            self.bytes_read += len(data)
+        return ChunkTable(rank, self.codec, self.attempt, None, None, data).per_rank_values(rel)  # type: ignore[arg-type]
+
     def _file_entry(self, rank: int, table: ChunkTable) -> FileEntry:
         raw = self.plan.rank_plan(rank)
         name = data_name(self.attempt, rank)
@@ -331,7 +357,7 @@ class Manifest:
         if self.version == 1:
             return {k: v[rank] for k, v in self.per_rank.items()}
         assert isinstance(self.files, TableFiles)
-        return self.files.table(rank).per_rank_values(f"chunk table of rank {rank}")
+        return self.files.rank_values(rank)
 
     @property
     def metadata_bytes_read(self) -> int:
@@ -503,11 +529,14 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
     ranks = []
     for r, e in enumerate(raw_ranks):
         ok = (
-            type(e) is list and len(e) == 3 and type(e[0]) is str and _HEX16.fullmatch(e[0]) is not None
+            type(e) is list and len(e) == 5 and type(e[0]) is str and _HEX16.fullmatch(e[0]) is not None
             and type(e[1]) is int and 0 < e[1] <= MAX_TABLE_BYTES and type(e[2]) is int and 0 <= e[2] <= MAX_FILE_BYTES
+            and type(e[3]) is str and type(e[4]) is int and 0 <= e[4] <= MAX_TABLE_BYTES
+            and (_HEX16.fullmatch(e[3]) is not None if e[4] else e[3] == "")
         )
         if not ok:
-            raise _fail(where, f"rank {r} entry must be [table checksum (16 hex), table bytes, stored bytes], got {str(e)[:80]}")
+            raise _fail(where, f"rank {r} entry must be [table checksum (16 hex), table bytes, stored bytes, values "
+                               f"checksum, values bytes], got {str(e)[:80]}")
         ranks.append(RankEntry(*e))
     ranks_t = tuple(ranks)
     source = PlanPieces(plan, attempt)

@@ -54,15 +54,17 @@ def write_data_file(
     return stored
 
 
-def table_bytes(
-    *, rank: int, attempt: str, codec: str, chunks: list[StoredChunk], per_rank: dict[str, bytes]
-) -> bytes:
-    """The rank's table file: stored length and checksum of every chunk of its data file,
-    and its per-rank values (already-encoded JSON, spliced in without re-encoding)."""
-    values = orjson.dumps({k: orjson.Fragment(v) for k, v in per_rank.items()}) if per_rank else b""
+def values_bytes(per_rank: dict[str, bytes]) -> bytes:
+    """A rank's per-rank values file: one JSON object (values already encoded, spliced in);
+    empty when the rank has none (then no file is written)."""
+    return orjson.dumps({k: orjson.Fragment(v) for k, v in per_rank.items()}) if per_rank else b""
+
+
+def table_bytes(*, rank: int, attempt: str, codec: str, chunks: list[StoredChunk]) -> bytes:
+    """The rank's table file: stored length and checksum of every chunk of its data file."""
     return ChunkTable(
         rank, codec, attempt,
         np.fromiter((c.length for c in chunks), dtype=np.uint64, count=len(chunks)),
         np.fromiter((int(c.checksum, 16) for c in chunks), dtype=np.uint64, count=len(chunks)),
-        values,
+        b"",
     ).to_bytes()
