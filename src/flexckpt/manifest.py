@@ -276,43 +276,39 @@ class TableFiles(Mapping):
             table = self._tables.get(rank)
         if table is not None:
             return table
-        if self.storage is None:
-            raise ManifestError("this version-2 manifest is not bound to its storage; read it with read_manifest")
         e = self.ranks[rank]
         rel = f"{self.folder}/{table_name(self.attempt, rank)}"
-        data = self.storage.read_bytes(rel, limit=e.table_nbytes)
-        got = checksum(data)
-        if len(data) != e.table_nbytes or got != e.table_checksum:
-            raise ManifestError(
-                f"chunk table {rel}: {len(data)} bytes with checksum {got}, the manifest says {e.table_nbytes} bytes "
-                f"with {e.table_checksum}; the table is damaged or belongs to another save"
-            )
+        data = self._read_verified(rel, e.table_nbytes, e.table_checksum, "chunk table")
         raw = self.plan.rank_plan(rank)
         if raw.nbytes // min(self.plan.rules.min_chunk, self.plan.chunk_bytes) > MAX_CHUNKS_PER_FILE:
             raise ManifestError(f"chunk table {rel}: rank {rank}'s stream of {raw.nbytes} bytes needs too many chunks")
         table = parse_table(data, rel, rank=rank, attempt=self.attempt, chunks=len(raw.chunks))
         with self._lock:
             self._tables[rank] = table
-            self.bytes_read += len(data)
         return table
+
+    def _read_verified(self, rel: str, nbytes: int, want: str, what: str) -> bytes:
+        """A small metadata file, checked against the length and checksum the manifest holds."""
+        if self.storage is None:
+            raise ManifestError("this version-2 manifest is not bound to its storage; read it with read_manifest")
+        data = self.storage.read_bytes(rel, limit=nbytes)
+        got = checksum(data)
+        if len(data) != nbytes or got != want:
+            raise ManifestError(
+                f"{what} {rel}: {len(data)} bytes with checksum {got}, the manifest says {nbytes} bytes with {want}; "
+                f"it is damaged or belongs to another save"
+            )
+        with self._lock:
+            self.bytes_read += len(data)
+        return data
 
     def rank_values(self, rank: int) -> dict:
         """Rank ``rank``'s per-rank values file, verified against the manifest."""
         e = self.ranks[rank]
         if not e.values_nbytes:
             return {}
-        if self.storage is None:
-            raise ManifestError("this version-2 manifest is not bound to its storage; read it with read_manifest")
         rel = f"{self.folder}/{values_name(self.attempt, rank)}"
-        data = self.storage.read_bytes(rel, limit=e.values_nbytes)
-        got = checksum(data)
-        if len(data) != e.values_nbytes or got != e.values_checksum:
-            raise ManifestError(
-                f"per-rank values {rel}: {len(data)} bytes with checksum {got}, the manifest says {e.values_nbytes} "
-                f"bytes with {e.values_checksum}; the file is damaged or belongs to another save"
-            )
-        with self._lock:
-            self.bytes_read += len(data)
+        data = self._read_verified(rel, e.values_nbytes, e.values_checksum, "per-rank values")
         return ChunkTable(rank, self.codec, self.attempt, None, None, data).per_rank_values(rel)  # type: ignore[arg-type]
 
     def _file_entry(self, rank: int, table: ChunkTable) -> FileEntry:
