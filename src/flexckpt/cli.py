@@ -6,6 +6,10 @@
     flexckpt plan    URL --world N [--layout P=K] what each rank of another world would read
     flexckpt reshard SRC DST --world N [--layout P=K]
                                                   rewrite a checkpoint for another world size
+    flexckpt import-dcp DCP_DIR URL [--step N]    a torch.distributed.checkpoint folder as a checkpoint
+    flexckpt export-dcp URL DCP_DIR [--step N]    a checkpoint as a torch.distributed.checkpoint folder
+    flexckpt export-safetensors URL OUT_DIR [--select GLOB] [--strip-prefix P] [--dtype bf16|fp16|fp32]
+        [--max-shard-size 5GB]                    consolidated weights, Hugging Face layout
 
 Layout kinds for --layout (glob PATTERN=KIND, repeatable): replicate, shard, owned,
 block[:SIZE]; by default each tensor keeps its saved kind (Owned tensors get owners
@@ -244,6 +248,12 @@ def _get(state: dict, name: str) -> Any:
     return state
 
 
+def add_convert_commands(sub: Any) -> None:
+    from flexckpt.convert_cli import add_parsers
+
+    add_parsers(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -275,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND")
     p.add_argument("--compression", default=None, help="none, zstd or zstd:LEVEL")
     p.set_defaults(fn=cmd_reshard)
+    add_convert_commands(sub)
     args = parser.parse_args(argv)
     if getattr(args, "world", 1) is not None and getattr(args, "world", 1) < 1:
         parser.error("--world must be >= 1")
