@@ -5,10 +5,22 @@ import argparse
 import sys
 from typing import Any
 
+from flexckpt.errors import CheckpointError
 from flexckpt.tensor_stream import DEFAULT_BUDGET
 
 TRUST = ("DCP's .metadata is a Python pickle and its non-tensor values are torch.load-ed with "
          "weights_only=False: import only checkpoints you trust. (flexckpt's own load path never unpickles.)")
+
+
+def _one_line_os_errors(fn: Any) -> Any:
+    """A failing disk or folder is reported like bad input: one line, exit status 2."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except OSError as e:
+            raise CheckpointError(f"{fn.__name__[4:].replace('_', '-')}: {e}") from e
+
+    return run
 
 
 def _mib(n: float) -> str:
@@ -57,7 +69,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("url")
     p.add_argument("--step", type=int)
     p.add_argument("--budget-mib", **budget)
-    p.set_defaults(fn=cmd_import_dcp)
+    p.set_defaults(fn=_one_line_os_errors(cmd_import_dcp))
     p = sub.add_parser("export-dcp", help="a flexckpt checkpoint as a torch.distributed.checkpoint folder",
                        description="Write one committed step (the newest unless --step) as a DCP checkpoint that "
                        "torch.distributed.checkpoint.load reads at any world size. Tensors and plain values are "
@@ -66,7 +78,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("dcp_dir")
     p.add_argument("--step", type=int)
     p.add_argument("--budget-mib", **budget)
-    p.set_defaults(fn=cmd_export_dcp)
+    p.set_defaults(fn=_one_line_os_errors(cmd_export_dcp))
     p = sub.add_parser("export-safetensors", help="consolidated weights as safetensors files (Hugging Face layout)",
                        description="Write the selected tensors of one step whole, as model-0000k-of-0000n.safetensors "
                        "files and model.safetensors.index.json (loadable by safetensors.torch.load_file). Names are "
@@ -79,4 +91,4 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point tensors")
     p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB; 10**9 bytes a GB)")
     p.add_argument("--budget-mib", **budget)
-    p.set_defaults(fn=cmd_export_safetensors)
+    p.set_defaults(fn=_one_line_os_errors(cmd_export_safetensors))

@@ -85,11 +85,23 @@ def read_dcp_metadata(dcp_dir: str) -> Any:
         raise CheckpointError(f"{dcp_dir}/{DCP_METADATA} is not readable DCP metadata: {type(e).__name__}: {e}") from None
 
 
+def _dcp_call(what: str, fn: Callable[[], Any]) -> Any:
+    """Run a DCP call; its failure (a ``CheckpointException`` wrapping each rank's error)
+    becomes one ``CheckpointError`` line naming the first underlying error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return fn()
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()), (e, None))[0]
+        raise CheckpointError(f"{what} failed: {type(first).__name__}: {first}") from first
+
+
 def _dcp_load(dcp_dir: str, targets: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    dcp.load(targets, storage_reader=FileSystemReader(dcp_dir), no_dist=True)
+    _dcp_call(f"reading {dcp_dir}", lambda: dcp.load(targets, storage_reader=FileSystemReader(dcp_dir), no_dist=True))
 
 
 def _is_plain(value: Any) -> bool:
@@ -232,7 +244,8 @@ def export_dcp(url: str, dcp_dir: str, step: int | None = None, *, budget: int =
 
     check_new_folder(dcp_dir, "DCP folder")
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(dcp_dir, thread_count=1), planner=_streaming_planner(fetch), no_dist=True)
+        _dcp_call(f"writing {dcp_dir}", lambda: dcp.save(
+            state, storage_writer=FileSystemWriter(dcp_dir, thread_count=1), planner=_streaming_planner(fetch), no_dist=True))
     except BaseException:
         shutil.rmtree(dcp_dir, ignore_errors=True)
         raise
