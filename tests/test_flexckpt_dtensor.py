@@ -171,10 +171,44 @@ def _save_at_two(rank: int, world: int, url: str, st_url: str) -> dict:
     }
 
 
+def _hsdp_mapping(rank: int, world: int) -> list[str]:
+    """The HSDP mapping, against a stand-in with HybridShard's documented pieces (rank r
+    holds what Shard(0) gives r % G in a world of G), until the real layout lands."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Shard as DShard
+
+    from flexckpt.dtensor import dtensor_leaf
+
+    class StandIn:
+        def __init__(self, group_size: int, block_size: int | None = None) -> None:
+            self.group_size = group_size
+
+        def flat_range(self, shape, world_size, rank):
+            return Shard(0).flat_range(shape, self.group_size, rank % self.group_size)
+
+    if getattr(flexshard, "HybridShard", None) is not None:
+        return []
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    bad = []
+    flexshard.HybridShard = StandIn
+    try:
+        for shape in [(13, 7), (1,), (5,), (0, 3)]:
+            n = torch.Size(shape).numel()
+            value = distribute_tensor(torch.arange(n, dtype=torch.float32).view(shape), mesh, [Replicate(), DShard(0)])
+            local, layout, got_shape = dtensor_leaf(value, "w", rank, world)
+            if not (local.data_ptr() == value.to_local().data_ptr() and layout.group_size == 2 and got_shape == shape):
+                bad.append(str(shape))
+    finally:
+        del flexshard.HybridShard
+    return bad
+
+
 def _load_at(rank: int, world: int, url: str) -> dict:
     _model2, _optim2, state, step = _restore(url, world)
     return {"loaded": _full(state), "step": step, "chunks": _chunk_equals_flexshard(rank, world),
-            "refused": _refusals(rank, world, url + "-refused") if world == 4 else []}
+            "refused": _refusals(rank, world, url + "-refused") if world == 4 else [],
+            "hsdp": _hsdp_mapping(rank, world) if world == 4 else []}
 
 
 def _same(a: dict, b: dict) -> list[str]:
@@ -205,7 +239,7 @@ def test_fsdp2_adamw_state_saved_at_two_loads_at_one_two_four_and_resumes_bit_id
 
     for world in (1, 4):
         for r in run_workers(_load_at, world, url, timeout=180):
-            assert r["step"] == STEP and r["chunks"] == []
+            assert r["step"] == STEP and r["chunks"] == [] and r["hsdp"] == []
             assert _same(saved, {**r["loaded"], "/step": STEP}) == []
 
     refused = two[0]["refused"] + r["refused"]
@@ -216,3 +250,50 @@ def test_fsdp2_adamw_state_saved_at_two_loads_at_one_two_four_and_resumes_bit_id
     assert "Partial" in refused[1] and "_StridedShard" in refused[2]
     assert "does not span the checkpoint's world of 4 ranks" in refused[6]
     assert "must number ranks in order" in refused[8]
+
+
+HSDP = {"a": (13, 7), "b": (5,), "c": (64, 3)}
+
+
+def _hsdp_tensor(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(len(name) * 7 + ord(name[0]))
+    return torch.randn(HSDP[name], generator=g)
+
+
+def _hsdp_save(rank: int, world: int, url: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Shard as DShard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    state = {n: distribute_tensor(_hsdp_tensor(n), mesh, [Replicate(), DShard(0)]) for n in HSDP}
+    counts = install_counters()
+    with Checkpointer(url, run_id="hsdp") as ck:
+        h = ck.save(1, state)
+        h.wait_staged()
+        h.result(timeout=60)
+        calls = communication(counts)
+    return {"calls": calls}
+
+
+def _hsdp_load(rank: int, world: int, url: str) -> list[str]:
+    """Load into 1-D Shard(0) DTensors at this world; compare with the global tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import Shard as DShard
+
+    mesh = init_device_mesh("cpu", (world,))
+    target = {n: distribute_tensor(torch.zeros(HSDP[n]), mesh, [DShard(0)]) for n in HSDP}
+    with Checkpointer(url, run_id="hsdpload") as ck:
+        ck.load(target)
+    return [n for n in HSDP if not torch.equal(target[n].full_tensor(), _hsdp_tensor(n))]
+
+
+@pytest.mark.skipif(getattr(flexshard, "HybridShard", None) is None, reason="needs flexshard.HybridShard (issue 'flexckpt at 16,384 ranks')")
+def test_hsdp_dtensors_on_a_two_by_two_mesh_saved_at_four_load_at_two(tmp_path):
+    url = str(tmp_path / "hsdp")
+    saved = run_workers(_hsdp_save, 4, url, timeout=120)
+    assert all(r["calls"] == {} for r in saved)
+    assert run_workers(_hsdp_load, 2, url, timeout=120) == [[], []]
+    with Checkpointer(url) as ck:
+        assert ck.contents().tensors["a"].layout == flexshard.HybridShard(2)
