@@ -58,37 +58,34 @@ def cmd_export_safetensors(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(sub: Any, name: str, fn: Any, src: str, dst: str, help: str, description: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument(src)
+    p.add_argument(dst)
+    p.add_argument("--step", type=int)
+    p.add_argument("--budget-mib", type=int, default=DEFAULT_BUDGET >> 20, metavar="MIB",
+                   help="tensors read together, in MiB (peak memory is about twice this or the largest tensor)")
+    p.set_defaults(fn=_one_line_os_errors(fn))
+    return p
+
+
 def add_parsers(sub: Any) -> None:
-    budget = dict(type=int, default=DEFAULT_BUDGET >> 20, metavar="MIB",
-                  help="tensors read together, in MiB (peak memory is about twice this or the largest tensor)")
-    p = sub.add_parser("import-dcp", help="a torch.distributed.checkpoint folder as a flexckpt checkpoint",
-                       description="Write a checkpoint saved by torch.distributed.checkpoint.save (any world size, "
-                       "FSDP2 or plain) as one flexckpt step that loads at any world size. The step is --step, "
-                       "else a top-level plain 'step' value of the checkpoint, else 0. " + TRUST)
-    p.add_argument("dcp_dir")
-    p.add_argument("url")
-    p.add_argument("--step", type=int)
-    p.add_argument("--budget-mib", **budget)
-    p.set_defaults(fn=_one_line_os_errors(cmd_import_dcp))
-    p = sub.add_parser("export-dcp", help="a flexckpt checkpoint as a torch.distributed.checkpoint folder",
-                       description="Write one committed step (the newest unless --step) as a DCP checkpoint that "
-                       "torch.distributed.checkpoint.load reads at any world size. Tensors and plain values are "
-                       "exported; per-lane and per-rank values are left out and listed. DCP_DIR must be new or empty.")
-    p.add_argument("url")
-    p.add_argument("dcp_dir")
-    p.add_argument("--step", type=int)
-    p.add_argument("--budget-mib", **budget)
-    p.set_defaults(fn=_one_line_os_errors(cmd_export_dcp))
-    p = sub.add_parser("export-safetensors", help="consolidated weights as safetensors files (Hugging Face layout)",
-                       description="Write the selected tensors of one step whole, as model-0000k-of-0000n.safetensors "
-                       "files and model.safetensors.index.json (loadable by safetensors.torch.load_file). Names are "
-                       "the checkpoint's, less --strip-prefix, with '/' turned into '.'. OUT_DIR must be new or empty.")
-    p.add_argument("url")
-    p.add_argument("out_dir")
-    p.add_argument("--step", type=int)
+    _command(sub, "import-dcp", cmd_import_dcp, "dcp_dir", "url",
+             help="a torch.distributed.checkpoint folder as a flexckpt checkpoint",
+             description="Write a checkpoint saved by torch.distributed.checkpoint.save (any world size, FSDP2 or "
+             "plain) as one flexckpt step that loads at any world size. The step is --step, else a top-level plain "
+             "'step' value of the checkpoint, else 0. " + TRUST)
+    _command(sub, "export-dcp", cmd_export_dcp, "url", "dcp_dir",
+             help="a flexckpt checkpoint as a torch.distributed.checkpoint folder",
+             description="Write one committed step (the newest unless --step) as a DCP checkpoint that "
+             "torch.distributed.checkpoint.load reads at any world size. Tensors and plain values are exported; "
+             "per-lane and per-rank values are left out and listed. DCP_DIR must be new or empty.")
+    p = _command(sub, "export-safetensors", cmd_export_safetensors, "url", "out_dir",
+                 help="consolidated weights as safetensors files (Hugging Face layout)",
+                 description="Write the selected tensors of one step whole, as model-0000k-of-0000n.safetensors "
+                 "files and model.safetensors.index.json (loadable by safetensors.torch.load_file). Names are the "
+                 "checkpoint's, less --strip-prefix, with '/' turned into '.'. OUT_DIR must be new or empty.")
     p.add_argument("--select", action="append", metavar="GLOB", help="tensor names to export (repeatable; default all)")
     p.add_argument("--strip-prefix", metavar="P", help="drop this prefix from names, e.g. model/")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point tensors")
     p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB; 10**9 bytes a GB)")
-    p.add_argument("--budget-mib", **budget)
-    p.set_defaults(fn=_one_line_os_errors(cmd_export_safetensors))
