@@ -17,6 +17,8 @@ whole world, ranks numbered as FSDP2 numbers them). Nothing here communicates.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -44,50 +46,73 @@ def is_dtensor(value: Any) -> bool:
 def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[torch.Tensor, Layout, tuple[int, ...]]:
     """``(local tensor, layout, global shape)`` for the DTensor ``value`` named ``name``.
 
-    The local tensor shares storage with the DTensor (loads write into it in place)."""
-    mesh, placements = value.device_mesh, tuple(value.placements)
+    The local tensor shares storage with the DTensor (loads write into it in place). This
+    runs for every DTensor on every save: what depends only on the mesh is computed once
+    per mesh, and the mapping once per (placements, shape, mesh, rank, world)."""
+    local = value._local_tensor
+    if local.requires_grad:  # to_local() would add an autograd node on parameters
+        local = local.detach()
     shape = tuple(value.shape)
-    layout = _layout(name, mesh, placements, world_size)
-    local = value._local_tensor.detach()  # to_local() would add an autograd node on parameters
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise ValueError(f"{name!r}: this rank is not in the DTensor's mesh {_describe(mesh, placements)}; {SUPPORTED}")
-    want = _piece_by_coordinate(placements, shape, mesh, coordinate)
-    got = layout.flat_range(shape, world_size, rank)
-    if (got.start, got.stop) != want or local.numel() != want[1] - want[0]:
+    mesh_shape, ranks, coordinate, where = _mesh_facts(value.device_mesh)
+    try:
+        layout, want = _mapping(mesh_shape, ranks, coordinate, tuple(value.placements), shape, rank, world_size)
+    except ValueError as e:
+        raise ValueError(f"cannot checkpoint DTensor {name!r} on {where} placements {tuple(value.placements)}: {e}") from None
+    if local.numel() != want[1] - want[0]:
         raise ValueError(
-            f"{name!r}: at mesh coordinate {tuple(coordinate)} this rank holds elements [{want[0]}, {want[1]}) "
-            f"({local.numel()} local) of {list(shape)}, but {layout} gives checkpoint rank {rank} of {world_size} "
-            f"[{got.start}, {got.stop}); the mesh {_describe(mesh, placements)} must number ranks in order "
-            f"(torch.arange(world).view(mesh shape)), as init_device_mesh does"
+            f"DTensor {name!r} on {where}: this rank's local tensor has {local.numel()} elements, but its mesh "
+            f"coordinate gives it elements [{want[0]}, {want[1]}) of {list(shape)}"
         )
     return local, layout, shape
 
 
-def _describe(mesh: Any, placements: tuple) -> str:
+_MESHES: dict[int, tuple[Any, tuple]] = {}
+
+
+def _mesh_facts(mesh: Any) -> tuple:
+    """(mesh shape, sorted ranks, this rank's coordinate, description), once per mesh."""
+    hit = _MESHES.get(id(mesh))
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
+    ranks = mesh.mesh.flatten().tolist()
     names = f" dims {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
-    return f"DeviceMesh({mesh.device_type!r}, shape {tuple(mesh.mesh.shape)}{names}, ranks {mesh.mesh.flatten().tolist()}) placements {placements}"
+    where = f"DeviceMesh({mesh.device_type!r}, shape {tuple(mesh.mesh.shape)}{names}, ranks {ranks})"
+    coordinate = mesh.get_coordinate()
+    facts = (tuple(mesh.mesh.shape), tuple(sorted(ranks)), None if coordinate is None else tuple(coordinate), where)
+    _MESHES[id(mesh)] = (weakref.ref(mesh), facts)
+    return facts
 
 
-def _refuse(name: str, mesh: Any, placements: tuple, why: str) -> ValueError:
-    return ValueError(f"cannot checkpoint DTensor {name!r} on {_describe(mesh, placements)}: {why}; supported: {SUPPORTED}")
-
-
-def _layout(name: str, mesh: Any, placements: tuple, world_size: int) -> Layout:
-    ranks = sorted(mesh.mesh.flatten().tolist())
-    if ranks != list(range(world_size)):
-        raise _refuse(name, mesh, placements, f"the mesh does not span the checkpoint's world of {world_size} ranks")
+@functools.lru_cache(maxsize=65536)
+def _mapping(mesh_shape: tuple, ranks: tuple, coordinate: tuple | None, placements: tuple, shape: tuple,
+             rank: int, world_size: int) -> tuple[Layout, tuple[int, int]]:
+    """The layout and this rank's element range; ValueError (without the tensor's name)
+    when the DTensor cannot be mapped."""
+    if ranks != tuple(range(world_size)):
+        raise ValueError(f"the mesh does not span the checkpoint's world of {world_size} ranks; supported: {SUPPORTED}")
+    if coordinate is None:
+        raise ValueError(f"this rank is not in the mesh; supported: {SUPPORTED}")
     kinds = tuple(_kind(p) for p in placements)
     if all(k == "replicate" for k in kinds) and len(kinds) in (1, 2):
-        return Replicate()
-    if kinds == ("shard",):
-        return Shard(0)
-    if kinds == ("replicate", "shard"):
+        layout: Layout = Replicate()
+    elif kinds == ("shard",):
+        layout = Shard(0)
+    elif kinds == ("replicate", "shard"):
         hybrid = getattr(flexshard, "HybridShard", None)
         if hybrid is None:
-            raise _refuse(name, mesh, placements, "HSDP needs flexshard.HybridShard, which this flexshard does not have yet")
-        return hybrid(mesh.size(1))
-    raise _refuse(name, mesh, placements, "this placement is not supported")
+            raise ValueError(f"HSDP needs flexshard.HybridShard, which this flexshard does not have yet; supported: {SUPPORTED}")
+        layout = hybrid(mesh_shape[1])
+    else:
+        raise ValueError(f"this placement is not supported; supported: {SUPPORTED}")
+    want = _piece_by_coordinate(placements, shape, mesh_shape, coordinate)
+    got = layout.flat_range(shape, world_size, rank)
+    if (got.start, got.stop) != want:
+        raise ValueError(
+            f"at mesh coordinate {coordinate} this rank holds elements [{want[0]}, {want[1]}) of {list(shape)}, but "
+            f"{layout} gives checkpoint rank {rank} of {world_size} [{got.start}, {got.stop}); the mesh must number "
+            f"ranks in order (torch.arange(world).view(mesh shape)), as init_device_mesh does"
+        )
+    return layout, want
 
 
 def _kind(p: Any) -> str:
@@ -99,7 +124,7 @@ def _kind(p: Any) -> str:
     return "other"
 
 
-def _piece_by_coordinate(placements: tuple, shape: tuple[int, ...], mesh: Any, coordinate: list[int]) -> tuple[int, int]:
+def _piece_by_coordinate(placements: tuple, shape: tuple[int, ...], mesh_shape: tuple, coordinate: tuple) -> tuple[int, int]:
     """The flat element range a rank holds, from its mesh coordinate alone (torch.chunk
     split of dim 0 over the shard mesh dim)."""
     total = 1
@@ -109,7 +134,7 @@ def _piece_by_coordinate(placements: tuple, shape: tuple[int, ...], mesh: Any, c
     if not shard_dims:
         return (0, total)
     i = shard_dims[0]
-    parts, index = mesh.size(i), coordinate[i]
+    parts, index = mesh_shape[i], coordinate[i]
     rows = shape[0] if shape else 1
     per_row = total // rows if rows else 0
     step = -(-rows // parts)
