@@ -7,7 +7,7 @@ checkpoint, then ``torch.save``s it), on one DCP checkpoint of ``--gib`` GiB.
 The checkpoint: fp32 tensors in a transformer-like size mix (the largest ``--largest-mib``
 MiB, the rest a quarter of it or smaller), nested as ``{"model": ..., "optim": ..., "step"}``
 and saved by ``dcp.save``. Every conversion runs in a fresh process; its peak is that
-process's peak RSS (``ru_maxrss``), and "over start" subtracts the RSS the same process had
+process's peak RSS (``VmHWM``: ``ru_maxrss`` would carry the parent's over fork and exec), and "over start" subtracts the RSS the same process had
 after its imports, before converting. Conversions run one after another: import-dcp,
 export-dcp of the imported checkpoint, export-safetensors of it, and the peer.
 """
@@ -25,16 +25,16 @@ import time
 MIB = 1 << 20
 
 CHILD = r"""
-import json, resource, sys, time, warnings
+import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch, torch.distributed.checkpoint  # imports before the start figure
 from flexckpt.cli import main
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-def rss():
+def status(key):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
-start = rss()
+start = status("VmRSS")
 t0 = time.perf_counter()
 argv = json.loads(sys.argv[1])
 if argv[0] == "dcp_to_torch_save":
@@ -42,7 +42,8 @@ if argv[0] == "dcp_to_torch_save":
     rc = 0
 else:
     rc = main(argv)
-print(json.dumps({"rc": rc, "start": start, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec from the parent
+print(json.dumps({"rc": rc, "start": start, "peak": status("VmHWM"),
                   "seconds": time.perf_counter() - t0}))
 """
 

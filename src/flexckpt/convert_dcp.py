@@ -16,7 +16,8 @@ works on the import as ``dcp.load({"model": msd}, ...)`` works on the original.
 Export turns each name back into nested keys (levels keyed ``0 .. n-1`` become lists, as
 ``get_state_dict`` optimizer ``param_groups`` are) and saves with ``dcp.save`` through a
 planner whose tensors are meta placeholders, each read from flexckpt only when DCP's
-writer asks for its bytes.
+writer asks for its bytes. One file per item (``single_file_per_rank=False``): DCP's
+writer keeps every tensor of a file alive until that file is closed.
 """
 from __future__ import annotations
 
@@ -245,7 +246,8 @@ def export_dcp(url: str, dcp_dir: str, step: int | None = None, *, budget: int =
     check_new_folder(dcp_dir, "DCP folder")
     try:
         _dcp_call(f"writing {dcp_dir}", lambda: dcp.save(
-            state, storage_writer=FileSystemWriter(dcp_dir, thread_count=1), planner=_streaming_planner(fetch), no_dist=True))
+            state, storage_writer=FileSystemWriter(dcp_dir, single_file_per_rank=False, thread_count=1),
+            planner=_streaming_planner(fetch), no_dist=True))
     except BaseException:
         shutil.rmtree(dcp_dir, ignore_errors=True)
         raise
