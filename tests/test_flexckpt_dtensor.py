@@ -230,9 +230,26 @@ def _hsdp_mapping(rank: int, world: int) -> list[str]:
     return bad
 
 
-def _load_at(rank: int, world: int, url: str) -> dict:
+def _cross_load(rank: int, world: int, st_url: str) -> list[str]:
+    """The ShardedTensor save into a DTensor target, the DTensor save into a plain tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import Shard as DShard
+
+    t = torch.arange(13 * 7, dtype=torch.float32).view(13, 7)
+    mesh = init_device_mesh("cpu", (world,))
+    into_dt = {"w": distribute_tensor(torch.zeros(13, 7), mesh, [DShard(0)])}
+    into_plain = {"w": torch.zeros(13, 7)}
+    with Checkpointer(f"{st_url}-st", run_id="x1") as a, Checkpointer(f"{st_url}-dt", run_id="x2") as b:
+        a.load(into_dt)
+        b.load(into_plain)
+    return [k for k, ok in (("into DTensor", torch.equal(into_dt["w"].full_tensor(), t)),
+                            ("into plain", torch.equal(into_plain["w"], t))) if not ok]
+
+
+def _load_at(rank: int, world: int, url: str, st_url: str) -> dict:
     _model2, _optim2, state, step = _restore(url, world, stateful=world == 4)
-    return {"loaded": _full(state), "step": step, "chunks": _chunk_equals_flexshard(rank, world),
+    return {"cross": _cross_load(rank, world, st_url),"loaded": _full(state), "step": step, "chunks": _chunk_equals_flexshard(rank, world),
             "refused": _refusals(rank, world, url + "-refused") if world == 4 else [],
             "hsdp": _hsdp_mapping(rank, world) if world == 4 else []}
 
@@ -264,8 +281,8 @@ def test_fsdp2_adamw_state_saved_at_two_loads_at_one_two_four_and_resumes_bit_id
         assert a.contents().tensors["w"].layout == Shard(0)
 
     for world in (1, 4):
-        for r in run_workers(_load_at, world, url, timeout=180):
-            assert r["step"] == STEP and r["chunks"] == [] and r["hsdp"] == []
+        for r in run_workers(_load_at, world, url, st_url, timeout=180):
+            assert r["step"] == STEP and r["chunks"] == [] and r["hsdp"] == [] and r["cross"] == []
             assert _same(saved, r["loaded"]) == []
 
     refused = two[0]["refused"] + r["refused"]
