@@ -37,6 +37,7 @@ from flexckpt.commit import (
     read_manifest,
     wait_for_records,
 )
+from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError, SaveError
 from flexckpt.load import LoadStats, PendingLoad, encode_per_rank
 from flexckpt.manifest import MANIFEST, check_run_id, data_file, failed_file, record_file, step_dir
@@ -501,12 +502,10 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def contents(self, step: int | None = None) -> "Contents":
+    def contents(self, step: int | None = None) -> Contents:
         """What the newest committed step (or ``step``) holds: tensor names, dtypes, global
         shapes and saved layouts, plain values, per-lane and per-rank names. Load single
         tensors with ``load({...: tensor}, step, strict=False)``."""
-        from flexckpt.contents import read_contents
-
         chosen = self.latest_step() if step is None else step
         if chosen is None or chosen not in self.steps():
             raise LoadError(f"step {step if step is not None else '(newest)'} is not a committed checkpoint under "

@@ -29,6 +29,7 @@ from typing import Any
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.checksum import checksum
 from flexckpt.codec import decompress_into
+from flexckpt.convert_cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError
@@ -248,12 +249,6 @@ def _get(state: dict, name: str) -> Any:
     return state
 
 
-def add_convert_commands(sub: Any) -> None:
-    from flexckpt.convert_cli import add_parsers
-
-    add_parsers(sub)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -285,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND")
     p.add_argument("--compression", default=None, help="none, zstd or zstd:LEVEL")
     p.set_defaults(fn=cmd_reshard)
-    add_convert_commands(sub)
+    add_convert_parsers(sub)  # import-dcp, export-dcp, export-safetensors
     args = parser.parse_args(argv)
     if getattr(args, "world", 1) is not None and getattr(args, "world", 1) < 1:
         parser.error("--world must be >= 1")
