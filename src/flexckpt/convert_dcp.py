@@ -32,7 +32,9 @@ import torch
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.errors import CheckpointError
 from flexckpt.structure import walk
-from flexckpt.tensor_stream import DEFAULT_BUDGET, batches, name_path, open_source, put, read_tensors
+from flexckpt.tensor_stream import (
+    DEFAULT_BUDGET, batches, check_new_folder, name_path, open_source, progress_bar, put, read_tensors,
+)
 from flexshard import Owned, ShardedTensor
 
 DCP_METADATA = ".metadata"
@@ -46,25 +48,6 @@ class ConvertReport:
     nbytes: int = 0
     batches: int = 0
     left_out: list[str] = field(default_factory=list)  # names, with why
-
-
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled, leave=False)
-
-
-def check_new_folder(path: str, what: str) -> None:
-    """``path`` may not exist yet or must be an empty folder; its parent must be writable."""
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise CheckpointError(f"{what} {path!r} already exists and is not an empty folder; choose a new folder")
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"cannot create {what} {path!r}: {e.strerror}; choose a writable place") from None
-    if not os.access(path, os.W_OK) or not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"{what} {path!r} is not writable; choose a writable place")
 
 
 # -- import --------------------------------------------------------------------------------------
@@ -154,7 +137,7 @@ def import_dcp(dcp_dir: str, url: str, step: int | None = None, *, budget: int =
         return state
 
     run_id = uuid.uuid4().hex[:16]
-    bar = _progress(sum(sizes.values()), "import-dcp", progress)
+    bar = progress_bar(sum(sizes.values()), "import-dcp", progress)
     try:
         for rank in [*range(1, world), 0]:  # rank 0 last: its save commits once every batch is written
             whole = {k: torch.empty(tuple(tensors[k].size), dtype=tensors[k].properties.dtype) for k in groups[rank]}
@@ -231,7 +214,7 @@ def export_dcp(url: str, dcp_dir: str, step: int | None = None, *, budget: int =
     order = [fqn for fqn, v in flat.items() if isinstance(v, torch.Tensor)]
     sizes = {fqn: contents.tensors[fqn_name[fqn]].nbytes for fqn in order}
     cache: dict[str, torch.Tensor] = {}
-    bar = _progress(sum(sizes.values()), "export-dcp", progress)
+    bar = progress_bar(sum(sizes.values()), "export-dcp", progress)
 
     def fetch(fqn: str) -> torch.Tensor:
         if fqn not in cache:

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexckpt.convert_dcp import _progress, check_new_folder
 from flexckpt.errors import CheckpointError
-from flexckpt.tensor_stream import DEFAULT_BUDGET, batches, name_path, open_source, read_tensors
+from flexckpt.tensor_stream import (
+    DEFAULT_BUDGET, batches, check_new_folder, name_path, open_source, progress_bar, read_tensors,
+)
 
 ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -94,7 +95,7 @@ def export_safetensors(url: str, out_dir: str, step: int | None = None, *, selec
         report = SafetensorsReport(step=contents.step, tensors=len(chosen), nbytes=sum(sizes.values()))
         final = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         tmp = [os.path.join(out_dir, f".{uuid.uuid4().hex[:8]}-{f}.partial") for f in final]
-        bar = _progress(report.nbytes, "export-safetensors", progress)
+        bar = progress_bar(report.nbytes, "export-safetensors", progress)
         try:
             for shard, path in zip(shards, tmp):
                 with open(path, "wb") as f:

@@ -1,9 +1,11 @@
 """Reading a committed checkpoint a few tensors at a time, through the public
 ``Checkpointer`` API only (``contents()`` and ``load(..., strict=False)``), so that the
 converters hold at most one batch of tensors: the largest tensor, or ``budget`` bytes of
-smaller ones. Also the mapping between flexckpt names and nested keys."""
+smaller ones. Also the mapping between flexckpt names and nested keys, the check that an
+output folder is new, and the converters' progress bar."""
 from __future__ import annotations
 
+import os
 from typing import Any, Iterator
 
 import torch
@@ -62,3 +64,22 @@ def read_tensors(ck: Checkpointer, contents: Contents, names: list[str]) -> dict
         put(state, name_path(n), out[n])
     ck.load(state, step=contents.step, strict=False)
     return out
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled, leave=False)
+
+
+def check_new_folder(path: str, what: str) -> None:
+    """``path`` may not exist yet or must be an empty folder; its parent must be writable."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise CheckpointError(f"{what} {path!r} already exists and is not an empty folder; choose a new folder")
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {what} {path!r}: {e.strerror}; choose a writable place") from None
+    if not os.access(path, os.W_OK) or not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{what} {path!r} is not writable; choose a writable place")
