@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from fsdp2_state import build_state
 from harness import TensorSpec, mismatches, zeros_like_state
 
 KEEP_LAST = 2  # checkpoints kept on disk while a run goes (every library the same)
@@ -87,7 +88,8 @@ def clear_dcp_plan_caches() -> None:
 
 
 class DcpSaver:
-    def __init__(self, variant: str, root: str, local: dict[str, torch.Tensor], specs: Sequence[TensorSpec], rank: int, world: int) -> None:
+    def __init__(self, variant: str, root: str, local: dict[str, torch.Tensor], specs: Sequence[TensorSpec], rank: int, world: int,
+                 state_kind: str = "sharded") -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.device_mesh import init_device_mesh
@@ -105,7 +107,8 @@ class DcpSaver:
         self.pg = dist.new_group(backend="gloo")
         self.mesh = init_device_mesh("cpu", (world,))
         self._dt = lambda t, s: DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False, shape=torch.Size(s.global_shape), stride=_contiguous_stride(s.global_shape))
-        self.state = {"model": {s.name: self._dt(local[s.name], s) for s in specs}}
+        self.state_kind = state_kind
+        self.state = build_state(state_kind, local, specs, self._dt)
         self.local = local
         self.stager = (
             DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))
@@ -163,13 +166,22 @@ class DcpSaver:
 
     def verify(self, step: int, version: int) -> list[str]:
         fresh = zeros_like_state(self.local)
-        target = {"model": {s.name: self._dt(fresh[s.name], s) for s in self.specs}}
+        target = build_state(self.state_kind, fresh, self.specs, self._dt)
         self.dcp.load(target, checkpoint_id=_step_dir(self.root, step), process_group=self.pg)
         return mismatches(fresh, self.specs, self.rank, self.world, version)
 
     def close(self) -> None:
         if self.stager is not None:
             self.stager.close()
+
+
+def _dtensor_wrap(world: int) -> Callable[[torch.Tensor, TensorSpec], Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    return lambda t, s: DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(s.global_shape),
+                                           stride=_contiguous_stride(s.global_shape))
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -320,7 +332,7 @@ class FlexSaver:
     name = "flexckpt"
 
     def __init__(self, variant: str, root: str, local: dict[str, torch.Tensor], specs: Sequence[TensorSpec], rank: int, world: int,
-                 profile: bool = False, **options: Any) -> None:
+                 profile: bool = False, state_kind: str = "sharded", **options: Any) -> None:
         from flexckpt import Checkpointer
         from flexshard import Shard, ShardedTensor
 
@@ -328,7 +340,10 @@ class FlexSaver:
 
         self.root, self.rank, self.world, self.specs, self.local = root, rank, world, specs, local
         self._st = lambda t, s: ShardedTensor(t, Shard(0), s.global_shape, rank, world)
-        self.state = {"model": {s.name: self._st(local[s.name], s) for s in specs}}
+        if state_kind == "fsdp2":  # the same DTensors DCP saves (flexckpt maps them to Shard(0))
+            self._st = _dtensor_wrap(world)
+        self.state_kind = state_kind
+        self.state = build_state(state_kind, local, specs, self._st)
         self.ckpt = Checkpointer(root, keep_last=KEEP_LAST, max_in_flight=1, fsync=True, **options)
         # SaveHandle has no done-callback: one parked thread stamps when each save's part on
         # this rank is done (waiting on the handle's event; it does no work of its own)
@@ -374,7 +389,7 @@ class FlexSaver:
 
     def verify(self, step: int, version: int) -> list[str]:
         fresh = zeros_like_state(self.local)
-        target = {"model": {s.name: self._st(fresh[s.name], s) for s in self.specs}}
+        target = build_state(self.state_kind, fresh, self.specs, self._st)
         self.ckpt.load(target, step=step)
         return mismatches(fresh, self.specs, self.rank, self.world, version)
 
@@ -383,11 +398,13 @@ class FlexSaver:
 
 
 def make_saver(variant: str, root: str, local: dict[str, torch.Tensor], specs: Sequence[TensorSpec], rank: int, world: int,
-               flex_options: dict | None = None) -> Any:
+               flex_options: dict | None = None, state_kind: str = "sharded") -> Any:
     if variant.startswith("dcp"):
-        return DcpSaver(variant, root, local, specs, rank, world)
+        return DcpSaver(variant, root, local, specs, rank, world, state_kind)
     if variant == "tc":
+        if state_kind != "sharded":
+            raise ValueError(f"the torch_checkpointing saver has no {state_kind!r} state; use --libs without tc")
         return TcSaver(variant, root, local, specs, rank, world)
     if variant == "flexckpt":
-        return FlexSaver(variant, root, local, specs, rank, world, **(flex_options or {}))
+        return FlexSaver(variant, root, local, specs, rank, world, state_kind=state_kind, **(flex_options or {}))
     raise ValueError(f"unknown library {variant!r}; expected one of {', '.join(VARIANTS)}")

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 import harness as H
+from fsdp2_state import STATE_KINDS
 from peers import PEERS, VARIANTS, make_saver
 
 DEFAULT_LIBS = [*PEERS, "flexckpt"]
@@ -96,7 +97,7 @@ def loop_worker(rank: int, world: int, cfg: dict, variant: str, folder: str, ops
     specs = H.state_specs(cfg["mb_per_rank"], cfg["tensors"], world)
     local = H.build_local_state(specs, rank, world, version=0)
     work = H.Workload(local)
-    saver = make_saver(variant, folder, local, specs, rank, world, cfg["flex_options"])
+    saver = make_saver(variant, folder, local, specs, rank, world, cfg["flex_options"], cfg.get("state", "sharded"))
     work.ops(len(work.mats))  # warm the step's kernels and caches
     H.settle_heap()
     gcw = H.GcWatch()
@@ -249,7 +250,7 @@ def run_world(world: int, args: argparse.Namespace, root: str, log: list[str]) -
         flex_options["profile"] = True
     cfg = {"mb_per_rank": args.mb_per_rank, "tensors": args.tensors, "saves": args.saves,
            "step_seconds": args.step_seconds, "baseline_steps": args.baseline_steps, "flex_options": flex_options,
-           "switch_interval": args.switch_interval}
+           "switch_interval": args.switch_interval, "state": args.state}
     timeout = 300 + (args.saves + args.baseline_steps + 1) * args.step_seconds * 6
     refs, runs = [], {lib: [] for lib in args.libs}
     ops = None
@@ -433,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="time flexckpt's internals (walk, plan, buffer wait, copy, checksum, os.write, fsync, commit wait) by wrapping them")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="experiment: sys.setswitchinterval() in the ranks (Python's default 0.005 s), to test GIL hand-off stalls")
+    p.add_argument("--state", choices=STATE_KINDS, default="sharded",
+                   help="sharded: one Shard(0) piece per tensor; fsdp2: the same bytes as FSDP2's get_state_dict(model, "
+                   "optim) result, DTensors for DCP and flexckpt alike (default sharded)")
     p.add_argument("--dir", default=None, help="folder for checkpoints (default: a new temporary folder, removed after)")
     p.add_argument("--out", default=None, help="also write the markdown report here (default bench/out/save_latency-DATE.md)")
     args = p.parse_args(argv)

@@ -47,6 +47,7 @@ from flexckpt.commit import (
     read_manifest,
     record_doc,
 )
+from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError, SaveError
 from flexckpt.load import LoadStats, PendingLoad, encode_per_rank
 from flexckpt.manifest import (
@@ -619,6 +620,16 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def contents(self, step: int | None = None) -> Contents:
+        """What the newest committed step (or ``step``) holds: tensor names, dtypes, global
+        shapes and saved layouts, plain values, per-lane and per-rank names. Load single
+        tensors with ``load({...: tensor}, step, strict=False)``."""
+        chosen = self.latest_step() if step is None else step
+        if chosen is None or chosen not in self.steps():
+            raise LoadError(f"step {step if step is not None else '(newest)'} is not a committed checkpoint under "
+                            f"{self.storage.url}; committed: {self.steps()}")
+        return read_contents(self.storage, chosen)
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, state: dict, step: int | None = None, *, strict: bool = True, fallback: bool = False) -> int:

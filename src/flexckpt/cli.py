@@ -6,6 +6,10 @@
     flexckpt plan    URL --world N [--layout P=K] what each rank of another world would read
     flexckpt reshard SRC DST --world N [--layout P=K]
                                                   rewrite a checkpoint for another world size
+    flexckpt import-dcp DCP_DIR URL [--step N]    a torch.distributed.checkpoint folder as a checkpoint
+    flexckpt export-dcp URL DCP_DIR [--step N]    a checkpoint as a torch.distributed.checkpoint folder
+    flexckpt export-safetensors URL OUT_DIR [--select GLOB] [--strip-prefix P] [--dtype bf16|fp16|fp32]
+        [--max-shard-size 5GB]                    consolidated weights, Hugging Face layout
 
 Layout kinds for --layout (glob PATTERN=KIND, repeatable): replicate, shard, owned,
 block[:SIZE], hybrid:GROUP[:BLOCK]; by default each tensor keeps its saved kind (Owned tensors get owners
@@ -25,6 +29,7 @@ from typing import Any
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.checksum import checksum
 from flexckpt.codec import decompress_into
+from flexckpt.convert_cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError
@@ -304,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND")
     p.add_argument("--compression", default=None, help="none, zstd or zstd:LEVEL")
     p.set_defaults(fn=cmd_reshard)
+    add_convert_parsers(sub)  # import-dcp, export-dcp, export-safetensors
     args = parser.parse_args(argv)
     if getattr(args, "world", 1) is not None and getattr(args, "world", 1) < 1:
         parser.error("--world must be >= 1")

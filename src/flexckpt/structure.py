@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import torch
 
+from flexckpt.dtensor import dtensor_leaf, is_dtensor
 from flexckpt.dtypes import dtype_name
 from flexckpt.values import ByLane, PerRank
 from flexshard import Layout, Replicate, ShardedTensor
@@ -140,7 +141,11 @@ def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> N
 
 
 def _walk_value(value: Any, name: str, parent: Any, key: Any, out: Walk, rank: int, world_size: int) -> None:
-    if isinstance(value, torch.Tensor):
+    if is_dtensor(value):  # saved and loaded as its local piece of a flexshard layout
+        local, layout, shape = dtensor_leaf(value, name, rank, world_size)
+        out.key.append((name, local.dtype, shape, layout, local.shape, local.device))
+        out.tensors.append(local)
+    elif isinstance(value, torch.Tensor):
         out.key.append((name, value.dtype, value.shape, value.device))
         out.tensors.append(value)
     elif isinstance(value, ShardedTensor):

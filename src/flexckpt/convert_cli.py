@@ -1,0 +1,91 @@
+"""The converters' ``flexckpt`` subcommands: import-dcp, export-dcp, export-safetensors."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from flexckpt.errors import CheckpointError
+from flexckpt.tensor_stream import DEFAULT_BUDGET
+
+TRUST = ("DCP's .metadata is a Python pickle and its non-tensor values are torch.load-ed with "
+         "weights_only=False: import only checkpoints you trust. (flexckpt's own load path never unpickles.)")
+
+
+def _one_line_os_errors(fn: Any) -> Any:
+    """A failing disk or folder is reported like bad input: one line, exit status 2."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except OSError as e:
+            raise CheckpointError(f"{fn.__name__[4:].replace('_', '-')}: {e}") from e
+
+    return run
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def cmd_import_dcp(args: argparse.Namespace) -> int:
+    from flexckpt.convert_dcp import import_dcp
+
+    r = import_dcp(args.dcp_dir, args.url, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
+    print(f"imported {r.tensors} tensors ({_mib(r.nbytes)}) from {args.dcp_dir} as step {r.step} "
+          f"(step from {r.step_source}) under {args.url}")
+    for what in r.left_out:
+        print(f"  left out: {what}")
+    return 0
+
+
+def cmd_export_dcp(args: argparse.Namespace) -> int:
+    from flexckpt.convert_dcp import export_dcp
+
+    r = export_dcp(args.url, args.dcp_dir, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
+    print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) to {args.dcp_dir}")
+    for what in r.left_out:
+        print(f"  left out: {what}")
+    return 0
+
+
+def cmd_export_safetensors(args: argparse.Namespace) -> int:
+    from flexckpt.safetensors_out import export_safetensors
+
+    r = export_safetensors(args.url, args.out_dir, args.step, select=args.select, strip_prefix=args.strip_prefix,
+                           dtype=args.dtype, max_shard_size=args.max_shard_size, budget=args.budget_mib << 20,
+                           progress=sys.stderr.isatty())
+    print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) in {len(r.files)} files to {args.out_dir}")
+    return 0
+
+
+def _command(sub: Any, name: str, fn: Any, src: str, dst: str, help: str, description: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument(src)
+    p.add_argument(dst)
+    p.add_argument("--step", type=int)
+    p.add_argument("--budget-mib", type=int, default=DEFAULT_BUDGET >> 20, metavar="MIB",
+                   help="tensors read together, in MiB (peak memory is about twice this or the largest tensor)")
+    p.set_defaults(fn=_one_line_os_errors(fn))
+    return p
+
+
+def add_parsers(sub: Any) -> None:
+    _command(sub, "import-dcp", cmd_import_dcp, "dcp_dir", "url",
+             help="a torch.distributed.checkpoint folder as a flexckpt checkpoint",
+             description="Write a checkpoint saved by torch.distributed.checkpoint.save (any world size, FSDP2 or "
+             "plain) as one flexckpt step that loads at any world size. The step is --step, else a top-level plain "
+             "'step' value of the checkpoint, else 0. " + TRUST)
+    _command(sub, "export-dcp", cmd_export_dcp, "url", "dcp_dir",
+             help="a flexckpt checkpoint as a torch.distributed.checkpoint folder",
+             description="Write one committed step (the newest unless --step) as a DCP checkpoint that "
+             "torch.distributed.checkpoint.load reads at any world size. Tensors and plain values are exported; "
+             "per-lane and per-rank values are left out and listed. DCP_DIR must be new or empty.")
+    p = _command(sub, "export-safetensors", cmd_export_safetensors, "url", "out_dir",
+                 help="consolidated weights as safetensors files (Hugging Face layout)",
+                 description="Write the selected tensors of one step whole, as model-0000k-of-0000n.safetensors "
+                 "files and model.safetensors.index.json (loadable by safetensors.torch.load_file). Names are the "
+                 "checkpoint's, less --strip-prefix, with '/' turned into '.'. OUT_DIR must be new or empty.")
+    p.add_argument("--select", action="append", metavar="GLOB", help="tensor names to export (repeatable; default all)")
+    p.add_argument("--strip-prefix", metavar="P", help="drop this prefix from names, e.g. model/")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point tensors")
+    p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB; 10**9 bytes a GB)")

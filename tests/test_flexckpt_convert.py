@@ -1,0 +1,162 @@
+"""The converters (``flexckpt import-dcp``, ``export-dcp``, ``export-safetensors``) on the
+state of a real FSDP2 model trained with AdamW at world 2: each round trip bit-identical,
+loaded into FSDP2 models at worlds 2 and 1, and bad input refused with one line and no
+output that looks complete. Two launches."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flexckpt import ByLane, Checkpointer, PerRank
+from flexckpt.cli import main
+from flexshard.spawn import run_workers
+from test_flexckpt_dtensor import _fresh_state, _fsdp, _full, _same, _train
+
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = main(argv)
+    return rc, out.getvalue()
+
+
+def _load_both(rank: int, world: int, imported: str, exported: str) -> dict:
+    """Fresh FSDP2 models filled from the import (flexckpt) and from the export (DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    out = {}
+    model, optim, state = _fresh_state(world)
+    with Checkpointer(imported, run_id=f"imp{world}") as ck:
+        out["import_step"] = ck.load(state)
+    out["imported"] = _full(state)
+    model, optim, state = _fresh_state(world)
+    del state["step"]
+    dcp.load(state, checkpoint_id=exported)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    out["exported"] = _full(state)
+    return out
+
+
+def _save_both(rank: int, world: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = _fsdp(world)
+    _train(model, optim, rank, 0, 3)
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd, "step": 3}, checkpoint_id=f"{root}/dcp")
+    state = {"model": msd, "optim": osd, "step": 3, "data": ByLane({str(rank): rank}), "rng": PerRank(rank)}
+    with Checkpointer(f"{root}/flex", run_id="conv") as ck:
+        ck.save(3, state).result(timeout=60)
+    saved = _full({"model": msd, "optim": osd, "step": 3})
+    dist.barrier()
+    cli = {}
+    if rank == 0:
+        cli["import"] = _cli(["import-dcp", f"{root}/dcp", f"{root}/imported", "--budget-mib", "0"])
+        cli["export"] = _cli(["export-dcp", f"{root}/flex", f"{root}/exported", "--budget-mib", "0"])
+    dist.barrier()
+    return {"saved": saved, "cli": cli, **_load_both(rank, world, f"{root}/imported", f"{root}/exported")}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("convert"))
+    two = run_workers(_save_both, 2, root, timeout=180)
+    one = run_workers(_load_both, 1, f"{root}/imported", f"{root}/exported", timeout=120)
+    return root, two, one
+
+
+def test_import_dcp_and_export_dcp_round_trip_bit_identical_into_fsdp2_at_two_and_one(converted):
+    root, two, one = converted
+    saved = two[0]["saved"]
+    rc, out = two[0]["cli"]["import"]
+    assert rc == 0 and "as step 3 (step from plain value 'step')" in out, out
+    rc, out = two[0]["cli"]["export"]
+    assert rc == 0 and "left out: data (per-lane value)" in out and "left out: rng (per-rank value)" in out, out
+    for r in [*two, *one]:
+        assert r["import_step"] == 3
+        assert _same(saved, r["imported"]) == []
+        assert _same({k: v for k, v in saved.items() if k != "/step"}, {**r["exported"]}) == []
+    # the import is an ordinary checkpoint: one tensor per batch ("--budget-mib 0"), Owned by its batch's rank
+    with Checkpointer(f"{root}/imported") as ck:
+        c = ck.contents()
+    assert c.step == 3 and c.world_size == len(c.tensors) == sum(isinstance(v, torch.Tensor) for v in saved.values())
+    assert c.plain["optim/param_groups/0/betas"] == (0.9, 0.999) and c.plain["step"] == 3
+
+
+def test_export_safetensors_hugging_face_layout_bit_identical(converted, tmp_path):
+    from safetensors.torch import load_file
+
+    root, two, _ = converted
+    saved = two[0]["saved"]
+    weights = {k[len("/model/"):]: v for k, v in saved.items() if k.startswith("/model/")}
+    for dtype, cast in ((None, torch.float32), ("bf16", torch.bfloat16)):
+        out = str(tmp_path / f"st-{dtype}")
+        argv = ["export-safetensors", f"{root}/flex", out, "--select", "model/*", "--strip-prefix", "model/",
+                "--max-shard-size", "300B"] + (["--dtype", dtype] if dtype else [])
+        rc, text = _cli(argv)
+        assert rc == 0, text
+        index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) > 1 and files[0].endswith("-of-" + f"{len(files):05d}.safetensors")
+        assert sorted(os.listdir(out)) == sorted(files + ["model.safetensors.index.json"])
+        got = {}
+        for f in files:
+            part = load_file(os.path.join(out, f))
+            assert all(index["weight_map"][k] == f for k in part)
+            got.update(part)
+        assert sorted(got) == sorted(weights)
+        assert all(got[k].dtype == cast and torch.equal(got[k], weights[k].to(cast)) for k in weights)
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
+
+
+def test_converters_refuse_bad_input_with_one_line_and_no_complete_looking_output(converted, tmp_path, monkeypatch):
+    root, _, _ = converted
+    no_meta = str(tmp_path / "no-meta")
+    shutil.copytree(f"{root}/dcp", no_meta)
+    os.remove(os.path.join(no_meta, ".metadata"))
+    a_file = str(tmp_path / "a-file")
+    open(a_file, "w").close()
+    cases = [
+        (["import-dcp", str(tmp_path / "missing"), str(tmp_path / "x")], "is not a folder"),
+        (["import-dcp", no_meta, str(tmp_path / "x")], "has no .metadata file"),
+        (["export-safetensors", f"{root}/flex", str(tmp_path / "s1"), "--select", "model/nope*"], "matches no tensor"),
+        (["export-safetensors", f"{root}/flex", str(tmp_path / "s2"), "--strip-prefix", "nope/"], "starts no selected"),
+        (["export-safetensors", f"{root}/flex", a_file], "already exists and is not an empty folder"),
+        (["export-dcp", f"{root}/flex", "/proc/flexckpt-test/out"], "cannot create DCP folder"),
+        (["export-dcp", str(tmp_path / "empty"), str(tmp_path / "d1")], "no committed flexckpt checkpoint"),
+    ]
+    for argv, want in cases:
+        rc, text = _cli(argv)
+        assert rc == 2 and text.count("\n") == 1 and want in text, (argv, text)
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "s1")
+
+    # a failure half-way leaves neither the index nor any final-named file (nor .metadata)
+    import flexckpt.safetensors_out as so
+    import flexckpt.convert_dcp as cd
+
+    calls = []
+
+    def failing(ck, contents, names):
+        calls.append(names)
+        if len(calls) == 3:
+            raise OSError("disk full (test)")
+        return real(ck, contents, names)
+
+    real = so.read_tensors
+    monkeypatch.setattr(so, "read_tensors", failing)
+    monkeypatch.setattr(cd, "read_tensors", failing)
+    rc, text = _cli(["export-safetensors", f"{root}/flex", str(tmp_path / "half"), "--max-shard-size", "1KB", "--budget-mib", "0"])
+    assert rc == 2 and text == "flexckpt: export-safetensors: disk full (test)\n", text
+    assert os.listdir(tmp_path / "half") == []
+    calls.clear()
+    rc, text = _cli(["export-dcp", f"{root}/flex", str(tmp_path / "half-dcp"), "--budget-mib", "0"])
+    assert rc == 2 and text == f"flexckpt: writing {tmp_path / 'half-dcp'} failed: OSError: disk full (test)\n", text
+    assert not os.path.exists(tmp_path / "half-dcp" / ".metadata")
