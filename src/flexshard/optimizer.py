@@ -30,7 +30,7 @@ then calls :meth:`load_state_dict`, which re-gathers the parameters from the mas
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, Mapping
 
 import torch
@@ -208,6 +208,19 @@ class ShardedOptimizer:
                 raise ValueError(f"gradient for {e.name!r} has shape {tuple(g.shape)}, the parameter {e.shape}")
             rng = e.master.flat_range
             e.grad.view(-1).copy_(g.detach().reshape(-1)[rng.start : rng.stop])
+
+    def set_lr(self, muon: float | None = None, adamw: float | None = None) -> None:
+        """Set the learning rate of the Muon and/or AdamW updates (a schedule calls this
+        before each :meth:`step`); validated like the configs."""
+        if muon is not None:
+            self.muon = replace(self.muon, lr=muon)
+        if adamw is not None:
+            self.adamw = replace(self.adamw, lr=adamw)
+
+    @property
+    def lrs(self) -> tuple[float, float]:
+        """``(muon lr, adamw lr)`` now."""
+        return float(self.muon.lr), float(self.adamw.lr)
 
     def zero_grad(self) -> None:
         for e in self.entries:
