@@ -107,13 +107,14 @@ class TrainConfig:
         """Lanes and the global batch must split evenly over ``world`` ranks."""
         problems = world_problems(self.data.lanes, self.data.global_batch, self.data.micro_batch, world)
         if problems:
-            raise ConfigError(f"cannot run on {world} ranks: {problems}")
+            raise ConfigError(f"cannot run on {world} ranks: {problems}; sizes that work: "
+                              f"{working_sizes(self.data.lanes, self.data.global_batch, self.data.micro_batch)}")
 
 
 def world_problems(lanes: int, global_batch: int, micro_batch: int, world: int) -> str:
     """Why ``world`` ranks cannot run this data layout ('' when they can)."""
     if lanes % world:
-        return f"data.lanes={lanes} is not a multiple of {world}; sizes that work: {working_sizes(lanes, global_batch, 1)}"
+        return f"data.lanes={lanes} is not a multiple of {world} ranks"
     if (global_batch // world) % micro_batch:
         return (f"the per-rank batch {global_batch // world} (data.global_batch / ranks) is not a multiple of "
                 f"data.micro_batch={micro_batch}; pick a micro batch dividing it")
@@ -158,7 +159,7 @@ def semantic_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint(cfg: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(semantic_fields(cfg), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(semantic_fields(cfg)).encode()).hexdigest()  # key order kept: source order matters
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

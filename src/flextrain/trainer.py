@@ -69,7 +69,7 @@ def checkpoint_state(opt: ShardedOptimizer, step: int, cfg: TrainConfig, data_st
         "optim": {"step": sd["step"], "state": {n: {k: v for k, v in p.items() if k != "master"}
                                                 for n, p in sd["params"].items()}},
         "data": ByLane(dict(data_state.get("lanes", {}))),
-        "trainer": {"step": step, "config": json.dumps(cfg.to_dict(), sort_keys=True),
+        "trainer": {"step": step, "config": json.dumps(cfg.to_dict()),
                     "fingerprint": fingerprint(cfg.to_dict()), "data_state": json.dumps(meta, sort_keys=True)},
     }
 
