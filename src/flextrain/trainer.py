@@ -124,6 +124,7 @@ class Trainer:
         self.quiet = quiet or self.rank != 0
         self.run_dir = Path(cfg.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
         self.timings: dict[str, float] = {}
         t = time.perf_counter()
         torch.manual_seed(cfg.seed)
