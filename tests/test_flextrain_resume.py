@@ -18,6 +18,7 @@ import torch
 
 from flexckpt import Checkpointer
 from flextrain.cli import main as flextrain_main
+from flextrain.launch import metrics
 
 SHRINK = ["--set", "data.max_length=64", "--set", "data.global_batch=8", "--set", "data.micro_batch=2",
           "--set", "model.d_model=64", "--set", "model.d_ff=128", "--set", "eval_every=4", "--set", "ckpt_every=4",
@@ -31,11 +32,6 @@ def torchrun(nproc: int, run_dir: Path, *extra: str, timeout: float = 180) -> su
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "flextrain", "train",
            "--run-dir", str(run_dir), *SHRINK, *extra]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
-def metrics(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows}  # a resumed run's line wins over an older one
 
 
 def masters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
