@@ -40,7 +40,7 @@ def test_performance_settings_do_not_change_the_fingerprint():
 
 def test_working_sizes_divide_lanes_and_batch():
     assert working_sizes(8, 16) == [1, 2, 4, 8]
-    assert working_sizes(8, 16, micro_batch=4) == [1, 2, 4]
+    assert working_sizes(8, 16, micro_batch=3) == [8]  # 16/8 = 1 row: one microbatch of 1
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():

@@ -49,6 +49,7 @@ class DataConfig:
     workers: int = 1              # performance: tokenizer threads
     heldout_fraction: float = 0.1
     eval_batches: int = 2         # held-out global batches per evaluation
+    loader: str = "zephon"        # or "usual": the per-rank streaming baseline of the experiments
 
 
 @dataclass
@@ -95,6 +96,8 @@ class TrainConfig:
             raise ConfigError(f"data.global_batch={d.global_batch} must be a multiple of data.lanes={d.lanes}")
         if not 0 < d.heldout_fraction < 1:
             raise ConfigError(f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
+        if d.loader not in ("zephon", "usual"):
+            raise ConfigError(f"data.loader={d.loader!r} must be 'zephon' or 'usual'")
         if o.decay not in ("cosine", "linear"):
             raise ConfigError(f"optim.decay={o.decay!r} must be 'cosine' or 'linear'")
         if o.placement not in ("owned", "fsdp"):
@@ -115,14 +118,14 @@ def world_problems(lanes: int, global_batch: int, micro_batch: int, world: int) 
     """Why ``world`` ranks cannot run this data layout ('' when they can)."""
     if lanes % world:
         return f"data.lanes={lanes} is not a multiple of {world} ranks"
-    if (global_batch // world) % micro_batch:
+    if (global_batch // world) % min(micro_batch, global_batch // world):
         return (f"the per-rank batch {global_batch // world} (data.global_batch / ranks) is not a multiple of "
                 f"data.micro_batch={micro_batch}; pick a micro batch dividing it")
     return ""
 
 
 def working_sizes(lanes: int, global_batch: int, micro_batch: int = 1) -> list[int]:
-    return [w for w in range(1, lanes + 1) if lanes % w == 0 and (global_batch // w) % micro_batch == 0]
+    return [w for w in range(1, lanes + 1) if not world_problems(lanes, global_batch, micro_batch, w)]
 
 
 def _pos(obj: Any, *names: str, prefix: str = "") -> None:
@@ -142,7 +145,7 @@ SEMANTIC = {
     "seed": None,
     "model": None,
     "data": ("sources", "shares", "tokenizer", "max_length", "packing", "shuffle_buffer", "lanes", "global_batch",
-             "heldout_fraction", "eval_batches"),
+             "heldout_fraction", "eval_batches", "loader"),
     "optim": ("muon_lr", "adamw_lr", "weight_decay", "warmup_steps", "decay", "min_lr_ratio", "compute_copy"),
 }
 

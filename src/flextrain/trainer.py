@@ -31,6 +31,7 @@ from flextrain.data import build_pipeline, heldout_pipeline
 from flextrain.model import Transformer, token_loss_sum
 from flextrain.preempt import Preemption
 from flextrain.schedule import lr_scale
+from flextrain.usual_loader import UsualLoader
 
 DEVICE = torch.device("cpu")  # the one place the device is chosen (ShardedOptimizer is CPU-only today)
 
@@ -135,7 +136,10 @@ class Trainer:
             self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
         self.timings["model_build_s"] = time.perf_counter() - t
         self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last)
-        self.pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world)
+        if cfg.data.loader == "usual":
+            self.pipeline = UsualLoader(cfg.data, cfg.seed, self.rank, self.world)
+        else:
+            self.pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world)
         self.heldout = heldout_pipeline(cfg.data, cfg.seed, self.rank, self.world)
         self._heldout_start: dict | None = None
         self.step = 0
@@ -269,26 +273,27 @@ class Trainer:
         return summary
 
     def _gather_step(self, micro: list, loss_sum: float) -> tuple[str, float]:
-        """One all-gather of this rank's lane digests and loss sum: the global batch digest
+        """One all-gather of this rank's step digests and loss sum: the global batch digest
         and the global loss sum (added in rank order, the same on every rank)."""
-        digests: dict[int, bytes] = {}
-        for b in micro:
-            digests.update(b.lane_digests)
+        if isinstance(self.pipeline, UsualLoader):
+            mine, combine = UsualLoader.step_digests(micro), UsualLoader.combine
+        else:
+            lanes: dict[int, bytes] = {}
+            for b in micro:
+                lanes.update(b.lane_digests)
+            mine, combine = [lanes[k] for k in sorted(lanes)], global_batch_digest
         if self.world == 1:
-            return global_batch_digest(digests), loss_sum
-        lanes = sorted(digests)
-        mine = np.frombuffer(b"".join(digests[k] for k in lanes) + np.float64(loss_sum).tobytes(), dtype=np.uint8)
-        out = [torch.empty(len(mine), dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(out, torch.from_numpy(mine.copy()))
-        per_rank = self.cfg.data.lanes // self.world
-        all_digests: dict[int, bytes] = {}
+            return combine(mine), loss_sum
+        payload = np.frombuffer(b"".join(mine) + np.float64(loss_sum).tobytes(), dtype=np.uint8).copy()
+        out = [torch.empty(len(payload), dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(out, torch.from_numpy(payload))
+        digests: list[bytes] = []
         total = 0.0
-        for r, t in enumerate(out):
+        for t in out:  # ranks in order: lanes in lane order
             raw = t.numpy().tobytes()
-            for i in range(per_rank):
-                all_digests[r * per_rank + i] = raw[32 * i: 32 * i + 32]
+            digests += [raw[i: i + 32] for i in range(0, len(raw) - 8, 32)]
             total += float(np.frombuffer(raw[-8:], dtype=np.float64)[0])
-        return global_batch_digest(all_digests), total
+        return combine(digests), total
 
     def _log(self, row: dict, bar: Any) -> None:
         if self.quiet:
