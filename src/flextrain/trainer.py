@@ -127,6 +127,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
         self.timings: dict[str, float] = {}
+        launched = os.environ.get("FLEXTRAIN_LAUNCH_TIME")  # set by a benchmark: wall clock at launch
+        if launched:
+            self.timings["process_start_s"] = time.time() - float(launched)
         t = time.perf_counter()
         torch.manual_seed(cfg.seed)
         self.model = Transformer(cfg.model).to(DEVICE)
@@ -232,7 +235,9 @@ class Trainer:
                 labels, stop = count[0].item(), count[1].item() > 0
                 for p in self.model.parameters():
                     p.grad.div_(labels)
+                t_opt = time.perf_counter()
                 self.opt.reduce_gradients()
+                opt_s = time.perf_counter() - t_opt
                 ckpt_wait = 0.0
                 if handle is not None:
                     handle.wait_staged()
@@ -241,13 +246,16 @@ class Trainer:
                     handle = None
                 scale = lr_scale(self.step, cfg.steps, o.warmup_steps, o.decay, o.min_lr_ratio)
                 self.opt.set_lr(muon=o.muon_lr * scale, adamw=o.adamw_lr * scale)
+                t_opt = time.perf_counter()
                 self.opt.step()
+                opt_s += time.perf_counter() - t_opt
                 self.opt.zero_grad()
                 self.step += 1
                 digest, loss_total = self._gather_step(micro, loss_sum)
                 row = {"step": self.step, "loss": loss_total / labels, "tokens": int(labels),
                        "lr": o.muon_lr * scale, "lr_adamw": o.adamw_lr * scale, "global_batch_sha256": digest,
-                       "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "world": self.world}
+                       "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "world": self.world,
+                       "optim_s": opt_s}
                 final = stop or self.step == cfg.steps
                 if self.step % cfg.ckpt_every == 0 or final:
                     handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,
@@ -270,6 +278,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
         summary = self._summary(time.perf_counter() - t_start, waits, stopped)
+        (self.run_dir / f"summary-w{self.world}-r{self.rank}.json").write_text(json.dumps(summary))
         return summary
 
     def _gather_step(self, micro: list, loss_sum: float) -> tuple[str, float]:
