@@ -167,10 +167,28 @@ def part_lanes(work: Path, steps: int) -> None:
                   f"{steady:,.0f} | {replayed / restore_s / steady:.2f} |", flush=True)
 
 
+def part_mxfp8(work: Path, steps: int) -> None:
+    print(f"\n## MXFP8 weight gather (compute on dequantized BlockShard/Owned weights) vs full precision, D=2, "
+          f"{steps} steps", flush=True)
+    out = {}
+    for copy in ("full", "mxfp8"):
+        run = work / "ckpt-off" if copy == "full" and (work / "ckpt-off").exists() else work / f"mx-{copy}"
+        if not run.exists():
+            train(2, run, SIZES + [f"steps={steps}", f"ckpt_every={steps}", f"optim.compute_copy={copy}"])
+        rows = metrics(run)
+        tail = [rows[s]["loss"] for s in sorted(rows)[-10:]]
+        out[copy] = (rows[1]["loss"], statistics.mean(tail), rows[steps]["eval_loss"])
+    print("| weights gathered as | loss at step 1 | mean loss, last 10 steps | held-out eval loss |")
+    print("| --- | --- | --- | --- |")
+    for copy, (first, last, ev) in out.items():
+        print(f"| {copy} | {first:.4f} | {last:.4f} | {ev:.4f} |")
+    print(f"eval loss difference mxfp8 - full: {out['mxfp8'][2] - out['full'][2]:+.4f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--parts", default="ckpt,restart,optim,lanes")
+    ap.add_argument("--parts", default="ckpt,mxfp8,restart,optim,lanes")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench_trainer"))
     args = ap.parse_args()
     work = Path(args.work)
@@ -178,7 +196,8 @@ def main() -> int:
     work.mkdir(parents=True)
     torch.set_num_threads(1)
     for part in args.parts.split(","):
-        {"ckpt": part_ckpt, "restart": part_restart, "optim": part_optim, "lanes": part_lanes}[part](work, args.steps)
+        {"ckpt": part_ckpt, "mxfp8": part_mxfp8, "restart": part_restart, "optim": part_optim,
+         "lanes": part_lanes}[part](work, args.steps)
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from flextrain.launch import metrics, train  # noqa: E402
+from flextrain.launch import copy_run_at as cut_at, metrics, train  # noqa: E402
 
 SIZES = ["data.max_length=64", "data.global_batch=8", "data.micro_batch=2", "data.eval_batches=8",
          "optim.warmup_steps=10", "eval_every=1000"]
@@ -36,15 +36,6 @@ LOADERS = ("zephon", "usual")
 
 def sets(loader: str, steps: int, *extra: str) -> list[str]:
     return SIZES + [f"data.loader={loader}", f"steps={steps}", f"ckpt_every={steps // 2}", *extra]
-
-
-def cut_at(src: Path, dst: Path, step: int) -> None:
-    shutil.copytree(src, dst)
-    for d in (dst / "ckpt").iterdir():
-        if d.name.startswith("step-") and int(d.name[5:]) > step:
-            shutil.rmtree(d)
-    lines = (dst / "metrics.jsonl").read_text().splitlines()
-    (dst / "metrics.jsonl").write_text("\n".join(lines[:step]) + "\n")
 
 
 def main() -> int:

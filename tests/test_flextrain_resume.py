@@ -18,7 +18,7 @@ import torch
 
 from flexckpt import Checkpointer
 from flextrain.cli import main as flextrain_main
-from flextrain.launch import metrics
+from flextrain.launch import copy_run_at as cut_at, metrics
 
 SHRINK = ["--set", "data.max_length=64", "--set", "data.global_batch=8", "--set", "data.micro_batch=2",
           "--set", "model.d_model=64", "--set", "model.d_ff=128", "--set", "eval_every=4", "--set", "ckpt_every=4",
@@ -44,17 +44,6 @@ def masters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     assert ckpt.load(state, step=step, strict=False) == step
     ckpt.close()
     return state["model"]
-
-
-def cut_at(src: Path, dst: Path, step: int) -> Path:
-    """A copy of a run folder as it was at ``step`` (later checkpoints and log lines removed)."""
-    shutil.copytree(src, dst)
-    for d in (dst / "ckpt").iterdir():
-        if d.name.startswith("step-") and int(d.name[5:]) > step:
-            shutil.rmtree(d)
-    rows = [r for r in (dst / "metrics.jsonl").read_text().splitlines() if json.loads(r)["step"] <= step]
-    (dst / "metrics.jsonl").write_text("\n".join(rows) + "\n")
-    return dst
 
 
 @pytest.fixture(scope="module")

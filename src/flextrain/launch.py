@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,3 +64,14 @@ def metrics(run_dir: Path) -> dict[int, dict]:
     """``metrics.jsonl`` by step (a resumed run's line wins over an older one)."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
     return {r["step"]: r for r in rows}
+
+
+def copy_run_at(src: Path, dst: Path, step: int) -> Path:
+    """A copy of a run folder as it was at ``step``: later checkpoints and log lines removed."""
+    shutil.copytree(src, dst)
+    for d in (dst / "ckpt").iterdir():
+        if d.name.startswith("step-") and int(d.name[5:]) > step:
+            shutil.rmtree(d)
+    rows = [r for r in (dst / "metrics.jsonl").read_text().splitlines() if r and json.loads(r)["step"] <= step]
+    (dst / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    return dst
