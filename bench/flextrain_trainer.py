@@ -140,31 +140,34 @@ def part_lanes(work: Path, steps: int) -> None:
     from flextrain.config import DataConfig
     from flextrain.data import build_pipeline
 
-    print("\n## zephon restore cost against lanes per rank (one rank, T=128, rows per lane per step = 1)", flush=True)
-    print("| L/D | buffer | restore to first batch | replayed tokens | replay tokens/s | steady tokens/s | replay/steady |")
+    print("\n## zephon restore cost against lanes per rank (one rank, one tokenizer thread, T=128, one row per lane "
+          "per step, stopped half-way through a shuffle window)", flush=True)
+    print("A restore re-tokenizes and re-packs each hosted lane's current window (buffer rows) and skips the rows "
+          "consumed; 'steady' is the pipeline's own rate over a whole window after its first batch.")
+    print("| L/D | buffer | restore to first batch | window tokens replayed | replay tokens/s | steady tokens/s | replay/steady |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for buffer in (64, 256):
         for lanes in (1, 4, 16, 64):
             d = DataConfig(max_length=128, shuffle_buffer=buffer, lanes=lanes, global_batch=lanes, micro_batch=lanes)
-            pipe = build_pipeline(d, 0, 0, 1)
-            consumed = buffer // 2  # half a window per lane: a restore replays that much
-            t = time.perf_counter()
-            for _ in range(consumed):
+            window_tokens = lanes * buffer * d.max_length
+            with build_pipeline(d, 0, 0, 1) as pipe:
                 next(pipe)
-            steady_s = time.perf_counter() - t
-            state = pipe.state_dict()
-            pipe.close()
-            fresh = build_pipeline(d, 0, 0, 1)
-            fresh.calibration()  # sources loaded and calibrated, as at any start
-            t = time.perf_counter()
-            fresh.load_state_dict(state)
-            next(fresh)
-            restore_s = time.perf_counter() - t
-            fresh.close()
-            replayed = lanes * consumed * d.max_length
-            steady = lanes * consumed * d.max_length / steady_s
-            print(f"| {lanes} | {buffer} | {restore_s:.2f} s | {replayed:,} | {replayed / restore_s:,.0f} | "
-                  f"{steady:,.0f} | {replayed / restore_s / steady:.2f} |", flush=True)
+                t = time.perf_counter()
+                for _ in range(buffer):  # one whole window per lane, in steady state
+                    next(pipe)
+                steady = window_tokens / (time.perf_counter() - t)
+                for _ in range(buffer // 2):
+                    next(pipe)
+                state = pipe.state_dict()
+            with build_pipeline(d, 0, 0, 1) as fresh:
+                fresh.calibration()  # sources loaded and calibrated, as at any start
+                t = time.perf_counter()
+                fresh.load_state_dict(state)
+                next(fresh)
+                restore_s = time.perf_counter() - t
+            rate = window_tokens / restore_s
+            print(f"| {lanes} | {buffer} | {restore_s:.2f} s | {window_tokens:,} | {rate:,.0f} | {steady:,.0f} | "
+                  f"{rate / steady:.2f} |", flush=True)
 
 
 def part_mxfp8(work: Path, steps: int) -> None:

@@ -102,3 +102,12 @@ def test_holdout_sides_never_share_a_document_and_enter_the_fingerprint():
     in_train = {i for i, t in ids.items() if t in seen["train"]}
     in_heldout = {i for i, t in ids.items() if t in seen["heldout"]}
     assert in_heldout and in_train and not (in_train & in_heldout)
+
+
+@pytest.mark.parametrize("cmd", [[], ["train"], ["plan"]])
+def test_every_subcommand_has_help(cmd, capsys):
+    from flextrain.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    assert e.value.code == 0 and "usage: flextrain" in capsys.readouterr().out
