@@ -85,7 +85,7 @@ def adopt_checkpoint_state(opt: ShardedOptimizer, state: dict) -> None:
 def saved_trainer_values(ckpt: Checkpointer, step: int | None = None) -> tuple[int, dict]:
     """The ``trainer/`` plain values of a checkpoint (no tensor is read)."""
     probe = {"trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": ""}}
-    got = ckpt.load(probe, step=step, strict=False)
+    got = ckpt.load(probe, step=step, strict=False, fallback=step is None)
     return got, probe["trainer"]
 
 
