@@ -26,7 +26,7 @@ from flexckpt import ByLane, Checkpointer, LoadError
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from zephon_state import global_batch_digest
 
-from flextrain.config import ConfigError, TrainConfig, differences, fingerprint, from_dict
+from flextrain.config import TrainConfig, differences, fingerprint
 from flextrain.data import build_pipeline, heldout_pipeline
 from flextrain.model import Transformer, token_loss_sum
 from flextrain.preempt import Preemption
