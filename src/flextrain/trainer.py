@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer, LoadError
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
-from zephon_state import global_batch_digest
+from zephon_state import Pipeline, global_batch_digest
 
 from flextrain.config import TrainConfig, differences, fingerprint
 from flextrain.data import build_pipeline, heldout_pipeline
@@ -145,6 +145,10 @@ class Trainer:
             self.pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world)
         self.heldout = heldout_pipeline(cfg.data, cfg.seed, self.rank, self.world)
         self._heldout_start: dict | None = None
+        t = time.perf_counter()
+        if isinstance(self.pipeline, Pipeline):
+            self.pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
+        self.timings["pipeline_build_s"] = time.perf_counter() - t
         self.step = 0
         self.resumed_from: int | None = None
         t = time.perf_counter()
