@@ -13,9 +13,11 @@ def _source(path: str):
 
 
 def build_pipeline(d: DataConfig, seed: int, rank: int, world: int, side: str = "train",
-                   global_batch: int | None = None) -> Pipeline:
-    """The pipeline of ``side`` ("train" or "heldout") for data-parallel ``rank`` of ``world``."""
-    mix = Mix({n: _source(p) for n, p in d.sources.items()}, shares=dict(d.shares))
+                   global_batch: int | None = None, calibration: dict[str, float] | None = None) -> Pipeline:
+    """The pipeline of ``side`` ("train" or "heldout") for data-parallel ``rank`` of ``world``.
+    ``calibration`` (tokens per byte per source, e.g. a checkpoint's) skips measuring it: it
+    sizes the readahead only and decides no batch."""
+    mix = Mix({n: _source(p) for n, p in d.sources.items()}, shares=dict(d.shares), calibration=calibration)
     g = global_batch or d.global_batch
     micro = min(d.micro_batch, g // world)
     return (
@@ -30,7 +32,8 @@ def build_pipeline(d: DataConfig, seed: int, rank: int, world: int, side: str = 
     )
 
 
-def heldout_pipeline(d: DataConfig, seed: int, rank: int, world: int) -> Pipeline:
+def heldout_pipeline(d: DataConfig, seed: int, rank: int, world: int,
+                     calibration: dict[str, float] | None = None) -> Pipeline:
     """The held-out side: as many lanes as training, one row per lane per batch, so every
     evaluation sees the same ``eval_batches * lanes`` rows at any world size."""
-    return build_pipeline(d, seed, rank, world, side="heldout", global_batch=d.lanes)
+    return build_pipeline(d, seed, rank, world, side="heldout", global_batch=d.lanes, calibration=calibration)

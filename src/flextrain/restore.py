@@ -37,9 +37,9 @@ def _layouts(cfg: Any, names: list[str], world: int) -> dict:
     return out
 
 
-def next_batch_digests(cfg: Any, data_state: dict, k: int) -> list[str]:
+def next_batch_digests(cfg: Any, data_state: dict, k: int, calibration: dict | None = None) -> list[str]:
     """Digests of the next ``k`` global batches after ``data_state`` (one process, all lanes)."""
-    with build_pipeline(cfg.data, cfg.seed, 0, 1) as pipeline:
+    with build_pipeline(cfg.data, cfg.seed, 0, 1, calibration=calibration) as pipeline:
         pipeline.load_state_dict(data_state)
         out = []
         while len(out) < k:
@@ -59,7 +59,8 @@ def plan_restore(run_dir: str, world: int, step: int | None = None, batches: int
         raise ConfigError(f"--world {world}: must be >= 1")
     ckpt = Checkpointer(url, rank=0, world_size=1, run_id="plan")
     try:
-        probe = {"data": ByLane(), "trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": ""}}
+        probe = {"data": ByLane(), "trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "",
+                                               "calibration": ""}}
         try:
             got = ckpt.load(probe, step=step, strict=False)
         except Exception as e:  # noqa: BLE001 - a missing or unreadable run is the user's to fix
@@ -96,7 +97,8 @@ def plan_restore(run_dir: str, world: int, step: int | None = None, batches: int
         data_state = json.loads(probe["trainer"]["data_state"])
         data_state["lanes"] = probe["data"].values
         plan["next_batches"] = [{"step": got + 1 + i, "global_batch_sha256": h}
-                                for i, h in enumerate(next_batch_digests(cfg, data_state, batches))]
+                                for i, h in enumerate(next_batch_digests(
+                                    cfg, data_state, batches, json.loads(probe["trainer"]["calibration"] or "null")))]
     return plan
 
 

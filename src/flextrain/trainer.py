@@ -60,7 +60,8 @@ def build_optimizer(model: Transformer, cfg: TrainConfig) -> ShardedOptimizer:
     )
 
 
-def checkpoint_state(opt: ShardedOptimizer, step: int, cfg: TrainConfig, data_state: dict) -> dict:
+def checkpoint_state(opt: ShardedOptimizer, step: int, cfg: TrainConfig, data_state: dict,
+                     calibration: dict | None = None) -> dict:
     """Masters once under ``model/<name>``, optimizer state under ``optim/``, lane cursors
     by lane, the rest as plain values under ``trainer/``."""
     sd = opt.state_dict()
@@ -71,7 +72,8 @@ def checkpoint_state(opt: ShardedOptimizer, step: int, cfg: TrainConfig, data_st
                                                 for n, p in sd["params"].items()}},
         "data": ByLane(dict(data_state.get("lanes", {}))),
         "trainer": {"step": step, "config": json.dumps(cfg.to_dict()),
-                    "fingerprint": fingerprint(cfg.to_dict()), "data_state": json.dumps(meta, sort_keys=True)},
+                    "fingerprint": fingerprint(cfg.to_dict()), "data_state": json.dumps(meta, sort_keys=True),
+                    "calibration": json.dumps(calibration)},
     }
 
 
@@ -84,7 +86,7 @@ def adopt_checkpoint_state(opt: ShardedOptimizer, state: dict) -> None:
 
 def saved_trainer_values(ckpt: Checkpointer, step: int | None = None) -> tuple[int, dict]:
     """The ``trainer/`` plain values of a checkpoint (no tensor is read)."""
-    probe = {"trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": ""}}
+    probe = {"trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "", "calibration": ""}}
     got = ckpt.load(probe, step=step, strict=False, fallback=step is None)
     return got, probe["trainer"]
 
@@ -139,31 +141,36 @@ class Trainer:
             self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
         self.timings["model_build_s"] = time.perf_counter() - t
         self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last)
+        t = time.perf_counter()
+        saved = None
+        if resume is not False and self.ckpt.latest_step() is not None:
+            _, saved = saved_trainer_values(self.ckpt)  # plain values only: refuse a changed run before any read
+            check_resumable(saved["config"], cfg)
+        elif resume:
+            raise LoadError(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}")
+        self.timings["checkpoint_probe_s"] = time.perf_counter() - t
+        t = time.perf_counter()
         if cfg.data.loader == "usual":
             self.pipeline = UsualLoader(cfg.data, cfg.seed, self.rank, self.world)
         else:
-            self.pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world)
-        self.heldout = heldout_pipeline(cfg.data, cfg.seed, self.rank, self.world)
-        self._heldout_start: dict | None = None
-        t = time.perf_counter()
-        if isinstance(self.pipeline, Pipeline):
+            calibration = json.loads(saved["calibration"]) if saved and saved["calibration"] else None
+            self.pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=calibration)
             self.pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
+        self._calibration = self.pipeline.calibration() if isinstance(self.pipeline, Pipeline) else None
+        self.heldout = heldout_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=self._calibration)
+        self._heldout_start: dict | None = None
         self.timings["pipeline_build_s"] = time.perf_counter() - t
         self.step = 0
         self.resumed_from: int | None = None
         t = time.perf_counter()
-        if resume is not False and self.ckpt.latest_step() is not None:
+        if saved is not None:
             self._resume()
-        elif resume:
-            raise LoadError(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}")
         self.timings["checkpoint_load_s"] = time.perf_counter() - t
         self.metrics = Metrics(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
 
     # ---- resume ---------------------------------------------------------------------------
     def _resume(self) -> None:
         newest = self.ckpt.latest_step()
-        _, values = saved_trainer_values(self.ckpt)
-        check_resumable(values["config"], self.cfg)
         state = checkpoint_state(self.opt, 0, self.cfg, {"lanes": {}})
         got = self.ckpt.load(state, fallback=True)
         if got != newest:
@@ -263,7 +270,7 @@ class Trainer:
                 final = stop or self.step == cfg.steps
                 if self.step % cfg.ckpt_every == 0 or final:
                     handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,
-                                                                        self.pipeline.state_dict()))
+                                                                        self.pipeline.state_dict(), self._calibration))
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     row["eval_loss"] = self.evaluate()
                 row["step_s"] = time.perf_counter() - t0
