@@ -114,7 +114,8 @@ def main() -> int:
     return 0
 
 
-def plots(curves: dict, out: Path, steps: int, half: int) -> None:
+def two_panels(path: Path, draw) -> None:
+    """One figure, a panel per loader, ``draw(ax, loader)`` filling each."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,32 +123,33 @@ def plots(curves: dict, out: Path, steps: int, half: int) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, loader in zip(axes, LOADERS):
-        ref, resumed = curves[loader]
-        xs = list(range(1, steps + 1))
-        ax.plot(xs, [ref[s]["loss"] for s in xs], label="D=2 uninterrupted", lw=1.5, color="black")
-        for world, color in ((1, "tab:orange"), (4, "tab:blue")):
-            tail = list(range(half + 1, steps + 1))
-            ax.plot(tail, [resumed[world][s]["loss"] for s in tail], label=f"resumed at D={world}", lw=1, color=color)
-        ax.axvline(half, color="grey", ls=":")
-        ax.set_title(f"{loader} loader: stop at {half}, resume at D=1 / D=4")
+        draw(ax, loader)
         ax.set_xlabel("step")
         ax.legend()
     axes[0].set_ylabel("training loss")
     fig.tight_layout()
-    fig.savefig(out / "resume.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, loader in zip(axes, LOADERS):
+
+
+def plots(curves: dict, out: Path, steps: int, half: int) -> None:
+    def resume(ax, loader: str) -> None:
+        ref, resumed = curves[loader]
+        xs, tail = list(range(1, steps + 1)), list(range(half + 1, steps + 1))
+        ax.plot(xs, [ref[s]["loss"] for s in xs], label="D=2 uninterrupted", lw=1.5, color="black")
+        for world, color in ((1, "tab:orange"), (4, "tab:blue")):
+            ax.plot(tail, [resumed[world][s]["loss"] for s in tail], label=f"resumed at D={world}", lw=1, color=color)
+        ax.axvline(half, color="grey", ls=":")
+        ax.set_title(f"{loader} loader: stop at {half}, resume at D=1 / D=4")
+
+    def spread(ax, loader: str) -> None:
         for world, rows in sorted(curves[f"{loader}-scratch"].items()):
             xs = sorted(rows)
             ax.plot(xs, [rows[s]["loss"] for s in xs], label=f"D={world} (eval {rows[steps]['eval_loss']:.3f})", lw=1)
         ax.set_title(f"{loader} loader: from scratch at D=1,2,4,8")
-        ax.set_xlabel("step")
-        ax.legend()
-    axes[0].set_ylabel("training loss")
-    fig.tight_layout()
-    fig.savefig(out / "spread.png", dpi=110)
-    plt.close(fig)
+
+    two_panels(out / "resume.png", resume)
+    two_panels(out / "spread.png", spread)
 
 
 if __name__ == "__main__":
