@@ -111,3 +111,19 @@ def test_every_subcommand_has_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([*cmd, "--help"])
     assert e.value.code == 0 and "usage: flextrain" in capsys.readouterr().out
+
+
+def test_set_lr_reaches_the_update_and_plan_layouts_match_the_optimizer():
+    from flexshard import ShardedOptimizer, plan_layouts
+
+    w = torch.nn.Parameter(torch.ones(4, 32))
+    b = torch.nn.Parameter(torch.ones(32))
+    opt = ShardedOptimizer({"w": w, "b": b}, muon_params=["w"])
+    assert plan_layouts({"w": (4, 32), "b": (32,)}, 1, muon_params=["w"]) == {e.name: e.layout for e in opt.entries}
+    opt.set_lr(muon=0.0, adamw=0.5)
+    assert opt.lrs == (0.0, 0.5)
+    w.grad, b.grad = torch.ones(4, 32), torch.ones(32)
+    opt.reduce_gradients()
+    opt.step()
+    assert torch.equal(w.detach(), torch.full((4, 32), 1.0 * (1 - 0.0 * 0.1)))  # lr 0: no update, no decay
+    assert torch.allclose(b.detach(), torch.full((32,), 1.0 * (1 - 0.5 * 0.01) - 0.5), atol=1e-6)  # Adam's first step: lr * sign
