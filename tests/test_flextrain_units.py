@@ -17,7 +17,7 @@ def test_set_overrides_a_file_and_a_preset(tmp_path):
     f.write_text('steps = 7\n[data]\nglobal_batch = 32\n[optim]\nplacement = "fsdp"\n')
     cfg = load_config("small", str(f), ["data.global_batch=64", "optim.muon_lr=0.01", "run_dir=/x"])
     assert (cfg.steps, cfg.data.global_batch, cfg.optim.placement, cfg.optim.muon_lr) == (7, 64, "fsdp", 0.01)
-    assert (cfg.model.d_model, cfg.run_dir) == (384, "/x")
+    assert (cfg.model.d_model, cfg.run_dir) == (256, "/x")
 
 
 def test_bad_values_name_the_field():

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="train (one process, or under torchrun)",
                        description="Train; resumes automatically when the run folder holds a committed checkpoint.")
-    p.add_argument("--preset", default="tiny", help="tiny (tests, demo) or small (about 25M parameters)")
+    p.add_argument("--preset", default="tiny", help="tiny (tests, demo) or small (29.1M parameters)")
     p.add_argument("--config", help="a TOML or JSON file with the sections model, data, optim and top-level keys")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set data.global_batch=32 --set steps=200 (repeatable)")

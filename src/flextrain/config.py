@@ -137,7 +137,7 @@ def _pos(obj: Any, *names: str, prefix: str = "") -> None:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {},
-    "small": {"model": {"d_model": 384, "n_layers": 6, "n_heads": 6, "d_ff": 1024}, "data": {"max_length": 512}},
+    "small": {"model": {"d_model": 256, "n_layers": 4, "n_heads": 4, "d_ff": 768}, "data": {"max_length": 512}},
 }
 
 # Fields that change which numbers a run computes: they must match on resume.
