@@ -2,7 +2,8 @@
 """Project tasks that set themselves up: a local virtual environment in .venv, reused when
 it is up to date. Needs nothing but Python 3.10+.
 
-    python3 dev.py demo            # the main job: the demo
+    python3 dev.py demo            # the main job: train, stop, resume at D=1 and D=4 (flextrain)
+    python3 dev.py demo-checkpoint # the checkpoint-only demo (flexckpt: save at 2, load at 1 and 4)
     python3 dev.py test [args]     # the whole test suite (extra args go to pytest)
     python3 dev.py bench NAME ...  # a benchmark from bench/ (see bench/README.md)
     python3 dev.py shell CMD ...   # run CMD inside the environment
@@ -64,6 +65,8 @@ def main(argv: list[str]) -> int:
     py = str(ensure_env())
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if task == "demo":
+        cmd = [py, "-m", "flextrain.demo", *rest]
+    elif task == "demo-checkpoint":
         cmd = [py, "-m", "flexckpt.demo", *rest]
     elif task == "test":
         cmd = [py, "-m", "pytest", *rest]
@@ -76,7 +79,7 @@ def main(argv: list[str]) -> int:
         cmd = [py, *rest] if rest and rest[0].endswith(".py") else rest or [py]
         cmd = [str(VENV / "bin" / cmd[0]) if (VENV / "bin" / cmd[0]).exists() else cmd[0], *cmd[1:]]
     else:
-        print(f"unknown task {task!r}; expected demo, test, bench or shell\n{__doc__}")
+        print(f"unknown task {task!r}; expected demo, demo-checkpoint, test, bench or shell\n{__doc__}")
         return 2
     return subprocess.call(cmd, cwd=ROOT, env=env)
 

@@ -34,7 +34,7 @@ from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError
 from flexckpt.manifest import Manifest, step_dir
-from flexckpt.readplan import coalesce, plan_reads
+from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
 from flexckpt.structure import decode_plain
 from flexckpt.values import ByLane, PerRank
@@ -192,23 +192,12 @@ def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, L
 def cmd_plan(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
     m = read_manifest(storage, _pick_step(storage, args.step))
-    layouts = target_layouts(m, args.world, args.layout)
+    plan = restore_plan(m, target_layouts(m, args.world, args.layout), args.world)
     print(f"restore of step {m.step} (saved by {m.world_size} ranks) on {args.world} ranks:")
     print(f"  {'rank':>4}  {'holds':>14}  {'reads':>14}  {'ratio':>6}  {'requests':>8}  files")
-    for r in range(args.world):
-        targets = []
-        held = 0
-        for name, t in sorted(m.tensors.items()):
-            rng = layouts[name].flat_range(t.shape, args.world, r)
-            if len(rng):
-                targets.append((t, rng))
-                held += len(rng) * itemsize(t.dtype)
-        reads = plan_reads(m, targets)
-        fetches = coalesce(reads, 32 << 20)
-        read = sum(cr.chunk.length for cr in reads)
-        files = sorted({cr.file for cr in reads})
-        ratio = f"{read / held:.2f}" if held else "-"
-        print(f"  {r:>4}  {_mib(held):>14}  {_mib(read):>14}  {ratio:>6}  {len(fetches):>8}  {len(files)}")
+    for r in plan.ranks:
+        ratio = f"{r.read_ratio:.2f}" if r.holds else "-"
+        print(f"  {r.rank:>4}  {_mib(r.holds):>14}  {_mib(r.reads):>14}  {ratio:>6}  {r.requests:>8}  {r.files}")
     return 0
 
 

@@ -24,7 +24,7 @@ from flexshard.gather import all_gather_bf16_then_quantize, all_gather_mx, all_g
 from flexshard.muon import MuonConfig
 from flexshard.mxfp8 import MXBlocks, dequantize, quantize
 from flexshard.newton_schulz import newton_schulz_flops, orthogonalize
-from flexshard.optimizer import ShardedOptimizer, ShardingConfig
+from flexshard.optimizer import ShardedOptimizer, ShardingConfig, plan_layouts
 from flexshard.owner import assign_owners, rank_loads
 from flexshard.ranges import FlatRange, Overlap, covering, overlaps
 from flexshard.sharded import ShardedTensor
@@ -60,6 +60,7 @@ __all__ = [
     "newton_schulz_flops",
     "orthogonalize",
     "overlaps",
+    "plan_layouts",
     "quantize",
     "rank_loads",
 ]

@@ -30,7 +30,7 @@ then calls :meth:`load_state_dict`, which re-gathers the parameters from the mas
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, Mapping
 
 import torch
@@ -122,7 +122,7 @@ class ShardedOptimizer:
         self.muon, self.adamw, self.sharding, self.group = muon, adamw, sharding, group
         self.rank, self.world_size = current_world(group)
         muon_names = _muon_names(named, muon_params)
-        self.ns_costs = {n: newton_schulz_flops(tuple(p.shape), muon.ns_steps) for n, p in named if n in muon_names}
+        self.ns_costs = _ns_costs({n: tuple(p.shape) for n, p in named}, muon_names, muon)
         self.owners = assign_owners(self.ns_costs, self.world_size) if sharding.placement == "owned" else {}
         self.entries = [self._make_entry(n, p, "muon" if n in muon_names else "adamw") for n, p in named]
         self.step_count = 0
@@ -141,11 +141,7 @@ class ShardedOptimizer:
     # --- construction ------------------------------------------------------------------------
 
     def _layout_for(self, name: str, kind: str) -> Layout:
-        if self.sharding.placement == "fsdp":
-            return Shard(0)
-        if kind == "muon":
-            return Owned(self.owners[name])
-        return BlockShard(self.sharding.block_size)
+        return _layout(self.sharding, self.owners, name, kind == "muon")
 
     def _make_entry(self, name: str, param: torch.Tensor, kind: str) -> _Entry:
         layout = self._layout_for(name, kind)
@@ -208,6 +204,19 @@ class ShardedOptimizer:
                 raise ValueError(f"gradient for {e.name!r} has shape {tuple(g.shape)}, the parameter {e.shape}")
             rng = e.master.flat_range
             e.grad.view(-1).copy_(g.detach().reshape(-1)[rng.start : rng.stop])
+
+    def set_lr(self, muon: float | None = None, adamw: float | None = None) -> None:
+        """Set the learning rate of the Muon and/or AdamW updates (a schedule calls this
+        before each :meth:`step`); validated like the configs."""
+        if muon is not None:
+            self.muon = replace(self.muon, lr=muon)
+        if adamw is not None:
+            self.adamw = replace(self.adamw, lr=adamw)
+
+    @property
+    def lrs(self) -> tuple[float, float]:
+        """``(muon lr, adamw lr)`` now."""
+        return float(self.muon.lr), float(self.adamw.lr)
 
     def zero_grad(self) -> None:
         for e in self.entries:
@@ -343,6 +352,34 @@ class ShardedOptimizer:
         """Largest over smallest per-rank Newton-Schulz load (inf if some rank has none)."""
         loads = self.owner_loads()
         return max(loads) / min(loads) if min(loads) > 0 else float("inf")
+
+
+def plan_layouts(
+    shapes: Mapping[str, tuple[int, ...]],
+    world_size: int,
+    sharding: ShardingConfig = ShardingConfig(),
+    muon: MuonConfig = MuonConfig(),
+    muon_params: Iterable[str] | None = None,
+) -> dict[str, Layout]:
+    """The layout a :class:`ShardedOptimizer` over parameters of these ``shapes`` gives each
+    one at ``world_size`` (``Owned`` owners balanced by Newton-Schulz FLOPs), with no
+    process group: what a restore planner asks before a job starts."""
+    names = set(muon_params) if muon_params is not None else {n for n, s in shapes.items() if len(s) == 2}
+    costs = _ns_costs(shapes, names, muon)
+    owners = assign_owners(costs, world_size) if sharding.placement == "owned" else {}
+    return {n: _layout(sharding, owners, n, n in names) for n in shapes}
+
+
+def _ns_costs(shapes: Mapping[str, tuple[int, ...]], muon_names: set[str], muon: MuonConfig) -> dict[str, float]:
+    return {n: newton_schulz_flops(tuple(s), muon.ns_steps) for n, s in shapes.items() if n in muon_names}
+
+
+def _layout(sharding: ShardingConfig, owners: Mapping[str, int], name: str, is_muon: bool) -> Layout:
+    if sharding.placement == "fsdp":
+        return Shard(0)
+    if is_muon:
+        return Owned(owners[name])
+    return BlockShard(sharding.block_size)
 
 
 def _adopt(key: str, given: object, target: ShardedTensor) -> None:

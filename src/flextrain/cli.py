@@ -1,7 +1,75 @@
-"""Command line of flextrain (placeholder until the trainer lands)."""
+"""``flextrain``: train, and plan a restore at another world size.
+
+    flextrain train [--preset tiny] [--config FILE.toml|json] [--set key=value ...] [--resume|--fresh]
+    torchrun --nproc-per-node 2 -m flextrain train ...
+    flextrain plan RUN_DIR --world N [--step S] [--batches K] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
 import sys
+
+from flextrain.config import ConfigError, load_config
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from flextrain.trainer import ResumeRefused, run
+    from zephon_state import FingerprintMismatch
+
+    try:
+        cfg = load_config(args.preset, args.config, args.set)
+        if args.run_dir:
+            cfg.run_dir = args.run_dir
+        resume = True if args.resume else (False if args.fresh else None)
+        run(cfg, resume=resume)
+    except (ConfigError, ResumeRefused, FingerprintMismatch) as e:
+        print(f"flextrain: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from flextrain.restore import describe, plan_restore
+
+    try:
+        plan = plan_restore(args.run_dir, args.world, step=args.step, batches=args.batches)
+    except ConfigError as e:
+        print(f"flextrain: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan, indent=1))
+    else:
+        print(describe(plan))
+    return 0 if plan["ok"] else 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("flextrain: not built yet", file=sys.stderr)
-    return 2
+    parser = argparse.ArgumentParser(prog="flextrain", description="the minimal trainer of flexckpt/flexshard/zephon_state")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("train", help="train (one process, or under torchrun)",
+                       description="Train; resumes automatically when the run folder holds a committed checkpoint.")
+    p.add_argument("--preset", default="tiny", help="tiny (tests, demo) or small (29.1M parameters)")
+    p.add_argument("--config", help="a TOML or JSON file with the sections model, data, optim and top-level keys")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set data.global_batch=32 --set steps=200 (repeatable)")
+    p.add_argument("--run-dir", help="run folder (checkpoints, metrics.jsonl); same as --set run_dir=...")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
+    g.add_argument("--fresh", action="store_true", help="ignore existing checkpoints (they are kept until retention)")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("plan", help="whether and how a run resumes on N ranks",
+                       description="Per part of the state, what a resume on N ranks does, the bytes each rank reads "
+                                   "and the memory it needs; exit 2 if N does not divide the lanes/global batch.")
+    p.add_argument("run_dir")
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--step", type=int, help="a committed step (default: the newest)")
+    p.add_argument("--batches", type=int, default=0, help="SHA-256 digests of the next K global batches")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(fn=cmd_plan)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,6 +15,7 @@ from .errors import (
     TokenizerNotFound,
     ZephonError,
 )
+from .holdout import HoldoutConfig
 from .pack import IGNORE, PAD_DOCUMENT
 from .pipeline import Pipeline, PipelineConfig
 from .plan import Mix
@@ -25,7 +26,7 @@ from .topology import Topology
 
 __all__ = [
     "BadRecordError", "Batch", "BatchConfig", "CacheOptions", "ConfigError", "DataParallel",
-    "FingerprintMismatch", "IGNORE", "InMemory", "IoOptions", "JsonLines",
+    "FingerprintMismatch", "HoldoutConfig", "IGNORE", "InMemory", "IoOptions", "JsonLines",
     "LaneCursor", "Mix", "Options", "PAD_DOCUMENT", "PackConfig", "Pipeline", "PipelineConfig", "SourceState",
     "ShuffleConfig", "Source", "SourceReport", "StateError", "TextFiles", "TokenizeConfig",
     "TokenizerNotFound", "Topology", "ZephonError", "block_causal_mask", "global_batch_digest",

@@ -33,6 +33,7 @@ _FIX = {
     "bad_records": "use the saved .options(bad_records=...)",
     "global_batch": "pass the saved .batch(global_batch_size=...)",
     "lanes": "pass the saved .lanes(...)",
+    "holdout": "use the saved .holdout(fraction=..., seed=..., side=...)",
     "version": "resume with the zephon_state version that wrote the checkpoint",
 }
 

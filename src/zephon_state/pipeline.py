@@ -29,6 +29,7 @@ from .config import BatchConfig, DataParallel, Options, PackConfig, ShuffleConfi
 from .cursor import LaneCursor
 from .errors import ConfigError, FingerprintMismatch, StateError
 from .fingerprint import fingerprint, mismatch_message, plan_fields
+from .holdout import HoldoutConfig, split
 from .lane import LaneSetup
 from .plan import Mix, Plan, as_mix, resolve
 from .producer import Producer, Resume, resume_point
@@ -52,6 +53,7 @@ class PipelineConfig:
     lanes: int = 1
     data_parallel: DataParallel | None = None
     options: Options = field(default_factory=Options)
+    holdout: HoldoutConfig | None = None
 
 
 @dataclass(eq=False)
@@ -153,6 +155,12 @@ class Pipeline:
         over all ranks (default: one microbatch per rank)."""
         return self._with(batch=BatchConfig(microbatch_size, global_batch_size))
 
+    def holdout(self, fraction: float, seed: int = 0, side: str = "train") -> "Pipeline":
+        """Read only the ``side`` ("train" or "heldout") of a deterministic split that holds out
+        about ``fraction`` of each source's documents (chosen by ``seed`` and the document
+        index; the same for every rank count). Part of the fingerprint."""
+        return self._with(holdout=HoldoutConfig(fraction, seed, side))  # type: ignore[arg-type]
+
     def lanes(self, count: int) -> "Pipeline":
         """Deal documents to ``count`` lanes (a multiple of every data-parallel size to run at)."""
         if type(count) is not int or count < 1:
@@ -198,6 +206,8 @@ class Pipeline:
         pool = self._resources.pool
         opts, seed = cfg.options, cfg.shuffle.seed if cfg.shuffle else 0
         plan = resolve(cfg.mix, cfg.tokenize.field, opts.io, opts.bad_records, tokenizer, pool, seed, opts.data_phase)
+        if cfg.holdout is not None:
+            plan = replace(plan, documents=tuple(split(d, cfg.holdout) for d in plan.documents))
         window = cfg.shuffle.buffer_size if cfg.shuffle else cfg.pack.window
         plan.check(topology.lanes, window * cfg.pack.max_length)
         fields = plan_fields(
@@ -206,6 +216,8 @@ class Pipeline:
             bad_records=opts.bad_records, global_batch=topology.global_batch, lanes=topology.lanes,
             data_phase=opts.data_phase,
         )
+        if cfg.holdout is not None:  # only when set, so fingerprints without a split stay as they were
+            fields["holdout"] = cfg.holdout.fields()
         setup = LaneSetup.build(plan, tokenizer, pool, topology.lanes, cfg.pack.max_length, cfg.pack.algorithm,
                                 window, cfg.shuffle is not None, opts.chunk_bytes, opts.readahead_windows)
         self._prepared = _Prepared(topology, plan, tokenizer, fields, fingerprint(fields), setup)

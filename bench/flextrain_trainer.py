@@ -1,0 +1,211 @@
+"""flextrain in the loop: checkpoint wait and goodput, data wait, restart breakdown,
+Owned-Muon vs FSDP optimizer time, and zephon's restore cost against lanes per rank.
+
+    python3 dev.py bench flextrain_trainer [--steps 60] [--parts ckpt,restart,optim,lanes]
+
+Sizes: `tiny` (GPT-2 vocabulary, d=128, 2 layers), T=128, global batch 8, micro batch 2,
+one torch thread per rank, checkpoints to a local folder. Each part prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from flextrain.launch import metrics, train  # noqa: E402
+
+SIZES = ["data.max_length=128", "data.global_batch=8", "data.micro_batch=2", "eval_every=100000"]
+
+
+def p(xs, q):
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def memcpy_seconds(nbytes: int, repeat: int = 20) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def rank_state_bytes(run: Path) -> int:
+    from flexckpt.commit import read_manifest
+    from flexckpt.storage import Storage
+    from flexckpt.dtypes import itemsize
+
+    storage = Storage(str(run / "ckpt"))
+    from flexckpt.commit import committed_steps
+    m = read_manifest(storage, committed_steps(storage)[-1])
+    per_rank = [0] * m.world_size
+    for t in m.tensors.values():
+        for r in range(m.world_size):
+            per_rank[r] += len(t.layout.flat_range(t.shape, m.world_size, r)) * itemsize(t.dtype)
+    return max(per_rank)
+
+
+def part_ckpt(work: Path, steps: int) -> None:
+    print(f"\n## Checkpoint wait and goodput (D=2, {steps} steps, checkpoint every 10 vs none)", flush=True)
+    res = {}
+    for label, every in (("on", 10), ("off", steps)):
+        run = work / f"ckpt-{label}"
+        train(2, run, SIZES + [f"steps={steps}", f"ckpt_every={every}"])
+        rows = metrics(run)
+        body = [rows[s] for s in sorted(rows) if 2 < s < steps]  # skip warm-up steps and the final save
+        res[label] = {
+            "step_med": statistics.median(r["step_s"] for r in body),
+            "step_mean": statistics.mean(r["step_s"] for r in body),
+            "waits": [r["ckpt_wait_s"] for r in body if r["ckpt_wait_s"] > 0],
+            "data": [rows[s]["data_wait_s"] for s in sorted(rows) if s > 1],
+            "goodput": json.loads((run / "summary-w2-r0.json").read_text())["goodput"],
+        }
+    nbytes = rank_state_bytes(work / "ckpt-on")
+    copy = memcpy_seconds(nbytes)
+    on, off = res["on"], res["off"]
+    w = on["waits"]
+    print("| checkpoints | step median | step mean | saves | wait p50 | wait p99 | one memcpy of the rank's state | goodput |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label in ("off", "on"):
+        r = res[label]
+        ws = r["waits"]
+        print(f"| {label} | {r['step_med'] * 1e3:.0f} ms | {r['step_mean'] * 1e3:.0f} ms | {len(ws)} | "
+              + (f"{p(ws, 50) * 1e3:.2f} ms | {p(ws, 99) * 1e3:.2f} ms" if ws else "- | -")
+              + f" | {copy * 1e3:.2f} ms ({nbytes / 2**20:.0f} MiB) | {r['goodput']:.1%} |")
+    print(f"step time with checkpoints / without (mean): {on['step_mean'] / off['step_mean']:.3f}; "
+          f"p99 wait / memcpy: {p(w, 99) / copy:.2f}")
+    d = on["data"] + off["data"]
+    print(f"data wait per step after step 1: p50 {p(d, 50) * 1e3:.3f} ms, p99 {p(d, 99) * 1e3:.3f} ms, "
+          f"max {max(d) * 1e3:.3f} ms ({len(d)} steps)")
+
+
+def part_restart(work: Path, steps: int) -> None:
+    print("\n## Restart at D=4 from a D=2 checkpoint (seconds, rank 0; 3 restarts, median)", flush=True)
+    base = work / "restart-base"
+    train(2, base, SIZES + [f"steps={steps // 2}", f"ckpt_every={steps // 2}"])
+    parts = {"process_start_s": [], "model_build_s": [], "pipeline_build_s": [], "checkpoint_load_s": [],
+             "first_batch_s": []}
+    totals = []
+    for i in range(3):
+        run = work / f"restart-{i}"
+        shutil.copytree(base, run)
+        os.environ["FLEXTRAIN_LAUNCH_TIME"] = repr(time.time())
+        train(4, run, SIZES + [f"steps={steps // 2 + 1}", f"ckpt_every={steps}"])
+        os.environ.pop("FLEXTRAIN_LAUNCH_TIME")
+        t = json.loads((run / "summary-w4-r0.json").read_text())["timings"]
+        for k in parts:
+            parts[k].append(t[k])
+        totals.append(sum(t[k] for k in parts))
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    total = sum(med.values())
+    print("| part | seconds | share |")
+    print("| --- | --- | --- |")
+    for k, v in med.items():
+        print(f"| {k.removesuffix('_s').replace('_', ' ')} | {v:.2f} | {v / total:.1%} |")
+    print(f"| total (to the first batch) | {total:.2f} | 100% |")
+    pipe = med["pipeline_build_s"] + med["first_batch_s"]
+    print(f"the pipeline's part (build + restore to the first batch): {pipe:.2f} s, {pipe / total:.1%} of the restart")
+
+
+def part_optim(work: Path, steps: int) -> None:
+    print(f"\n## Optimizer time in the trainer (reduce + step + gather), Owned Muon vs --placement fsdp, "
+          f"{steps // 2} steps, median per step", flush=True)
+    print("| D | owned | fsdp | owned saves | step owned | step fsdp |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for world in (2, 4):
+        med = {}
+        for placement in ("owned", "fsdp"):
+            run = work / f"optim-{placement}-d{world}"
+            train(world, run, SIZES + [f"steps={steps // 2}", f"ckpt_every={steps}", f"optim.placement={placement}"])
+            rows = metrics(run)
+            body = [rows[s] for s in sorted(rows) if s > 2]
+            med[placement] = (statistics.median(r["optim_s"] for r in body), statistics.median(r["step_s"] for r in body))
+        o, f = med["owned"], med["fsdp"]
+        print(f"| {world} | {o[0] * 1e3:.1f} ms | {f[0] * 1e3:.1f} ms | {1 - o[0] / f[0]:.0%} | "
+              f"{o[1] * 1e3:.0f} ms | {f[1] * 1e3:.0f} ms |")
+
+
+def part_lanes(work: Path, steps: int) -> None:
+    from flextrain.config import DataConfig
+    from flextrain.data import build_pipeline
+
+    print("\n## zephon restore cost against lanes per rank (one rank, one tokenizer thread, T=128, one row per lane "
+          "per step, stopped half-way through a shuffle window)", flush=True)
+    print("A restore re-tokenizes and re-packs each hosted lane's current window (buffer rows) and skips the rows "
+          "consumed; 'steady' is the pipeline's own rate over four windows after its first batch (its readahead holds one).")
+    print("| L/D | buffer | restore to first batch | window tokens replayed | replay tokens/s | steady tokens/s | replay/steady |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for buffer in (64, 256):
+        for lanes in (1, 4, 16, 64):
+            d = DataConfig(max_length=128, shuffle_buffer=buffer, lanes=lanes, global_batch=lanes, micro_batch=lanes)
+            window_tokens = lanes * buffer * d.max_length
+            with build_pipeline(d, 0, 0, 1) as pipe:
+                next(pipe)
+                t = time.perf_counter()
+                for _ in range(4 * buffer):  # four windows per lane: past what the readahead had ready
+                    next(pipe)
+                steady = 4 * window_tokens / (time.perf_counter() - t)
+                for _ in range(buffer // 2):
+                    next(pipe)
+                state = pipe.state_dict()
+            with build_pipeline(d, 0, 0, 1) as fresh:
+                fresh.calibration()  # sources loaded and calibrated, as at any start
+                t = time.perf_counter()
+                fresh.load_state_dict(state)
+                next(fresh)
+                restore_s = time.perf_counter() - t
+            rate = window_tokens / restore_s
+            print(f"| {lanes} | {buffer} | {restore_s:.2f} s | {window_tokens:,} | {rate:,.0f} | {steady:,.0f} | "
+                  f"{rate / steady:.2f} |", flush=True)
+
+
+def part_mxfp8(work: Path, steps: int) -> None:
+    print(f"\n## MXFP8 weight gather (compute on dequantized BlockShard/Owned weights) vs full precision, D=2, "
+          f"{steps} steps", flush=True)
+    out = {}
+    for copy in ("full", "mxfp8"):
+        run = work / "ckpt-off" if copy == "full" and (work / "ckpt-off").exists() else work / f"mx-{copy}"
+        if not run.exists():
+            train(2, run, SIZES + [f"steps={steps}", f"ckpt_every={steps}", f"optim.compute_copy={copy}"])
+        rows = metrics(run)
+        tail = [rows[s]["loss"] for s in sorted(rows)[-10:]]
+        out[copy] = (rows[1]["loss"], statistics.mean(tail), rows[steps]["eval_loss"])
+    print("| weights gathered as | loss at step 1 | mean loss, last 10 steps | held-out eval loss |")
+    print("| --- | --- | --- | --- |")
+    for copy, (first, last, ev) in out.items():
+        print(f"| {copy} | {first:.4f} | {last:.4f} | {ev:.4f} |")
+    print(f"eval loss difference mxfp8 - full: {out['mxfp8'][2] - out['full'][2]:+.4f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--parts", default="ckpt,mxfp8,restart,optim,lanes")
+    ap.add_argument("--work", default=str(ROOT / "runs" / "bench_trainer"))
+    args = ap.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    torch.set_num_threads(1)
+    for part in args.parts.split(","):
+        {"ckpt": part_ckpt, "mxfp8": part_mxfp8, "restart": part_restart, "optim": part_optim,
+         "lanes": part_lanes}[part](work, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

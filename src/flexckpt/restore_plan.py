@@ -1,0 +1,99 @@
+"""What a restore on another world size will do, before any job starts: for target
+layouts (per tensor) and a world size, each rank's held bytes, the bytes and requests it
+reads and the memory it needs, and what happens to plain, per-lane and per-rank values.
+Pure: built from a parsed manifest with the same read plan the load runs
+(``readplan.plan_reads`` + ``readplan.coalesce``), so the predicted bytes equal
+``Checkpointer.last_load_stats.bytes_read``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from flexckpt import load as _load
+from flexckpt.dtypes import itemsize
+from flexckpt.manifest import Manifest
+from flexckpt.readplan import coalesce, plan_reads
+from flexshard import Layout
+
+FETCH_BYTES = getattr(_load, "FETCH_BYTES", 16 << 20)  # the load's largest coalesced request
+
+
+@dataclass(frozen=True)
+class RankRestore:
+    """One target rank: ``holds`` bytes of tensors, ``reads`` stored bytes in ``requests``
+    ranged reads of ``chunks`` chunks from ``files`` files; ``memory`` = ``holds`` plus the
+    largest request (a compressed chunk is read into scratch before it is decoded)."""
+
+    rank: int
+    holds: int
+    reads: int
+    requests: int
+    chunks: int
+    files: int
+    memory: int
+
+    @property
+    def read_ratio(self) -> float | None:
+        return self.reads / self.holds if self.holds else None
+
+
+@dataclass(frozen=True)
+class TensorMove:
+    name: str
+    saved: dict
+    target: dict
+
+    @property
+    def changes(self) -> bool:
+        return self.saved != self.target
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    step: int
+    saved_world: int
+    world: int
+    ranks: tuple[RankRestore, ...]
+    tensors: tuple[TensorMove, ...]
+    plain: tuple[str, ...]       # the same on every rank: restored as they are
+    lanes: tuple[str, ...]       # keyed by lane: every rank receives the union
+    per_rank: tuple[str, ...]    # restored only at the saved world size
+
+    @property
+    def per_rank_restored(self) -> bool:
+        return self.world == self.saved_world
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step, "saved_world": self.saved_world, "world": self.world,
+            "ranks": [r.__dict__ for r in self.ranks],
+            "tensors": {t.name: {"saved": t.saved, "target": t.target} for t in self.tensors},
+            "plain": list(self.plain), "lanes": list(self.lanes), "per_rank": list(self.per_rank),
+            "per_rank_restored": self.per_rank_restored,
+        }
+
+
+def restore_plan(manifest: Manifest, layouts: Mapping[str, Layout], world: int) -> RestorePlan:
+    """The plan of restoring ``manifest`` on ``world`` ranks with ``layouts[name]`` for each
+    saved tensor (every saved tensor needs one)."""
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be an int >= 1, got {world!r}")
+    missing = sorted(set(manifest.tensors) - set(layouts))
+    if missing:
+        raise ValueError(f"no target layout for saved tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    ranks = []
+    for r in range(world):
+        targets, held = [], 0
+        for name, t in sorted(manifest.tensors.items()):
+            rng = layouts[name].flat_range(t.shape, world, r)
+            if len(rng):
+                targets.append((t, rng))
+                held += len(rng) * itemsize(t.dtype)
+        reads = plan_reads(manifest, targets)
+        fetches = coalesce(reads, FETCH_BYTES)
+        biggest = max((f.length for f in fetches), default=0)
+        ranks.append(RankRestore(r, held, sum(cr.chunk.length for cr in reads), len(fetches), len(reads),
+                                 len({cr.file for cr in reads}), held + biggest))
+    moves = tuple(TensorMove(n, t.layout.to_json(), layouts[n].to_json()) for n, t in sorted(manifest.tensors.items()))
+    return RestorePlan(manifest.step, manifest.world_size, world, tuple(ranks), moves, tuple(sorted(manifest.plain)),
+                       tuple(sorted(manifest.lanes)), tuple(sorted(manifest.per_rank)))

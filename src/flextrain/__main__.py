@@ -1,0 +1,5 @@
+import sys
+
+from flextrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,242 @@
+"""The trainer's configuration: one dataclass per part, a preset by name, a TOML or JSON
+file, and ``--set section.key=value`` overrides (torchtitan style), validated once.
+
+Fields split in two: those that decide the numbers a run computes (model, data, seed,
+optimizer and schedule) enter the *fingerprint* and must match on resume; performance
+settings (world size, micro batch, placement, checkpoint interval, workers) may change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "data" / "corpus"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names it and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50257  # GPT-2
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 384
+    rope_base: float = 10000.0
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    sources: dict[str, str] = field(default_factory=lambda: {
+        "prose": str(CORPUS / "kjv.jsonl.zst"), "code": str(CORPUS / "python_stdlib.jsonl.zst")})
+    shares: dict[str, float] = field(default_factory=lambda: {"prose": 0.7, "code": 0.3})
+    tokenizer: str = "gpt2"
+    max_length: int = 256
+    packing: str = "wrap"
+    shuffle_buffer: int = 64
+    lanes: int = 8
+    global_batch: int = 16
+    micro_batch: int = 2          # performance: rows per forward pass
+    workers: int = 1              # performance: tokenizer threads
+    heldout_fraction: float = 0.1
+    eval_batches: int = 2         # held-out global batches per evaluation
+    loader: str = "zephon"        # or "usual": the per-rank streaming baseline of the experiments
+
+
+@dataclass
+class OptimConfig:
+    muon_lr: float = 0.02
+    adamw_lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    decay: str = "cosine"         # or "linear"
+    min_lr_ratio: float = 0.1
+    placement: str = "owned"      # performance: or "fsdp"
+    compute_copy: str = "full"    # "mxfp8": gather BlockShard weights as MXFP8
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/flextrain"
+    seed: int = 0
+    steps: int = 100
+    ckpt_every: int = 20          # performance
+    keep_last: int = 3            # performance
+    eval_every: int = 50
+    log_every: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "TrainConfig":
+        m, d, o = self.model, self.data, self.optim
+        _pos(self, "steps", "ckpt_every", "keep_last", "eval_every", "log_every")
+        _pos(m, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", prefix="model.")
+        _pos(d, "max_length", "shuffle_buffer", "lanes", "global_batch", "micro_batch", "workers", "eval_batches",
+             prefix="data.")
+        if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+            raise ConfigError(f"model.d_model={m.d_model} must split into model.n_heads={m.n_heads} heads of even size")
+        if m.vocab_size != 50257 and d.tokenizer == "gpt2":
+            raise ConfigError(f"model.vocab_size={m.vocab_size} but the GPT-2 tokenizer has 50257 tokens; keep 50257")
+        if set(d.shares) != set(d.sources):
+            raise ConfigError(f"data.shares names {sorted(d.shares)}, data.sources {sorted(d.sources)}: name the same sources")
+        if d.global_batch % d.lanes:
+            raise ConfigError(f"data.global_batch={d.global_batch} must be a multiple of data.lanes={d.lanes}")
+        if not 0 < d.heldout_fraction < 1:
+            raise ConfigError(f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
+        if d.loader not in ("zephon", "usual"):
+            raise ConfigError(f"data.loader={d.loader!r} must be 'zephon' or 'usual'")
+        if o.decay not in ("cosine", "linear"):
+            raise ConfigError(f"optim.decay={o.decay!r} must be 'cosine' or 'linear'")
+        if o.placement not in ("owned", "fsdp"):
+            raise ConfigError(f"optim.placement={o.placement!r} must be 'owned' or 'fsdp'")
+        if o.compute_copy not in ("full", "mxfp8"):
+            raise ConfigError(f"optim.compute_copy={o.compute_copy!r} must be 'full' or 'mxfp8'")
+        return self
+
+    def check_world(self, world: int) -> None:
+        """Lanes and the global batch must split evenly over ``world`` ranks."""
+        problems = world_problems(self.data.lanes, self.data.global_batch, self.data.micro_batch, world)
+        if problems:
+            raise ConfigError(f"cannot run on {world} ranks: {problems}; sizes that work: "
+                              f"{working_sizes(self.data.lanes, self.data.global_batch, self.data.micro_batch)}")
+
+
+def world_problems(lanes: int, global_batch: int, micro_batch: int, world: int) -> str:
+    """Why ``world`` ranks cannot run this data layout ('' when they can)."""
+    if lanes % world:
+        return f"data.lanes={lanes} is not a multiple of {world} ranks"
+    if (global_batch // world) % min(micro_batch, global_batch // world):
+        return (f"the per-rank batch {global_batch // world} (data.global_batch / ranks) is not a multiple of "
+                f"data.micro_batch={micro_batch}; pick a micro batch dividing it")
+    return ""
+
+
+def working_sizes(lanes: int, global_batch: int, micro_batch: int = 1) -> list[int]:
+    return [w for w in range(1, lanes + 1) if not world_problems(lanes, global_batch, micro_batch, w)]
+
+
+def _pos(obj: Any, *names: str, prefix: str = "") -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if type(v) is not int or v < 1:
+            raise ConfigError(f"{prefix}{n}={v!r} must be a positive int")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "small": {"model": {"d_model": 256, "n_layers": 4, "n_heads": 4, "d_ff": 768}, "data": {"max_length": 512}},
+}
+
+# Fields that change which numbers a run computes: they must match on resume.
+SEMANTIC = {
+    "seed": None,
+    "model": None,
+    "data": ("sources", "shares", "tokenizer", "max_length", "packing", "shuffle_buffer", "lanes", "global_batch",
+             "heldout_fraction", "eval_batches", "loader"),
+    "optim": ("muon_lr", "adamw_lr", "weight_decay", "warmup_steps", "decay", "min_lr_ratio", "compute_copy"),
+}
+
+
+def semantic_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for section, keys in SEMANTIC.items():
+        value = cfg.get(section)
+        if keys is None:
+            out[section] = value
+        else:
+            out[section] = {k: value.get(k) for k in keys} if isinstance(value, dict) else None
+    return out
+
+
+def fingerprint(cfg: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(semantic_fields(cfg)).encode()).hexdigest()  # key order kept: source order matters
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``path: saved X, now Y`` for every fingerprinted field that differs."""
+    out: list[str] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+        elif a != b:
+            out.append(f"{path}: saved {a!r}, now {b!r}")
+
+    walk(semantic_fields(saved), semantic_fields(now), "")
+    return out
+
+
+def _merge(cfg: Any, values: dict[str, Any], where: str) -> None:
+    for key, value in values.items():
+        if not hasattr(cfg, key) or key.startswith("_"):
+            known = [f.name for f in dataclasses.fields(cfg)]
+            raise ConfigError(f"{where}: unknown key {key!r}; known: {known}")
+        current = getattr(cfg, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}{key} is a section; give a table/object, not {value!r}")
+            _merge(current, value, f"{where}{key}.")
+        else:
+            setattr(cfg, key, value)
+
+
+def _parse_value(text: str, current: Any, key: str) -> Any:
+    if isinstance(current, str):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise ConfigError(f"--set {key}={text}: not a JSON value (quote strings inside dicts)") from None
+    if isinstance(current, bool) != isinstance(value, bool) or (isinstance(current, float) and isinstance(value, int)):
+        value = type(current)(value) if not isinstance(current, bool) else value
+    return value
+
+
+def apply_set(cfg: TrainConfig, assignment: str) -> None:
+    """``section.key=value`` (value parsed as JSON unless the field is a string)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: write key=value, e.g. --set data.global_batch=32")
+    path, text = assignment.split("=", 1)
+    *heads, last = path.strip().split(".")
+    obj: Any = cfg
+    for h in heads:
+        obj = getattr(obj, h, None)
+        if not dataclasses.is_dataclass(obj):
+            raise ConfigError(f"--set {path}: {h!r} is not a section of the configuration")
+    if not hasattr(obj, last):
+        raise ConfigError(f"--set {path}: unknown key {last!r}; known: {[f.name for f in dataclasses.fields(obj)]}")
+    setattr(obj, last, _parse_value(text, getattr(obj, last), path))
+
+
+def from_dict(values: dict[str, Any]) -> TrainConfig:
+    cfg = TrainConfig()
+    _merge(cfg, values, "")
+    return cfg
+
+
+def load_config(preset: str = "tiny", path: str | None = None, sets: list[str] = ()) -> TrainConfig:
+    """Preset, then the file (TOML or JSON), then ``--set`` overrides; validated."""
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r} is not one of {sorted(PRESETS)}")
+    cfg = from_dict(json.loads(json.dumps(PRESETS[preset])))
+    if path:
+        text = Path(path).read_bytes()
+        values = tomllib.loads(text.decode()) if path.endswith(".toml") else json.loads(text)
+        _merge(cfg, values, f"{path}: ")
+    for s in sets:
+        apply_set(cfg, s)
+    return cfg.validate()

@@ -1,0 +1,363 @@
+"""The training loop, top to bottom: build the model, the optimizer, the data and the
+checkpointer; resume if the run folder holds a checkpoint; loop, log, save.
+
+One step on D ranks: take this rank's microbatches; start one small all-reduce of
+(label count, stop flag); forward and backward every microbatch with the *sum* of token
+losses; wait for the all-reduce; divide the gradients by the global label count (so the
+loss does not depend on D); reduce gradients to their owners; fence the checkpoint staged
+in the previous step; set the learning rate; optimizer step; gather the lane digests and
+loss sums (one small all-gather); log; maybe save (async) and evaluate.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from flexckpt import ByLane, Checkpointer, LoadError
+from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
+from zephon_state import Pipeline, global_batch_digest
+
+from flextrain.config import TrainConfig, differences, fingerprint
+from flextrain.data import build_pipeline, heldout_pipeline
+from flextrain.model import Transformer, token_loss_sum
+from flextrain.preempt import Preemption
+from flextrain.schedule import lr_scale
+from flextrain.usual_loader import UsualLoader
+
+DEVICE = torch.device("cpu")  # the one place the device is chosen (ShardedOptimizer is CPU-only today)
+
+
+class ResumeRefused(RuntimeError):
+    """The checkpoint was written by a run whose numbers this configuration would change."""
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world): torchrun's environment, else one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build_optimizer(model: Transformer, cfg: TrainConfig) -> ShardedOptimizer:
+    o = cfg.optim
+    return ShardedOptimizer(
+        model.named_parameters(),
+        MuonConfig(lr=o.muon_lr, weight_decay=o.weight_decay),
+        AdamWConfig(lr=o.adamw_lr, weight_decay=o.weight_decay),
+        ShardingConfig(placement=o.placement, average_gradients=False, compute_copy=o.compute_copy),
+        muon_params=model.hidden_matrices(),
+    )
+
+
+def checkpoint_state(opt: ShardedOptimizer, step: int, cfg: TrainConfig, data_state: dict,
+                     calibration: dict | None = None) -> dict:
+    """Masters once under ``model/<name>``, optimizer state under ``optim/``, lane cursors
+    by lane, the rest as plain values under ``trainer/``."""
+    sd = opt.state_dict()
+    meta = {k: v for k, v in data_state.items() if k != "lanes"}
+    return {
+        "model": {n: p["master"] for n, p in sd["params"].items()},
+        "optim": {"step": sd["step"], "state": {n: {k: v for k, v in p.items() if k != "master"}
+                                                for n, p in sd["params"].items()}},
+        "data": ByLane(dict(data_state.get("lanes", {}))),
+        "trainer": {"step": step, "config": json.dumps(cfg.to_dict()),
+                    "fingerprint": fingerprint(cfg.to_dict()), "data_state": json.dumps(meta, sort_keys=True),
+                    "calibration": json.dumps(calibration)},
+    }
+
+
+def adopt_checkpoint_state(opt: ShardedOptimizer, state: dict) -> None:
+    """Hand the loaded pieces (already in place) back to the optimizer, which re-gathers
+    the parameters."""
+    params = {n: {"master": m, **state["optim"]["state"][n]} for n, m in state["model"].items()}
+    opt.load_state_dict({"step": state["optim"]["step"], "params": params})
+
+
+def saved_trainer_values(ckpt: Checkpointer, step: int | None = None) -> tuple[int, dict]:
+    """The ``trainer/`` plain values of a checkpoint (no tensor is read)."""
+    probe = {"trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "", "calibration": ""}}
+    got = ckpt.load(probe, step=step, strict=False, fallback=step is None)
+    return got, probe["trainer"]
+
+
+def check_resumable(saved_config: str, cfg: TrainConfig) -> None:
+    saved = json.loads(saved_config)
+    diffs = differences(saved, cfg.to_dict())
+    if diffs:
+        raise ResumeRefused(
+            "the checkpoint was written by a run with other numbers; these fields differ:\n  "
+            + "\n  ".join(diffs)
+            + "\nset them back (e.g. --set data.max_length=...), or start a new run in another --run-dir. "
+            "Performance settings (ranks, data.micro_batch, optim.placement, ckpt_every, data.workers) may change."
+        )
+
+
+@dataclass
+class Metrics:
+    path: Path | None
+    rows: list[dict] = field(default_factory=list)
+
+    def write(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def p99(xs: list[float]) -> float:
+    return float(np.percentile(xs, 99)) if xs else 0.0
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, resume: bool | None = None, quiet: bool = False) -> None:
+        self.cfg = cfg.validate()
+        self.rank, self.world = init_distributed()
+        cfg.check_world(self.world)
+        self.quiet = quiet or self.rank != 0
+        self.run_dir = Path(cfg.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
+        self.timings: dict[str, float] = {}
+        launched = os.environ.get("FLEXTRAIN_LAUNCH_TIME")  # set by a benchmark: wall clock at launch
+        if launched:
+            self.timings["process_start_s"] = time.time() - float(launched)
+        t = time.perf_counter()
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(cfg.model).to(DEVICE)
+        self.model.init_weights(cfg.seed)
+        self.opt = build_optimizer(self.model, cfg)
+        if cfg.optim.compute_copy == "mxfp8":
+            self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
+        self.timings["model_build_s"] = time.perf_counter() - t
+        self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last)
+        t = time.perf_counter()
+        saved = None
+        if resume is not False and self.ckpt.latest_step() is not None:
+            _, saved = saved_trainer_values(self.ckpt)  # plain values only: refuse a changed run before any read
+            check_resumable(saved["config"], cfg)
+        elif resume:
+            raise LoadError(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}")
+        self.timings["checkpoint_probe_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if cfg.data.loader == "usual":
+            self.pipeline = UsualLoader(cfg.data, cfg.seed, self.rank, self.world)
+        else:
+            calibration = json.loads(saved["calibration"]) if saved and saved["calibration"] else None
+            self.pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=calibration)
+            self.pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
+        self._calibration = self.pipeline.calibration() if isinstance(self.pipeline, Pipeline) else None
+        self.heldout = heldout_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=self._calibration)
+        self._heldout_start: dict | None = None
+        self.timings["pipeline_build_s"] = time.perf_counter() - t
+        self.step = 0
+        self.resumed_from: int | None = None
+        t = time.perf_counter()
+        if saved is not None:
+            self._resume()
+        self.timings["checkpoint_load_s"] = time.perf_counter() - t
+        self.metrics = Metrics(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
+
+    # ---- resume ---------------------------------------------------------------------------
+    def _resume(self) -> None:
+        newest = self.ckpt.latest_step()
+        state = checkpoint_state(self.opt, 0, self.cfg, {"lanes": {}})
+        got = self.ckpt.load(state, fallback=True)
+        if got != newest:
+            self._say(f"flextrain: the newest checkpoint (step {newest}) could not be read; resumed from step {got}")
+        check_resumable(state["trainer"]["config"], self.cfg)
+        adopt_checkpoint_state(self.opt, state)
+        data_state = json.loads(state["trainer"]["data_state"])
+        data_state["lanes"] = state["data"].values
+        self.pipeline.load_state_dict(data_state)
+        self.step = self.resumed_from = int(state["trainer"]["step"])
+        stats = self.ckpt.last_load_stats
+        record = {"step": got, "world": self.world, "rank": self.rank,
+                  "bytes_read": stats.bytes_read if stats else None, "chunks": stats.chunks if stats else None}
+        (self.run_dir / f"resume-w{self.world}-r{self.rank}.json").write_text(json.dumps(record))
+        self._say(f"flextrain: resumed step {got} on {self.world} ranks; rank {self.rank} read "
+                  f"{record['bytes_read']} bytes", all_ranks=True)
+
+    def _say(self, msg: str, all_ranks: bool = False) -> None:
+        if all_ranks or self.rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+
+    # ---- evaluation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the fixed held-out batches (the same rows at any D)."""
+        if self._heldout_start is None:
+            self._heldout_start = self.heldout.state_dict()
+        else:
+            self.heldout.load_state_dict(self._heldout_start)
+        total = torch.zeros(2, dtype=torch.float64)
+        for _ in range(self.cfg.data.eval_batches):
+            while True:
+                b = next(self.heldout)
+                loss, n = token_loss_sum(self.model, b.to_training(DEVICE))
+                total += torch.tensor([loss.item(), n], dtype=torch.float64)
+                if b.last_in_step:
+                    break
+        if self.world > 1:
+            dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        cfg, o = self.cfg, self.cfg.optim
+        preempt = Preemption()
+        bar = None
+        if not self.quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="train", file=sys.stderr)
+        handle = None
+        waits: list[float] = []
+        t_start = time.perf_counter()
+        stopped = False
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                flag = float(preempt.requested)
+                micro = [next(self.pipeline)]
+                while not micro[-1].last_in_step:
+                    micro.append(next(self.pipeline))
+                data_wait = time.perf_counter() - t0
+                if self.step == (self.resumed_from or 0):
+                    self.timings.setdefault("first_batch_s", data_wait)
+                count = torch.tensor([float(sum(int((b.labels != -100).sum()) for b in micro)), flag], dtype=torch.float64)
+                work = dist.all_reduce(count, async_op=True) if self.world > 1 else None
+                loss_sum = 0.0
+                for b in micro:
+                    loss, _ = token_loss_sum(self.model, b.to_training(DEVICE))
+                    loss.backward()
+                    loss_sum += loss.item()
+                if work is not None:
+                    work.wait()
+                labels, stop = count[0].item(), count[1].item() > 0
+                for p in self.model.parameters():
+                    p.grad.div_(labels)
+                t_opt = time.perf_counter()
+                self.opt.reduce_gradients()
+                opt_s = time.perf_counter() - t_opt
+                ckpt_wait = 0.0
+                if handle is not None:
+                    handle.wait_staged()
+                    ckpt_wait = handle.trainer_wait
+                    waits.append(ckpt_wait)
+                    handle = None
+                scale = lr_scale(self.step, cfg.steps, o.warmup_steps, o.decay, o.min_lr_ratio)
+                self.opt.set_lr(muon=o.muon_lr * scale, adamw=o.adamw_lr * scale)
+                t_opt = time.perf_counter()
+                self.opt.step()
+                opt_s += time.perf_counter() - t_opt
+                self.opt.zero_grad()
+                self.step += 1
+                digest, loss_total = self._gather_step(micro, loss_sum)
+                row = {"step": self.step, "loss": loss_total / labels, "tokens": int(labels),
+                       "lr": o.muon_lr * scale, "lr_adamw": o.adamw_lr * scale, "global_batch_sha256": digest,
+                       "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "world": self.world,
+                       "optim_s": opt_s}
+                final = stop or self.step == cfg.steps
+                if self.step % cfg.ckpt_every == 0 or final:
+                    handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,
+                                                                        self.pipeline.state_dict(), self._calibration))
+                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                    row["eval_loss"] = self.evaluate()
+                row["step_s"] = time.perf_counter() - t0
+                self.metrics.write(row)
+                self._log(row, bar)
+                if stop:
+                    self._say(f"flextrain: stopping at step {self.step} (preemption); final checkpoint taken")
+                    stopped = True
+                    break
+            if handle is not None:
+                handle.wait_staged()
+                waits.append(handle.trainer_wait)
+            self.ckpt.wait()
+        finally:
+            preempt.restore()
+            if bar is not None:
+                bar.close()
+        summary = self._summary(time.perf_counter() - t_start, waits, stopped)
+        (self.run_dir / f"summary-w{self.world}-r{self.rank}.json").write_text(json.dumps(summary))
+        return summary
+
+    def _gather_step(self, micro: list, loss_sum: float) -> tuple[str, float]:
+        """One all-gather of this rank's step digests and loss sum: the global batch digest
+        and the global loss sum (added in rank order, the same on every rank)."""
+        if isinstance(self.pipeline, UsualLoader):
+            mine, combine = UsualLoader.step_digests(micro), UsualLoader.combine
+        else:
+            lanes: dict[int, bytes] = {}
+            for b in micro:
+                lanes.update(b.lane_digests)
+            mine, combine = [lanes[k] for k in sorted(lanes)], global_batch_digest
+        if self.world == 1:
+            return combine(mine), loss_sum
+        payload = np.frombuffer(b"".join(mine) + np.float64(loss_sum).tobytes(), dtype=np.uint8).copy()
+        out = [torch.empty(len(payload), dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(out, torch.from_numpy(payload))
+        digests: list[bytes] = []
+        total = 0.0
+        for t in out:  # ranks in order: lanes in lane order
+            raw = t.numpy().tobytes()
+            digests += [raw[i: i + 32] for i in range(0, len(raw) - 8, 32)]
+            total += float(np.frombuffer(raw[-8:], dtype=np.float64)[0])
+        return combine(digests), total
+
+    def _log(self, row: dict, bar: Any) -> None:
+        if self.quiet:
+            return
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+        elif row["step"] % self.cfg.log_every == 0 or "eval_loss" in row:
+            ev = f" eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
+            print(f"step {row['step']:>6}  loss {row['loss']:.4f}{ev}  lr {row['lr']:.3g}  "
+                  f"{row['step_s'] * 1e3:.0f} ms  batch {row['global_batch_sha256'][:12]}", flush=True)
+
+    def _summary(self, wall: float, waits: list[float], stopped: bool) -> dict[str, Any]:
+        rows = self.metrics.rows
+        steps = [r["step_s"] for r in rows]
+        data = [r["data_wait_s"] for r in rows]
+        tokens = sum(r["tokens"] for r in rows)
+        busy = sum(steps)
+        summary = {
+            "steps": len(rows), "last_step": self.step, "stopped": stopped, "world": self.world,
+            "tokens_per_s": tokens / busy if busy else 0.0,
+            "goodput": 1 - (sum(data) + sum(waits)) / busy if busy else 0.0,
+            "ckpt_wait_p99_s": p99(waits), "data_wait_p99_s": p99(data[1:]), "data_wait_total_s": sum(data),
+            "timings": self.timings, "wall_s": wall,
+        }
+        if rows and not self.quiet:
+            print(f"flextrain: {summary['steps']} steps on {self.world} ranks, {summary['tokens_per_s']:.0f} labelled "
+                  f"tokens/s, goodput {summary['goodput']:.1%} (not waiting for data or checkpoints), checkpoint "
+                  f"wait p99 {summary['ckpt_wait_p99_s'] * 1e3:.1f} ms, data wait p99 after step 1 "
+                  f"{summary['data_wait_p99_s'] * 1e3:.2f} ms, final loss {rows[-1]['loss']:.4f}"
+                  + (f", eval {rows[-1]['eval_loss']:.4f}" if "eval_loss" in rows[-1] else ""), flush=True)
+        return summary
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.pipeline.close()
+        self.heldout.close()
+
+
+def run(cfg: TrainConfig, resume: bool | None = None) -> dict[str, Any]:
+    trainer = Trainer(cfg, resume=resume)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,129 @@
+"""flextrain's pure parts and the zephon held-out split: configuration, schedule, loss
+independence from D, and the split (disjoint, fingerprinted only when set)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flextrain.config import ConfigError, differences, fingerprint, load_config, working_sizes
+from flextrain.model import Transformer, token_loss_sum
+from flextrain.schedule import lr_scale
+from zephon_state import InMemory, Mix, Pipeline
+from zephon_state.holdout import HoldoutConfig, held_out
+
+
+def test_set_overrides_a_file_and_a_preset(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('steps = 7\n[data]\nglobal_batch = 32\n[optim]\nplacement = "fsdp"\n')
+    cfg = load_config("small", str(f), ["data.global_batch=64", "optim.muon_lr=0.01", "run_dir=/x"])
+    assert (cfg.steps, cfg.data.global_batch, cfg.optim.placement, cfg.optim.muon_lr) == (7, 64, "fsdp", 0.01)
+    assert (cfg.model.d_model, cfg.run_dir) == (256, "/x")
+
+
+def test_bad_values_name_the_field():
+    with pytest.raises(ConfigError, match="data.global_batch=12 must be a multiple of data.lanes=8"):
+        load_config(sets=["data.global_batch=12"])
+    with pytest.raises(ConfigError, match="unknown key 'd_modle'"):
+        load_config(sets=["model.d_modle=3"])
+    with pytest.raises(ConfigError, match="vocab_size=1000 but the GPT-2 tokenizer has 50257"):
+        load_config(sets=["model.vocab_size=1000"])
+
+
+def test_performance_settings_do_not_change_the_fingerprint():
+    base = load_config()
+    perf = load_config(sets=["data.micro_batch=1", "optim.placement=fsdp", "ckpt_every=5", "data.workers=2"])
+    assert fingerprint(base.to_dict()) == fingerprint(perf.to_dict())
+    assert differences(base.to_dict(), perf.to_dict()) == []
+    other = load_config(sets=["data.max_length=128", "seed=3"])
+    assert differences(base.to_dict(), other.to_dict()) == ["data.max_length: saved 256, now 128", "seed: saved 0, now 3"]
+
+
+def test_working_sizes_divide_lanes_and_batch():
+    assert working_sizes(8, 16) == [1, 2, 4, 8]
+    assert working_sizes(8, 16, micro_batch=3) == [8]  # 16/8 = 1 row: one microbatch of 1
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    assert lr_scale(0, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_scale(9, 100, 10, "cosine", 0.1) == 1.0
+    assert lr_scale(10, 100, 10, "cosine", 0.1) == 1.0
+    assert lr_scale(100, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_scale(55, 100, 10, "linear", 0.0) == pytest.approx(0.5)
+
+
+def test_loss_over_the_global_label_count_does_not_depend_on_the_split():
+    """Sum of token losses over two halves / all labels == the loss of the whole; a mean of
+    per-half means would weight tokens differently when halves hold different label counts."""
+    from flextrain.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(d_model=32, n_heads=2, d_ff=64, n_layers=1))
+    model.init_weights(0)
+    ids = torch.randint(0, 50257, (4, 16))
+    labels = torch.randint(0, 50257, (4, 16))
+    labels[0, 3:] = -100  # one row mostly ignored
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(16).repeat(4, 1),
+             "document_ids": torch.zeros(4, 16, dtype=torch.int32)}
+    whole, n = token_loss_sum(model, batch)
+    halves = [token_loss_sum(model, {k: v[i:i + 2] for k, v in batch.items()}) for i in (0, 2)]
+    assert sum(h[1] for h in halves) == n == 4 * 16 - 13
+    # float32 sums in another grouping: a few ulps
+    torch.testing.assert_close(sum(h[0] for h in halves) / n, whole / n, rtol=1e-6, atol=0)
+    per_half_mean = sum(h[0] / h[1] for h in halves) / 2
+    assert abs(per_half_mean - whole / n) > 1e-3
+
+
+def test_holdout_split_is_disjoint_and_fixed():
+    mask = held_out("prose", 1000, HoldoutConfig(0.1, seed=1))
+    assert mask.tolist() == held_out("prose", 1000, HoldoutConfig(0.1, seed=1, side="heldout")).tolist()
+    assert 60 < mask.sum() < 140
+    assert mask.tolist() != held_out("prose", 1000, HoldoutConfig(0.1, seed=2)).tolist()
+
+
+def _pipe(texts, holdout=None):
+    p = Pipeline(Mix({"m": InMemory(texts)}, {"m": 1.0})).tokenize().pack_flat(max_length=16).batch(2)
+    return p.holdout(*holdout) if holdout else p
+
+
+def test_holdout_sides_never_share_a_document_and_enter_the_fingerprint():
+    texts = [f"document number {i} " * 3 for i in range(60)]
+    seen = {}
+    for side in ("train", "heldout"):
+        with _pipe(texts, (0.2, 0, side)) as p:
+            seen[side] = {int(t) for _ in range(20) for t in next(p).input_ids.ravel()}
+            fields = p.plan_fields()
+            assert fields["holdout"] == {"fraction": 0.2, "seed": 0, "side": side}
+    with _pipe(texts) as plain:
+        assert "holdout" not in plain.plan_fields()  # no split: the old fingerprint
+    numbers = {i for i in range(60)}
+    from zephon_state import load_tokenizer
+    tok = load_tokenizer("gpt2")
+    ids = {i: tok.tokenizer.encode(f" {i}").ids[0] for i in numbers}
+    in_train = {i for i, t in ids.items() if t in seen["train"]}
+    in_heldout = {i for i, t in ids.items() if t in seen["heldout"]}
+    assert in_heldout and in_train and not (in_train & in_heldout)
+
+
+@pytest.mark.parametrize("cmd", [[], ["train"], ["plan"]])
+def test_every_subcommand_has_help(cmd, capsys):
+    from flextrain.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    assert e.value.code == 0 and "usage: flextrain" in capsys.readouterr().out
+
+
+def test_set_lr_reaches_the_update_and_plan_layouts_match_the_optimizer():
+    from flexshard import ShardedOptimizer, plan_layouts
+
+    w = torch.nn.Parameter(torch.ones(4, 32))
+    b = torch.nn.Parameter(torch.ones(32))
+    opt = ShardedOptimizer({"w": w, "b": b}, muon_params=["w"])
+    assert plan_layouts({"w": (4, 32), "b": (32,)}, 1, muon_params=["w"]) == {e.name: e.layout for e in opt.entries}
+    opt.set_lr(muon=0.0, adamw=0.5)
+    assert opt.lrs == (0.0, 0.5)
+    w.grad, b.grad = torch.ones(4, 32), torch.ones(32)
+    opt.reduce_gradients()
+    opt.step()
+    assert torch.equal(w.detach(), torch.full((4, 32), 1.0 * (1 - 0.0 * 0.1)))  # lr 0: no update, no decay
+    assert torch.allclose(b.detach(), torch.full((32,), 1.0 * (1 - 0.5 * 0.01) - 0.5), atol=1e-6)  # Adam's first step: lr * sign
