@@ -139,7 +139,7 @@ def test_plan_refuses_a_size_that_does_not_divide_the_lanes(reference, capsys):
 def test_a_flipped_byte_in_the_newest_checkpoint_falls_back(reference, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(reference, run)
-    data = sorted((run / "ckpt" / "step-000000000008").glob("*.data"))[0]
+    data = sorted((run / "ckpt" / "step-000000000008").rglob("*.data"))[0]
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
