@@ -146,6 +146,51 @@ def test_garbage_compressed_sources_fail_naming_file_and_bytes(tmp_path, suffix)
         TextFiles(str(path)).load("text", _io(), "count")
 
 
+_RECORDS = b"".join(orjson.dumps({"text": f"verse {i}: " + "and it was so. " * (i % 7)}) + b"\n" for i in range(60))
+_COMPRESSED = {".zst": zstandard.ZstdCompressor(write_checksum=True).compress(_RECORDS), ".gz": gzip.compress(_RECORDS)}
+
+
+@pytest.mark.parametrize("suffix", [".zst", ".gz"])
+def test_fuzzed_compressed_sources_load_or_raise_source_errors(tmp_path_factory, suffix):
+    """Cut, flipped and spliced bytes: every truncation inside the stream is a SourceError;
+    any other outcome is documents or a zephon_state error, never a foreign exception."""
+    from hypothesis import given, settings, strategies as st
+
+    from zephon_state import IoOptions, ZephonError
+
+    good = _COMPRESSED[suffix]
+    folder = tmp_path_factory.mktemp("fuzz")
+    seen = {"docs": 0, "source_error": 0}
+
+    @settings(max_examples=150, derandomize=True, deadline=None, database=None)
+    @given(cut=st.integers(1, len(good) - 1), flips=st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(1, 255)), max_size=3),
+           mode=st.sampled_from(["cut", "flip", "splice"]))
+    def case(cut, flips, mode):
+        data = bytearray(good)
+        if mode == "cut":
+            data = data[:cut]
+        elif mode == "flip":
+            for at, mask in flips:
+                data[at] ^= mask
+        else:
+            data = data[:cut] + bytes(mask for _, mask in flips) + data[cut:]
+        path = folder / f"case{suffix}"
+        path.write_bytes(bytes(data))
+        try:
+            docs = JsonLines(str(path)).load("text", IoOptions(), "count")
+            seen["docs"] += 1
+        except SourceError as e:
+            assert str(path) in str(e) and "byte" in str(e)
+            seen["source_error"] += 1
+            return
+        except ZephonError:
+            return
+        assert mode != "cut", f"a stream cut at byte {cut} of {len(good)} loaded {len(docs)} documents"
+
+    case()
+    assert seen["source_error"] >= 50
+
+
 # ---- the cursor fuzzer ---------------------------------------------------------------------
 
 FUZZ_CASES = 2000
