@@ -3,6 +3,8 @@ out of the root (12), Checkpointers dropped without close() (7), storage calls t
 on a local folder and against the moto S3 server behind a fault-injecting proxy."""
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -88,6 +90,20 @@ def test_checkpointers_dropped_without_close_are_freed_with_their_threads(tmp_pa
     assert threading.active_count() == before
 
 
+def test_a_process_that_exits_without_close_still_commits_its_saves_in_flight(tmp_path):
+    code = (
+        "import torch\n"
+        "from flexckpt import Checkpointer\n"
+        f"ck = Checkpointer({str(tmp_path)!r}, run_id='exit')\n"
+        "ck.save(1, {'w': torch.arange(100000.0)})\n"  # no result(), no close(): exit waits for it
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    with Checkpointer(str(tmp_path), run_id="exit") as ck:
+        target = {"w": torch.zeros(100000)}
+        assert ck.load(target) == 1 and torch.equal(target["w"], torch.arange(100000.0))
+
+
 # ---- 6: stall timeout ----------------------------------------------------------------------
 
 
@@ -98,14 +114,14 @@ def _slow_parts(pause: float, n: int):
 
 
 def test_the_stall_timeout_bounds_no_progress_not_the_total(tmp_path):
-    storage = Storage(str(tmp_path), stall_timeout=0.5)
+    storage = Storage(str(tmp_path), stall_timeout=1.0)
     t0 = time.monotonic()
-    assert storage.write_stream("moving", _slow_parts(0.15, 8), fsync=False) == 8000  # 1.2 s in all, moving
-    assert time.monotonic() - t0 > 1.0
+    assert storage.write_stream("moving", _slow_parts(0.3, 6), fsync=False) == 6000  # 1.8 s in all, moving
+    assert time.monotonic() - t0 > 1.5
     t0 = time.monotonic()
-    with pytest.raises(StorageStalled, match=r"storage call write_stream\('stuck'\) on .* made no progress for 0.5 s"):
-        storage.write_stream("stuck", _slow_parts(3.0, 1), fsync=False)
-    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(StorageStalled, match=r"storage call write_stream\('stuck'\) on .* made no progress for 1 s"):
+        storage.write_stream("stuck", _slow_parts(5.0, 1), fsync=False)
+    assert time.monotonic() - t0 < 3.0
 
 
 def test_a_stalled_write_fails_its_save_on_the_handle_and_training_goes_on(tmp_path, monkeypatch):
@@ -121,14 +137,14 @@ def test_a_stalled_write_fails_its_save_on_the_handle_and_training_goes_on(tmp_p
         return real(self, rel, parts_after_release(), fsync)
 
     monkeypatch.setattr(Storage, "write_stream", stuck_once)
-    with Checkpointer(str(tmp_path), stall_timeout=0.5, direct_io=False) as ck:
+    with Checkpointer(str(tmp_path), stall_timeout=1.0, direct_io=False) as ck:
         t0 = time.monotonic()
         handle = ck.save(1, {"w": torch.ones(100)})
         handle.wait_staged()
-        assert time.monotonic() - t0 < 0.5  # the training thread is not held by the stall
-        with pytest.raises(SaveError, match=r"save of step 1 failed: storage call write_stream\(.*made no progress for 0.5 s"):
+        assert time.monotonic() - t0 < 1.0  # the training thread is not held by the stall
+        with pytest.raises(SaveError, match=r"save of step 1 failed: storage call write_stream\(.*made no progress for 1 s"):
             handle.result(timeout=10)
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 5
         release.set()
         ck.save(2, {"w": torch.full((100,), 2.0)}).result(timeout=30)
         target = {"w": torch.zeros(100)}
@@ -169,17 +185,17 @@ def test_s3_a_put_that_never_answers_fails_the_save_within_the_stall_timeout(pro
     opts, bucket = _s3(proxy, s3_options)
     url = f"s3://{bucket}/hung"
     proxy.set(lambda method, path, n: "hang" if method == "PUT" and path.endswith(".data") else None)
-    with Checkpointer(url, storage_options=opts, stall_timeout=1.0) as ck:
+    with Checkpointer(url, storage_options=opts, stall_timeout=3.0) as ck:  # 3 s: a busy 2-core machine stays under it
         t0 = time.monotonic()
         handle = ck.save(1, {"w": torch.ones(1000)})
-        with pytest.raises(SaveError, match=r"made no progress for 1 s"):
+        with pytest.raises(SaveError, match=r"storage call write_stream\('step-0+1/.*\.data'\) .* made no progress for 3 s"):
             handle.result(timeout=60)  # before the fix: pending for minutes (411 s seen)
         took = time.monotonic() - t0
         proxy.set(lambda method, path, n: None)  # the endpoint recovers: training went on, saves work
         ck.save(2, {"w": torch.full((1000,), 2.0)}).result(timeout=60)
         assert ck.steps() == [2]
     print(f"s3 hung PUT: failed after {took:.2f} s, faults injected {proxy.faults}")
-    assert took < 5 and proxy.faults["hang"] >= 1
+    assert took < 10 and proxy.faults["hang"] == 1
 
 
 def test_s3_an_endpoint_that_always_fails_fails_the_save_after_bounded_retries(proxy, s3_options):

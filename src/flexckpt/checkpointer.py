@@ -245,7 +245,8 @@ class Checkpointer:
         atexit.register(self._atexit)
         # dropped without close(): the threads hold only a weak reference, so it is freed,
         # and this stops them (saves still queued then are abandoned)
-        weakref.finalize(self, _stop_threads, (self._stage_q, self._write_q, self._commit_q), self._atexit)
+        stop = weakref.finalize(self, _stop_threads, (self._stage_q, self._write_q, self._commit_q), self._atexit)
+        stop.atexit = False  # at exit, close() above waits for the saves in flight instead
 
     # -- run id ------------------------------------------------------------------------------
     def _resolve_run_id(self, run_id: str | None) -> str:
