@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 import weakref
 
 import pytest

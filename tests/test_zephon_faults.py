@@ -14,7 +14,7 @@ import orjson
 import pytest
 import zstandard
 
-from zephon_state import ConfigError, InMemory, JsonLines, Mix, Pipeline, SourceError, StateError, TextFiles
+from zephon_state import ConfigError, InMemory, IoOptions, JsonLines, Mix, Pipeline, SourceError, StateError, TextFiles
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 PROSE, CODE = str(CORPUS / "kjv.jsonl.zst"), str(CORPUS / "python_stdlib.jsonl.zst")
@@ -117,13 +117,7 @@ def test_a_truncated_zstd_source_fails_naming_file_and_byte_offset(tmp_path):
     cut = tmp_path / "kjv.jsonl.zst"
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(SourceError, match=rf"source file '{cut}' is truncated: its zstd frame starting at byte 0 is cut off at byte {len(data) // 2}, the end"):
-        JsonLines(str(cut)).load("text", _io(), "count")
-
-
-def _io():
-    from zephon_state import IoOptions
-
-    return IoOptions()
+        JsonLines(str(cut)).load("text", IoOptions(), "count")
 
 
 def test_a_truncated_gzip_member_after_a_whole_one_fails_naming_where_it_starts(tmp_path):
@@ -132,9 +126,9 @@ def test_a_truncated_gzip_member_after_a_whole_one_fails_naming_where_it_starts(
     path = tmp_path / "kjv.jsonl.gz"
     path.write_bytes(first + second[:5000])
     with pytest.raises(SourceError, match=rf"truncated: its gzip frame starting at byte {len(first)} is cut off at byte {len(first) + 5000}"):
-        JsonLines(str(path)).load("text", _io(), "count")
+        JsonLines(str(path)).load("text", IoOptions(), "count")
     path.write_bytes(first + second)  # both members whole: every document, as before
-    assert len(JsonLines(str(path)).load("text", _io(), "raise")) == 1039
+    assert len(JsonLines(str(path)).load("text", IoOptions(), "raise")) == 1039
 
 
 @pytest.mark.parametrize("suffix", [".zst", ".gz"])
@@ -143,7 +137,7 @@ def test_garbage_compressed_sources_fail_naming_file_and_bytes(tmp_path, suffix)
     path.write_bytes(b"this is not compressed at all\n" * 10)
     codec = "zstd" if suffix == ".zst" else "gzip"
     with pytest.raises(SourceError, match=rf"source file '{path}' is damaged: its {codec} frame starting at byte 0 fails between bytes 0 and 300 of 300"):
-        TextFiles(str(path)).load("text", _io(), "count")
+        TextFiles(str(path)).load("text", IoOptions(), "count")
 
 
 _RECORDS = b"".join(orjson.dumps({"text": f"verse {i}: " + "and it was so. " * (i % 7)}) + b"\n" for i in range(60))
@@ -156,7 +150,7 @@ def test_fuzzed_compressed_sources_load_or_raise_source_errors(tmp_path_factory,
     any other outcome is documents or a zephon_state error, never a foreign exception."""
     from hypothesis import given, settings, strategies as st
 
-    from zephon_state import IoOptions, ZephonError
+    from zephon_state import ZephonError
 
     good = _COMPRESSED[suffix]
     folder = tmp_path_factory.mktemp("fuzz")

@@ -77,6 +77,8 @@ class LaneCursor:
 SOURCE_FIELDS = ("epoch", "index", "offset", "tokens")
 COUNT_LIMIT = 1 << 53  # far beyond any real run; larger JSON numbers lose precision in many readers
 _KEYS = {"window", "emitted", "sequences", "sources"}
+
+
 def cursor_error(lane: int, why: str) -> StateError:
     return StateError(f"cursor of lane {lane} is invalid: {why}; it was not written by this pipeline and data")
 

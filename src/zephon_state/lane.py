@@ -56,7 +56,6 @@ class LaneSetup:
         ahead = tuple(int(b * readahead_windows) + c for b, c in zip(window_bytes, chunks))
         return cls(plan, tokenizer, pool, lanes, max_length, algorithm, window, shuffle, chunks, ahead)
 
-
     def check_cursor(self, cursor: LaneCursor, lane: int) -> None:
         """Refuse a cursor this plan cannot have written, naming the field: a document past the
         lane's share, fewer tokens than the documents read, token counts off the window's
