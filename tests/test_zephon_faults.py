@@ -154,7 +154,7 @@ def test_fuzzed_compressed_sources_load_or_raise_source_errors(tmp_path_factory,
 
     good = _COMPRESSED[suffix]
     folder = tmp_path_factory.mktemp("fuzz")
-    seen = {"docs": 0, "source_error": 0}
+    seen = {"cases": 0, "docs": 0, "source_error": 0, "other_zephon_error": 0}
 
     @settings(max_examples=150, derandomize=True, deadline=None, database=None)
     @given(cut=st.integers(1, len(good) - 1), flips=st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(1, 255)), max_size=3),
@@ -170,6 +170,7 @@ def test_fuzzed_compressed_sources_load_or_raise_source_errors(tmp_path_factory,
             data = data[:cut] + bytes(mask for _, mask in flips) + data[cut:]
         path = folder / f"case{suffix}"
         path.write_bytes(bytes(data))
+        seen["cases"] += 1
         try:
             docs = JsonLines(str(path)).load("text", IoOptions(), "count")
             seen["docs"] += 1
@@ -178,10 +179,12 @@ def test_fuzzed_compressed_sources_load_or_raise_source_errors(tmp_path_factory,
             seen["source_error"] += 1
             return
         except ZephonError:
+            seen["other_zephon_error"] += 1
             return
         assert mode != "cut", f"a stream cut at byte {cut} of {len(good)} loaded {len(docs)} documents"
 
     case()
+    print(f"compressed-source fuzz {suffix}: {seen}")
     assert seen["source_error"] >= 50
 
 
