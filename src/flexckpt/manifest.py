@@ -69,7 +69,7 @@ def parse_step_dir(name: str) -> int | None:
 
 
 def check_run_id(run_id: object) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise ValueError(f"run id must match {_RUN_ID.pattern}, got {run_id!r}")
     return run_id
 

@@ -4,28 +4,64 @@
 Local filesystems get the exact commit protocol (temporary name, fsync, ``os.replace``,
 fsync of the folder) and positional reads straight into caller memory; object stores get
 one PUT per small object and ranged GETs.
+
+Every call is bounded by the stall timeout (see ``stall.py``): no progress for that long and
+it raises ``StorageStalled``. Local data files are opened only inside the root: a symbolic
+link that leads out of it is refused (the root itself may be a link).
 """
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import time
 import uuid
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from flexckpt.errors import CheckpointError
+from flexckpt.stall import bounded, progress
 
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, offsets and lengths on this boundary
 DIRECT_WRITE_BYTES = 64 << 20
 IOV_MAX = 1024  # buffers per preadv (Linux's UIO_MAXIOV)
+DEFAULT_STALL_TIMEOUT = 300.0  # a local fsync of a large file is one call with no progress to report
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class OutsideRoot(CheckpointError, PermissionError):
+    """A checkpoint file resolves (through a symbolic link) to a place outside the root."""
+
+
+def _watched(method: F) -> F:
+    """Run the storage call under the stall timeout of its ``Storage``."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        storage = self if isinstance(self, Storage) else self.storage
+        what = f"{method.__name__}({args[0]!r})" if args and isinstance(args[0], str) else method.__name__
+        return bounded(storage.stall_timeout, f"{what} on {storage.url}", lambda: method(self, *args, **kwargs))
+
+    return call  # type: ignore[return-value]
 
 
 class Storage:
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """``stall_timeout``: seconds a call may go without progress before it is given up
+    (None: never)."""
+
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+    ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"checkpoint location must be a URL or path string, got {url!r}")
+        if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
+            raise ValueError(f"stall_timeout must be None or a positive number of seconds, got {stall_timeout!r}")
+        self.stall_timeout = None if stall_timeout is None else float(stall_timeout)
         fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.url = url
         self.fs = fs
@@ -40,18 +76,31 @@ class Storage:
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts]) if self.root != "/" else "/" + "/".join(parts)
 
+    def check_inside(self, path: str) -> None:
+        """Refuse a local file whose real location is outside the root's real location."""
+        if not self.local:
+            return
+        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        if os.path.commonpath([real, root]) != root:
+            raise OutsideRoot(
+                f"{path} is a symbolic link to {real}, outside the checkpoint root {root}; flexckpt does not "
+                "follow links out of a checkpoint (copy the file into the checkpoint, or fix the link)"
+            )
+
     # -- writing ---------------------------------------------------------------------------
+    @_watched
     def makedirs(self, rel: str) -> None:
         if self.local:
             os.makedirs(self.path(rel), exist_ok=True)
         else:
             self.fs.makedirs(self.path(rel), exist_ok=True)
 
+    @_watched
     def write_stream(self, rel: str, parts: Iterable[memoryview], fsync: bool = True) -> int:
         """Write ``parts`` one after the other to a new file; returns the bytes written."""
         total = 0
         if self.local:
-            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644)
             try:
                 for part in parts:
                     view = memoryview(part)
@@ -59,6 +108,7 @@ class Storage:
                         n = os.write(fd, view)
                         total += n
                         view = view[n:]
+                        progress()
                 if fsync:
                     os.fsync(fd)
             finally:
@@ -68,8 +118,10 @@ class Storage:
             for part in parts:
                 f.write(part)
                 total += memoryview(part).nbytes
+                progress()
         return total
 
+    @_watched
     def write_direct(self, rel: str, data: memoryview, nbytes: int, fsync: bool = True) -> bool:
         """Write ``data[:nbytes]`` to a new local file with O_DIRECT: the device reads the
         caller's memory, with no copy into the page cache (far less CPU taken from
@@ -79,7 +131,7 @@ class Storage:
         if not self.local or not hasattr(os, "O_DIRECT"):
             return False
         try:
-            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | _NOFOLLOW, 0o644)
         except OSError as e:
             if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
                 return False
@@ -96,6 +148,7 @@ class Storage:
                 if n % DIRECT_ALIGN and n != view.nbytes:
                     raise OSError(errno.EIO, f"short O_DIRECT write to {self.path(rel)}")
                 view = view[n:]
+                progress()
             os.ftruncate(fd, nbytes)
             if fsync:
                 os.fsync(fd)
@@ -103,6 +156,7 @@ class Storage:
             os.close(fd)
         return True
 
+    @_watched
     def put_atomic(self, rel: str, data: bytes, fsync: bool = True) -> None:
         """Make ``data`` appear under ``rel`` all at once: on a local filesystem a temporary
         name, fsync, ``os.replace`` and an fsync of the folder; elsewhere one PUT."""
@@ -117,6 +171,7 @@ class Storage:
             view = memoryview(data)
             while view.nbytes:
                 view = view[os.write(fd, view) :]
+                progress()
             if fsync:
                 os.fsync(fd)
         finally:
@@ -130,6 +185,7 @@ class Storage:
                 os.close(dfd)
 
     # -- reading ---------------------------------------------------------------------------
+    @_watched
     def read_bytes(self, rel: str, limit: int | None = None) -> bytes:
         """A whole small object; ``limit`` refuses bigger ones before reading them."""
         path = self.path(rel)
@@ -138,20 +194,24 @@ class Storage:
             if size > limit:
                 raise ValueError(f"{path} is {size} bytes, more than the {limit} allowed for it")
         if self.local:
+            self.check_inside(path)
             with open(path, "rb") as f:
                 return f.read()
         return self.fs.cat_file(path)
 
+    @_watched
     def size(self, rel: str) -> int:
         path = self.path(rel)
         if self.local:
             return os.stat(path).st_size
         return int(self.fs.size(path))
 
+    @_watched
     def open_reader(self, rel: str) -> "RangeReader":
         return RangeReader(self, rel)
 
     # -- listing and removal ----------------------------------------------------------------
+    @_watched
     def list_names(self, rel: str = "") -> list[str]:
         """Names directly under ``rel`` (fresh, never from a listing cache); [] if absent."""
         path = self.path(rel) if rel else self.root
@@ -167,6 +227,7 @@ class Storage:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    @_watched
     def exists(self, rel: str) -> bool:
         if self.local:
             return os.path.exists(self.path(rel))
@@ -174,6 +235,7 @@ class Storage:
         self.fs.invalidate_cache(path)
         return self.fs.exists(path)
 
+    @_watched
     def age(self, rel: str) -> float | None:
         """Seconds since ``rel``, or the newest object directly under it, was last written;
         None if there is nothing there."""
@@ -202,6 +264,7 @@ class Storage:
             return None if not entries else 0.0
         return max(0.0, time.time() - max(stamps))
 
+    @_watched
     def remove(self, rel: str) -> None:
         try:
             if self.local:
@@ -211,6 +274,7 @@ class Storage:
         except FileNotFoundError:
             pass
 
+    @_watched
     def remove_tree(self, rel: str) -> None:
         path = self.path(rel)
         try:
@@ -227,8 +291,10 @@ class RangeReader:
     def __init__(self, storage: Storage, rel: str) -> None:
         self.storage = storage
         self.path = storage.path(rel)
+        storage.check_inside(self.path)
         self._fd = os.open(self.path, os.O_RDONLY) if storage.local else None
 
+    @_watched
     def read_into(self, offset: int, out: memoryview) -> None:
         n = out.nbytes
         if self._fd is not None:
@@ -238,12 +304,14 @@ class RangeReader:
                 if k == 0:
                     raise EOFError(f"{self.path} ends at byte {offset + got}, expected {offset + n}")
                 got += k
+                progress()
             return
         data = self.storage.fs.cat_file(self.path, start=offset, end=offset + n)
         if len(data) != n:
             raise EOFError(f"{self.path}: asked for {n} bytes at {offset}, got {len(data)}")
         out[:] = data
 
+    @_watched
     def read_scatter(self, offset: int, outs: list[memoryview]) -> None:
         """Bytes from ``offset`` on, filling ``outs`` one after the other (one preadv per
         IOV_MAX buffers on a local file; one ranged GET elsewhere)."""
@@ -265,6 +333,7 @@ class RangeReader:
             if got == 0:
                 raise EOFError(f"{self.path} ends at byte {pos}, expected {pos + sum(o.nbytes for o in batch)}")
             pos += got
+            progress()
             while got:  # step past what was filled; a short read leaves a buffer partly filled
                 n = pending[i].nbytes
                 if got >= n:
