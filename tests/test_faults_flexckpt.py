@@ -15,7 +15,7 @@ import torch
 
 from fault_proxy import FaultProxy
 from flexckpt import Checkpointer, SaveError
-from flexckpt.manifest import check_run_id, data_file, step_dir
+from flexckpt.manifest import attempt_id, check_run_id, data_name, step_dir
 from flexckpt.stall import StorageStalled
 from flexckpt.storage import OutsideRoot, Storage
 
@@ -46,9 +46,10 @@ def test_a_data_file_linking_out_of_the_root_is_refused_and_a_linked_root_is_fin
         target = {"w": torch.zeros(1000)}
         assert ck.load(target) == 1 and torch.equal(target["w"], state["w"])
     # identical bytes outside the root, behind a link: followed and loaded before the fix
-    data = tmp_path / "inside" / step_dir(1) / data_file("job", 0)
+    (data,) = (tmp_path / "inside" / step_dir(1)).glob("job.*.1/r00000.data")
+    (outside,) = (tmp_path / "outside" / step_dir(1)).glob("job.*.1/r00000.data")
     data.unlink()
-    os.symlink(tmp_path / "outside" / step_dir(1) / data_file("job", 0), data)
+    os.symlink(outside, data)
     with Checkpointer(str(tmp_path / "inside"), run_id="job") as ck:
         with pytest.raises(OutsideRoot, match=rf"{data} is a symbolic link to .*outside.*, outside the checkpoint root"):
             ck.load({"w": torch.zeros(1000)})
@@ -58,9 +59,11 @@ def test_a_save_never_writes_through_a_planted_link(tmp_path):
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     root = tmp_path / "ckpt"
-    (root / step_dir(1)).mkdir(parents=True)
-    os.symlink(victim, root / step_dir(1) / data_file("job", 0))
     with Checkpointer(str(root), run_id="job", direct_io=False) as ck:
+        # the attempt's own folder, with a link where its data file will go
+        data = root / step_dir(1) / data_name(attempt_id("job", ck.session, 1), 0)
+        data.parent.mkdir(parents=True)
+        os.symlink(victim, data)
         with pytest.raises(SaveError, match=r"Too many levels of symbolic links|ELOOP"):
             ck.save(1, {"w": torch.ones(100)}).result(timeout=30)
     assert victim.read_bytes() == b"precious"
