@@ -46,9 +46,8 @@ def test_sigkill_at_chosen_storage_calls_and_at_random_times_loses_nothing_commi
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(reason="issue 11 defect 1: a re-save writes into the committed step's data file "
-                          "(fixed by the new commit protocol of issue 10)", strict=False)
 def test_sigkill_while_resaving_a_step_after_a_rollback_keeps_the_committed_one(tmp_path):
+    # defect 1: before issue 10's attempt folders, the re-save truncated the committed data file
     trials = [t for t in chosen_trials("resave") if t.method in ("write_stream", "put_atomic")]
     summary, results = _run(tmp_path, trials, timeout=220)
     failed = [r for r in results if not r["ok"]]

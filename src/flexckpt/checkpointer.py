@@ -45,6 +45,8 @@ from flexckpt.commit import (
     mark_failed,
     other_live_job,
     read_manifest,
+    reclaim_at_start,
+    reclaim_failed,
     record_doc,
 )
 from flexckpt.errors import LoadError, SaveError
@@ -267,6 +269,8 @@ class Checkpointer:
         # files of another job written after this instant mean a live job on the same URL;
         # object stores stamp files with their own clock: allow for skew
         self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
+        if self.is_coordinator:
+            self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
         self._pool = BufferPool(max_in_flight)
         self._plan_key: list | None = None
@@ -287,6 +291,17 @@ class Checkpointer:
         # and this stops them (saves still queued then are abandoned)
         stop = weakref.finalize(self, _stop_threads, (self._stage_q, self._write_q, self._commit_q), self._atexit)
         stop.atexit = False  # at exit, close() above waits for the saves in flight instead
+
+    def _reclaim_at_start(self) -> None:
+        """Files of saves that failed or were cut short before this launch (see
+        :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again."""
+        try:
+            removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since)
+        except Exception:  # noqa: BLE001 - housekeeping; saves report their own failures
+            log.exception("flexckpt: reclaiming unfinished saves under %s failed", self.storage.url)
+            return
+        if removed:
+            log.info("flexckpt: removed %d unfinished save attempt(s): %s", len(removed), removed[:10])
 
     # -- run id ------------------------------------------------------------------------------
     def _resolve_run_id(self, run_id: str | None) -> str:
@@ -542,6 +557,10 @@ class Checkpointer:
         log.error("flexckpt rank %d: save of step %d failed while %s: %s", self.rank, job.step, what, exc, exc_info=exc)
         if not isinstance(exc, AnnouncedFailure):
             mark_failed(self.storage, job.step, job.attempt, f"rank {self.rank} failed while {what}: {type(exc).__name__}: {exc}")
+        try:  # at once: a full disk must not stop every later save
+            reclaim_failed(self.storage, job.step, job.attempt, None if what == "committing" else self.rank)
+        except Exception:  # noqa: BLE001 - best effort; start-up and the next commit reclaim too
+            log.exception("flexckpt rank %d: could not remove the files of failed step %d", self.rank, job.step)
         job.handle._fail(exc)
 
     def _wait_for_commit(self, step: int, timeout: float | None, attempt: str) -> None:

@@ -11,6 +11,7 @@ link that leads out of it is refused (the root itself may be a link).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -168,15 +169,20 @@ class Storage:
         tmp = os.path.join(folder, f".{os.path.basename(final)}.{uuid.uuid4().hex[:12]}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)
-            while view.nbytes:
-                view = view[os.write(fd, view) :]
-                progress()
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+            try:
+                view = memoryview(data)
+                while view.nbytes:
+                    view = view[os.write(fd, view) :]
+                    progress()
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a full disk must not keep the half-written copy
+                os.remove(tmp)
+            raise
         if fsync:
             dfd = os.open(folder, os.O_RDONLY)
             try:
