@@ -634,8 +634,10 @@ class Checkpointer:
         With ``torch.distributed`` initialized, rank 0 picks the step for everyone, and a
         failure on any rank fails the load on all; ``fallback=True`` then tries the
         previous committed step, on all ranks together. ``strict=False`` loads what the
-        checkpoint and the state share and leaves the rest unchanged. On failure the
-        target tensors may have been partly overwritten.
+        checkpoint and the state share and leaves the rest unchanged. Everything is
+        validated before the ranks agree on success, and plain, per-lane and per-rank values
+        are set only after they agreed: a failed load leaves them unchanged on every rank,
+        but target tensors (read in place) may have been partly overwritten.
         """
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
