@@ -395,7 +395,7 @@ class Checkpointer:
         for p, i in zip(rank_plan.pieces, order):
             spec = w.specs[i]
             held = spec.layout.flat_range(spec.shape, self.world_size, self.rank)
-            parts.append(None if (p.start, p.stop) == tuple(held) else (p.start - held.start, p.stop - held.start))
+            parts.append(None if (p.start, p.stop) == (held.start, held.stop) else (p.start - held.start, p.stop - held.start))
         self._plan_ids += 1
         entry = _PlanEntry(
             id=self._plan_ids,

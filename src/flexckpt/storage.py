@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from flexckpt.errors import CheckpointError
+from flexckpt.errors import CheckpointError, MissingFile, TooLarge, TruncatedFile
 from flexckpt.stall import bounded, progress
 
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, offsets and lengths on this boundary
@@ -198,19 +198,25 @@ class Storage:
         if limit is not None:
             size = self.size(rel)
             if size > limit:
-                raise ValueError(f"{path} is {size} bytes, more than the {limit} allowed for it")
-        if self.local:
-            self.check_inside(path)
-            with open(path, "rb") as f:
-                return f.read()
-        return self.fs.cat_file(path)
+                raise TooLarge(f"{path} is {size} bytes, more than the {limit} allowed for it")
+        try:
+            if self.local:
+                self.check_inside(path)
+                with open(path, "rb") as f:
+                    return f.read()
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise MissingFile(f"{path} is missing") from None
 
     @_watched
     def size(self, rel: str) -> int:
         path = self.path(rel)
-        if self.local:
-            return os.stat(path).st_size
-        return int(self.fs.size(path))
+        try:
+            if self.local:
+                return os.stat(path).st_size
+            return int(self.fs.size(path))
+        except FileNotFoundError:
+            raise MissingFile(f"{path} is missing") from None
 
     @_watched
     def open_reader(self, rel: str) -> "RangeReader":
@@ -298,7 +304,10 @@ class RangeReader:
         self.storage = storage
         self.path = storage.path(rel)
         storage.check_inside(self.path)
-        self._fd = os.open(self.path, os.O_RDONLY) if storage.local else None
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY) if storage.local else None
+        except FileNotFoundError:
+            raise MissingFile(f"{self.path} is missing") from None
 
     @_watched
     def read_into(self, offset: int, out: memoryview) -> None:
@@ -308,13 +317,13 @@ class RangeReader:
             while got < n:
                 k = os.preadv(self._fd, [out[got:]], offset + got)
                 if k == 0:
-                    raise EOFError(f"{self.path} ends at byte {offset + got}, expected {offset + n}")
+                    raise TruncatedFile(f"{self.path} ends at byte {offset + got}, expected {offset + n}")
                 got += k
                 progress()
             return
-        data = self.storage.fs.cat_file(self.path, start=offset, end=offset + n)
+        data = self._cat(offset, n)
         if len(data) != n:
-            raise EOFError(f"{self.path}: asked for {n} bytes at {offset}, got {len(data)}")
+            raise TruncatedFile(f"{self.path}: asked for {n} bytes at {offset}, got {len(data)}")
         out[:] = data
 
     @_watched
@@ -323,9 +332,9 @@ class RangeReader:
         IOV_MAX buffers on a local file; one ranged GET elsewhere)."""
         if self._fd is None:
             total = sum(o.nbytes for o in outs)
-            data = memoryview(self.storage.fs.cat_file(self.path, start=offset, end=offset + total))
+            data = memoryview(self._cat(offset, total))
             if data.nbytes != total:
-                raise EOFError(f"{self.path}: asked for {total} bytes at {offset}, got {data.nbytes}")
+                raise TruncatedFile(f"{self.path}: asked for {total} bytes at {offset}, got {data.nbytes}")
             pos = 0
             for o in outs:
                 o[:] = data[pos : pos + o.nbytes]
@@ -337,7 +346,7 @@ class RangeReader:
             batch = pending[i : i + IOV_MAX]
             got = os.preadv(self._fd, batch, pos)
             if got == 0:
-                raise EOFError(f"{self.path} ends at byte {pos}, expected {pos + sum(o.nbytes for o in batch)}")
+                raise TruncatedFile(f"{self.path} ends at byte {pos}, expected {pos + sum(o.nbytes for o in batch)}")
             pos += got
             progress()
             while got:  # step past what was filled; a short read leaves a buffer partly filled
@@ -348,6 +357,12 @@ class RangeReader:
                 else:
                     pending[i] = pending[i][got:]
                     got = 0
+
+    def _cat(self, offset: int, n: int) -> bytes:
+        try:
+            return self.storage.fs.cat_file(self.path, start=offset, end=offset + n)
+        except FileNotFoundError:
+            raise MissingFile(f"{self.path} is missing") from None
 
     def close(self) -> None:
         if self._fd is not None:
