@@ -48,7 +48,11 @@ def test_sigkill_at_chosen_storage_calls_and_at_random_times_loses_nothing_commi
 @pytest.mark.timeout(240)
 def test_sigkill_while_resaving_a_step_after_a_rollback_keeps_the_committed_one(tmp_path):
     # defect 1: before issue 10's attempt folders, the re-save truncated the committed data file
-    trials = [t for t in chosen_trials("resave") if t.method in ("write_stream", "put_atomic")]
+    trials = ([t for t in chosen_trials("resave") if t.method in ("write_stream", "put_atomic")]
+              + random_trials("resave", 6, seed=4))
     summary, results = _run(tmp_path, trials, timeout=220)
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
+    assert summary["trials"] == len(trials) == 21
+    # every chosen point was reached (write_stream #5 and put_atomic #5 fall in the re-save of step 4)
+    assert all(r["killed"] for r in results if "random" not in r["trial"]), results
