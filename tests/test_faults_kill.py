@@ -54,5 +54,5 @@ def test_sigkill_while_resaving_a_step_after_a_rollback_keeps_the_committed_one(
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
     assert summary["trials"] == len(trials) == 21
-    # every chosen point was reached (write_stream #5 and put_atomic #5 fall in the re-save of step 4)
+    # every chosen point was reached (write_stream #5 is the data write of the re-save of step 4)
     assert all(r["killed"] for r in results if "random" not in r["trial"]), results
