@@ -18,6 +18,7 @@ from flexckpt import Checkpointer, SaveError
 from flexckpt.manifest import attempt_id, check_run_id, data_name, step_dir
 from flexckpt.stall import StorageStalled
 from flexckpt.storage import OutsideRoot, Storage
+from flexshard.spawn import run_workers
 
 
 # ---- 11: run ids ---------------------------------------------------------------------------
@@ -211,3 +212,38 @@ def test_s3_an_endpoint_that_always_fails_fails_the_save_after_bounded_retries(p
     puts = sum(1 for method, path, _ in proxy.requests if method == "PUT" and path.endswith(".data"))
     print(f"s3 always 503: failed after {took:.2f} s and {puts} PUT attempts of the data file")
     assert puts <= 10 and took < 20  # s3fs: 5 tries per upload (the close after the failure tries once more); botocore retries off
+
+
+# ---- 1 again: a relaunch under the same FLEXCKPT_RUN_ID re-saves a committed step --------------
+
+
+def _relaunch(rank, world, root, version):
+    from flexckpt.commit import read_manifest
+
+    ck = Checkpointer(root)  # run id from FLEXCKPT_RUN_ID, the world from torch.distributed
+    state = {"w": torch.full((1000,), float(version)), "v": version}
+    if version == 0:
+        for step in (1, 2):
+            ck.save(step, state).result(timeout=60)
+    else:  # roll back to step 1, then save step 2 again
+        ck.load({"w": torch.zeros(1000), "v": -1}, step=1)
+        before = read_manifest(ck.storage, 2).attempt
+        handle = ck.save(2, state)
+        handle.result(timeout=60)
+        ck.wait()
+        return {"committed_before": before, "resave": handle.attempt}
+    ck.close()
+    return None
+
+
+def test_a_relaunch_under_the_same_run_id_never_re_saves_into_the_committed_attempt(tmp_path):
+    # before: the session digits were a hash of the run id, so the relaunch's first save of
+    # step 2 was attempt "job42.<same>.1", the committed one, and wrote into its files
+    env = {"FLEXCKPT_RUN_ID": "job42"}
+    run_workers(_relaunch, 2, str(tmp_path), 0, timeout=120, env=env)
+    out = run_workers(_relaunch, 2, str(tmp_path), 1, timeout=120, env=env)
+    assert out[0]["committed_before"].startswith("job42.") and out[0]["committed_before"].endswith(".1")
+    assert out[0]["resave"] != out[0]["committed_before"] and out[0]["resave"] == out[1]["resave"]
+    with Checkpointer(str(tmp_path), run_id="reader") as ck:
+        target = {"w": torch.zeros(1000), "v": -1}
+        assert ck.load(target) == 2 and target["v"] == 1 and torch.equal(target["w"], torch.full((1000,), 1.0))

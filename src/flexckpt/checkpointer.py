@@ -238,6 +238,7 @@ class Checkpointer:
         if (rank is None) != (world_size is None):
             raise ValueError("pass both rank= and world_size=, or neither (to use torch.distributed's)")
         self.group = process_group
+        from_dist = rank is None
         if rank is None:
             rank, world_size = current_world(process_group)
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -264,7 +265,7 @@ class Checkpointer:
         self.is_coordinator = rank == 0
         self.is_leader = rank % GROUP == 0  # gathers its group's records (rank 0: everyone's)
         self.run_id = self._resolve_run_id(run_id)
-        self.session = self._resolve_session(reused=run_id is None and not os.environ.get("FLEXCKPT_RUN_ID"))
+        self.session = self._resolve_session(from_dist)
         self._attempts: dict[int, int] = {}
         # files of another job written after this instant mean a live job on the same URL;
         # object stores stamp files with their own clock: allow for skew
@@ -325,15 +326,18 @@ class Checkpointer:
             f"pass run_id= (the same on every rank) or set FLEXCKPT_RUN_ID"
         )
 
-    def _resolve_session(self, reused: bool) -> str:
+    def _resolve_session(self, from_dist: bool) -> str:
         """8 hex digits that tell this launch's save attempts from an earlier launch's with
-        the same run id. A run id taken from torchrun (``reused``) repeats when a job is
-        requeued with the same id and restart count: then rank 0 draws the digits and
-        broadcasts them once, here. A run id passed in (or set in FLEXCKPT_RUN_ID) is the
-        caller's to keep unique per launch, and the digits follow from it (no collective)."""
+        the same run id. Run ids repeat across launches: torchrun's when a job is requeued
+        with the same id and restart count, and one passed in or set in FLEXCKPT_RUN_ID
+        whenever a job is relaunched under it (a re-save after a rollback would then write
+        into the earlier launch's committed attempt folder). So where the world comes from
+        torch.distributed, rank 0 draws the digits and broadcasts them once, here. With
+        rank= and world_size= given (no collective possible) the digits follow from the run
+        id, which the caller must then keep unique per launch."""
         if self.world_size == 1:
             return uuid.uuid4().hex[:8]
-        if reused and os.environ.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") and dist.is_available() and dist.is_initialized():
+        if from_dist and dist.is_available() and dist.is_initialized():
             t = torch.tensor(list(uuid.uuid4().bytes[:4]), dtype=torch.uint8, device=_collective_device(self.group))
             dist.broadcast(t, src=_global_rank(0, self.group), group=self.group)
             return bytes(t.cpu().tolist()).hex()
