@@ -264,8 +264,9 @@ class Checkpointer:
         self.poll_interval = float(poll_interval) if poll_interval is not None else (0.01 if self.storage.local else 0.1)
         self.is_coordinator = rank == 0
         self.is_leader = rank % GROUP == 0  # gathers its group's records (rank 0: everyone's)
+        self._drawn_run_id = False  # a random run id, drawn by _resolve_run_id: unique already
         self.run_id = self._resolve_run_id(run_id)
-        self.session = self._resolve_session(from_dist)
+        self.session = self._resolve_session(from_dist and not self._drawn_run_id)
         self._attempts: dict[int, int] = {}
         # files of another job written after this instant mean a live job on the same URL;
         # object stores stamp files with their own clock: allow for skew
@@ -320,6 +321,7 @@ class Checkpointer:
             # once per job, at construction: rank 0's random id for everyone
             t = torch.tensor(list(uuid.uuid4().bytes[:8]), dtype=torch.uint8, device=_collective_device(self.group))
             dist.broadcast(t, src=_global_rank(0, self.group), group=self.group)
+            self._drawn_run_id = True
             return bytes(t.cpu().tolist()).hex()
         raise ValueError(
             f"rank {self.rank} of {self.world_size} without torch.distributed cannot agree on a run id: "
