@@ -57,3 +57,93 @@ def s3_options(s3_endpoint):
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(**opts).mkdir(bucket)
     return opts, bucket
+
+
+class SmallDisk:
+    """A small filesystem for disk-full tests: a tmpfs of ``size`` bytes where the tests run as
+    root and may mount one (``kind == "tmpfs"``), else a folder where flexckpt's ``Storage``
+    writes fail with ENOSPC, after writing what still fits, once the folder holds ``size``
+    bytes (``kind == "wrapper"``). ``fill(n)`` takes ``n`` bytes as another process would;
+    ``free()`` gives them back."""
+
+    def __init__(self, path, size: int, kind: str) -> None:
+        self.path, self.size, self.kind = path, size, kind
+        self._filler = path / "other-process.bin"
+
+    def used(self) -> int:
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self.path) for f in files)
+
+    def fill(self, nbytes: int) -> None:
+        self._filler.write_bytes(b"\0" * nbytes)
+
+    def free(self) -> None:
+        self._filler.unlink(missing_ok=True)
+
+
+def _mount_tmpfs(path, size: int) -> bool:
+    if os.geteuid() != 0 or os.environ.get("TEST_SMALL_DISK") == "wrapper":  # the knob tests the wrapper
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def _enospc_wrapper(monkeypatch, disk: SmallDisk) -> None:
+    import errno
+
+    from flexckpt.storage import Storage
+
+    real_stream, real_put = Storage.write_stream, Storage.put_atomic
+
+    def full(path):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    def room(self, rel):
+        target = self.path(rel)
+        here = os.path.getsize(target) if os.path.exists(target) else 0  # O_TRUNC gives it back
+        return disk.size - disk.used() + here
+
+    def write_stream(self, rel, parts, fsync=True):
+        if not self.local or not self.path(rel).startswith(str(disk.path)):
+            return real_stream(self, rel, parts, fsync)
+        left = room(self, rel)
+
+        def limited():
+            nonlocal left
+            for part in parts:
+                view = memoryview(part)
+                if view.nbytes > left:
+                    yield view[:left]
+                    raise full(self.path(rel))
+                left -= view.nbytes
+                yield part
+
+        return real_stream(self, rel, limited(), fsync)
+
+    def put_atomic(self, rel, data, fsync=True):
+        if self.local and self.path(rel).startswith(str(disk.path)) and len(data) > room(self, rel):
+            raise full(self.path(rel))
+        return real_put(self, rel, data, fsync)
+
+    monkeypatch.setattr(Storage, "write_stream", write_stream)
+    monkeypatch.setattr(Storage, "put_atomic", put_atomic)
+    monkeypatch.setattr(Storage, "write_direct", lambda self, *a, **k: False)  # as on tmpfs: no O_DIRECT
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """``small_disk(size)`` -> a ``SmallDisk`` (see there); unmounted after the test."""
+    mounted = []
+
+    def make(size: int) -> SmallDisk:
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        if _mount_tmpfs(path, size):
+            mounted.append(path)
+            return SmallDisk(path, size, "tmpfs")
+        disk = SmallDisk(path, size, "wrapper")
+        _enospc_wrapper(monkeypatch, disk)
+        return disk
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -47,7 +47,7 @@ def test_verify_finds_a_damaged_chunk(tmp_path, capsys):
     raw[10] ^= 1
     path.write_bytes(bytes(raw))
     assert main(["verify", str(tmp_path), "--all"]) == 1
-    assert "DAMAGED (1 chunks)" in capsys.readouterr().out
+    assert "DAMAGED (1 problem)" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
 
 

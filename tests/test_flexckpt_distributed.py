@@ -190,7 +190,9 @@ def test_zero_collectives_on_save_and_the_resharding_matrix(tmp_path):
             phases = {p.pop("phase"): p for p in result["counts"]}
             for step in (1, 2, 3):
                 assert phases[f"save {step}"] == {}, (world, rank, step, phases[f"save {step}"])
-            assert phases["construct"] == {}
+            # a run id passed in may repeat across launches: rank 0's session digits are
+            # broadcast once, here (issue 11), so a relaunch never re-saves into committed files
+            assert {k: v for k, v in phases["construct"].items() if not k.startswith("_")} == {"broadcast": 1}
             public = {k: v for k, v in phases["construct without run_id"].items() if not k.startswith("_")}
             assert public == {"broadcast": 1}
     # world 2 loads its own saves too (in-process, at world 1 and via a 2-rank group above)

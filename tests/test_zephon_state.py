@@ -193,5 +193,5 @@ def test_load_state_dict_rejects_a_missing_lane_or_a_malformed_cursor():
         broken = copy.deepcopy(state)
         broken["lanes"]["0"]["sources"][1] = [0, -1, 0, 0]
     with _pipeline(0, 2) as p:
-        with pytest.raises(StateError, match=r"cursor of lane 0 is invalid: a source state must be 4 non-negative ints"):
+        with pytest.raises(StateError, match=r"cursor of lane 0 is invalid: 'sources\[1\].index' must be an int in \[0, 2\*\*53\), got -1"):
             p.load_state_dict(broken)

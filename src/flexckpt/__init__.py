@@ -15,8 +15,11 @@ from flexckpt.errors import (
     ChecksumError,
     LoadError,
     ManifestError,
+    MissingFile,
     SaveError,
     StructureMismatch,
+    TooLarge,
+    TruncatedFile,
 )
 from flexckpt.values import ByLane, PerRank
 
@@ -27,8 +30,11 @@ __all__ = [
     "ChecksumError",
     "LoadError",
     "ManifestError",
+    "MissingFile",
     "PerRank",
     "SaveError",
     "SaveHandle",
     "StructureMismatch",
+    "TooLarge",
+    "TruncatedFile",
 ]

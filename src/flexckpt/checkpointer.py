@@ -45,6 +45,8 @@ from flexckpt.commit import (
     mark_failed,
     other_live_job,
     read_manifest,
+    reclaim_at_start,
+    reclaim_failed,
     record_doc,
 )
 from flexckpt.contents import Contents, read_contents
@@ -64,7 +66,7 @@ from flexckpt.manifest import (
 )
 from flexckpt.plan import RankPlan, WritePlan, make_write_plan
 from flexckpt.staging import BufferPool, StagingBuffer, copy_into
-from flexckpt.storage import Storage
+from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import Walk, encode_plain, fingerprint, walk
 from flexckpt.writer import table_bytes, values_bytes, write_data_file
 from flexshard import current_world
@@ -204,6 +206,9 @@ class Checkpointer:
             other ranks' save() calls, which data-parallel ranks make within about a
             millisecond of each other. Measured on 2 cores, world 2: p99 trainer wait 3.4 ms
             without the pause, 0.6 ms with 3 ms.
+        stall_timeout: seconds any one storage call may go without progress (bytes moved)
+            before it is given up; the save then fails on its handle with ``SaveError`` and
+            training goes on (None: wait for ever).
     """
 
     def __init__(
@@ -226,6 +231,7 @@ class Checkpointer:
         direct_io: bool = True,
         stage_delay: float = 0.003,
         process_group: "dist.ProcessGroup | None" = None,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -234,12 +240,13 @@ class Checkpointer:
         if (rank is None) != (world_size is None):
             raise ValueError("pass both rank= and world_size=, or neither (to use torch.distributed's)")
         self.group = process_group
+        from_dist = rank is None
         if rank is None:
             rank, world_size = current_world(process_group)
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank!r} world_size={world_size!r}")
         self.rank, self.world_size = rank, world_size
-        self.storage = Storage(url, storage_options)
+        self.storage = Storage(url, storage_options, stall_timeout)
         if world_size > 1 and self.storage.fs.protocol in ("memory", ("memory",)):
             raise ValueError(
                 f"{url!r}: memory:// lives inside one process; a {world_size}-rank job needs a shared "
@@ -259,12 +266,15 @@ class Checkpointer:
         self.poll_interval = float(poll_interval) if poll_interval is not None else (0.01 if self.storage.local else 0.1)
         self.is_coordinator = rank == 0
         self.is_leader = rank % GROUP == 0  # gathers its group's records (rank 0: everyone's)
+        self._drawn_run_id = False  # a random run id, drawn by _resolve_run_id: unique already
         self.run_id = self._resolve_run_id(run_id)
-        self.session = self._resolve_session(reused=run_id is None and not os.environ.get("FLEXCKPT_RUN_ID"))
+        self.session = self._resolve_session(from_dist and not self._drawn_run_id)
         self._attempts: dict[int, int] = {}
         # files of another job written after this instant mean a live job on the same URL;
         # object stores stamp files with their own clock: allow for skew
         self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
+        if self.is_coordinator:
+            self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
         self._pool = BufferPool(max_in_flight)
         self._plan_key: list | None = None
@@ -281,6 +291,21 @@ class Checkpointer:
         ref = weakref.ref(self)
         self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout))
         atexit.register(self._atexit)
+        # dropped without close(): the threads hold only a weak reference, so it is freed,
+        # and this stops them (saves still queued then are abandoned)
+        stop = weakref.finalize(self, _stop_threads, (self._stage_q, self._write_q, self._commit_q), self._atexit)
+        stop.atexit = False  # at exit, close() above waits for the saves in flight instead
+
+    def _reclaim_at_start(self) -> None:
+        """Files of saves that failed or were cut short before this launch (see
+        :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again."""
+        try:
+            removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since)
+        except Exception:  # noqa: BLE001 - housekeeping; saves report their own failures
+            log.exception("flexckpt: reclaiming unfinished saves under %s failed", self.storage.url)
+            return
+        if removed:
+            log.info("flexckpt: removed %d unfinished save attempt(s): %s", len(removed), removed[:10])
 
     # -- run id ------------------------------------------------------------------------------
     def _resolve_run_id(self, run_id: str | None) -> str:
@@ -298,21 +323,25 @@ class Checkpointer:
             # once per job, at construction: rank 0's random id for everyone
             t = torch.tensor(list(uuid.uuid4().bytes[:8]), dtype=torch.uint8, device=_collective_device(self.group))
             dist.broadcast(t, src=_global_rank(0, self.group), group=self.group)
+            self._drawn_run_id = True
             return bytes(t.cpu().tolist()).hex()
         raise ValueError(
             f"rank {self.rank} of {self.world_size} without torch.distributed cannot agree on a run id: "
             f"pass run_id= (the same on every rank) or set FLEXCKPT_RUN_ID"
         )
 
-    def _resolve_session(self, reused: bool) -> str:
+    def _resolve_session(self, from_dist: bool) -> str:
         """8 hex digits that tell this launch's save attempts from an earlier launch's with
-        the same run id. A run id taken from torchrun (``reused``) repeats when a job is
-        requeued with the same id and restart count: then rank 0 draws the digits and
-        broadcasts them once, here. A run id passed in (or set in FLEXCKPT_RUN_ID) is the
-        caller's to keep unique per launch, and the digits follow from it (no collective)."""
+        the same run id. Run ids repeat across launches: torchrun's when a job is requeued
+        with the same id and restart count, and one passed in or set in FLEXCKPT_RUN_ID
+        whenever a job is relaunched under it (a re-save after a rollback would then write
+        into the earlier launch's committed attempt folder). So where the world comes from
+        torch.distributed, rank 0 draws the digits and broadcasts them once, here. With
+        rank= and world_size= given (no collective possible) the digits follow from the run
+        id, which the caller must then keep unique per launch."""
         if self.world_size == 1:
             return uuid.uuid4().hex[:8]
-        if reused and os.environ.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") and dist.is_available() and dist.is_initialized():
+        if from_dist and dist.is_available() and dist.is_initialized():
             t = torch.tensor(list(uuid.uuid4().bytes[:4]), dtype=torch.uint8, device=_collective_device(self.group))
             dist.broadcast(t, src=_global_rank(0, self.group), group=self.group)
             return bytes(t.cpu().tolist()).hex()
@@ -374,7 +403,7 @@ class Checkpointer:
         for p, i in zip(rank_plan.pieces, order):
             spec = w.specs[i]
             held = spec.layout.flat_range(spec.shape, self.world_size, self.rank)
-            parts.append(None if (p.start, p.stop) == tuple(held) else (p.start - held.start, p.stop - held.start))
+            parts.append(None if (p.start, p.stop) == (held.start, held.stop) else (p.start - held.start, p.stop - held.start))
         self._plan_ids += 1
         entry = _PlanEntry(
             id=self._plan_ids,
@@ -395,89 +424,83 @@ class Checkpointer:
     def _ensure_threads(self) -> None:
         if self._threads:
             return
-        loops = [self._stage_loop, self._write_loop] + ([self._commit_loop] if self.is_leader else [])
-        for loop in loops:
-            t = threading.Thread(target=loop, name=f"flexckpt-{loop.__name__[1:-5]}-r{self.rank}", daemon=True)
+        ref = weakref.ref(self)
+        loops = [("stage", self._stage_q, self._write_q), ("write", self._write_q, self._commit_q)]
+        if self.is_leader:
+            loops.append(("commit", self._commit_q, None))
+        for name, inbox, outbox in loops:
+            t = threading.Thread(target=_serve, args=(ref, f"_{name}_one", inbox, outbox),
+                                 name=f"flexckpt-{name}-r{self.rank}", daemon=True)
             t.start()
             self._threads.append(t)
 
-    def _stage_loop(self) -> None:
-        while True:
-            job = self._stage_q.get()
-            if job is None:
-                self._write_q.put(None)
-                return
-            if self.stage_delay:
-                # let every rank leave save() before this copy takes a core and memory
-                # bandwidth; a fence that arrives first cuts the pause short
-                job.handle._fence_called.wait(self.stage_delay)
-            t0 = time.perf_counter()
-            try:
-                e = job.entry
-                job.buffer.ensure(e.rank_plan.nbytes, pin=e.cuda)
-                dsts = job.buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
-                copy_into(dsts, job.srcs, job.cuda)
-            except BaseException as exc:  # noqa: BLE001 - reported on the handle
-                self._pool.release(job.buffer)
-                self._report_failure(job, exc, "staging")
-                continue
-            finally:
-                job.srcs = None  # the state is the caller's again
-            job.handle.timings["stage_s"] = time.perf_counter() - t0
-            job.handle._staged.set()
-            self._write_q.put(job)
+    def _stage_one(self, job: _Job) -> None:
+        if self.stage_delay:
+            # let every rank leave save() before this copy takes a core and memory
+            # bandwidth; a fence that arrives first cuts the pause short
+            job.handle._fence_called.wait(self.stage_delay)
+        t0 = time.perf_counter()
+        try:
+            e = job.entry
+            job.buffer.ensure(e.rank_plan.nbytes, pin=e.cuda)
+            dsts = job.buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
+            copy_into(dsts, job.srcs, job.cuda)
+        except BaseException as exc:  # noqa: BLE001 - reported on the handle
+            self._pool.release(job.buffer)
+            self._report_failure(job, exc, "staging")
+            return
+        finally:
+            job.srcs = None  # the state is the caller's again
+        job.handle.timings["stage_s"] = time.perf_counter() - t0
+        job.handle._staged.set()
+        self._write_q.put(job)
 
-    def _write_loop(self) -> None:
-        while True:
-            job = self._write_q.get()
-            if job is None:
-                self._commit_q.put(None)
-                return
-            t0 = time.perf_counter()
-            try:
-                e = job.entry
-                rank_plan = e.rank_plan
-                folder = f"{step_dir(job.step)}/{job.attempt}"
-                self.storage.makedirs(folder)
-                if rank_plan.nbytes:
-                    job.chunks = write_data_file(
-                        self.storage, f"{step_dir(job.step)}/{data_name(job.attempt, self.rank)}",
-                        memoryview(job.buffer.data.numpy()), rank_plan.nbytes,
-                        rank_plan.chunks, self.compression, self.fsync, self.direct_io,
-                    )
-            except BaseException as exc:  # noqa: BLE001
-                self._report_failure(job, exc, "writing")
-                continue
-            finally:
-                self._pool.release(job.buffer)
-            try:
-                table = table_bytes(rank=self.rank, attempt=job.attempt, codec=self.compression.codec, chunks=job.chunks)
-                self.storage.put_atomic(f"{step_dir(job.step)}/{table_name(job.attempt, self.rank)}", table,
+    def _write_one(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            e = job.entry
+            rank_plan = e.rank_plan
+            folder = f"{step_dir(job.step)}/{job.attempt}"
+            self.storage.makedirs(folder)
+            if rank_plan.nbytes:
+                job.chunks = write_data_file(
+                    self.storage, f"{step_dir(job.step)}/{data_name(job.attempt, self.rank)}",
+                    memoryview(job.buffer.data.numpy()), rank_plan.nbytes,
+                    rank_plan.chunks, self.compression, self.fsync, self.direct_io,
+                )
+        except BaseException as exc:  # noqa: BLE001
+            self._report_failure(job, exc, "writing")
+            return
+        finally:
+            self._pool.release(job.buffer)
+        try:
+            table = table_bytes(rank=self.rank, attempt=job.attempt, codec=self.compression.codec, chunks=job.chunks)
+            self.storage.put_atomic(f"{step_dir(job.step)}/{table_name(job.attempt, self.rank)}", table,
+                                    fsync=self.fsync)
+            values = values_bytes(job.per_rank)
+            if values:  # this rank's own values: a file that only this rank reads back
+                self.storage.put_atomic(f"{step_dir(job.step)}/{values_name(job.attempt, self.rank)}", values,
                                         fsync=self.fsync)
-                values = values_bytes(job.per_rank)
-                if values:  # this rank's own values: a file that only this rank reads back
-                    self.storage.put_atomic(f"{step_dir(job.step)}/{values_name(job.attempt, self.rank)}", values,
-                                            fsync=self.fsync)
-                job.line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in job.chunks),
-                            checksum(values) if values else "", len(values)]
-            except BaseException as exc:  # noqa: BLE001
-                self._report_failure(job, exc, "writing its chunk table")
-                continue
-            job.handle.timings["write_s"] = time.perf_counter() - t0
-            job.handle.timings["bytes"] = float(rank_plan.nbytes)
-            if self.is_leader:
-                self._commit_q.put(job)
-                continue
-            try:
-                # no fsync: a record only tells the leader that this rank's (fsynced) files are
-                # complete; after the commit the manifest holds everything it said
-                self.storage.makedirs(f"{step_dir(job.step)}/{record_name(job.attempt, self.rank).rsplit('/', 1)[0]}")
-                self.storage.put_atomic(f"{step_dir(job.step)}/{record_name(job.attempt, self.rank)}",
-                                        self._record(job), fsync=False)
-            except BaseException as exc:  # noqa: BLE001
-                self._report_failure(job, exc, "writing its record")
-                continue
-            job.handle._done.set()
+            job.line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in job.chunks),
+                        checksum(values) if values else "", len(values)]
+        except BaseException as exc:  # noqa: BLE001
+            self._report_failure(job, exc, "writing its chunk table")
+            return
+        job.handle.timings["write_s"] = time.perf_counter() - t0
+        job.handle.timings["bytes"] = float(rank_plan.nbytes)
+        if self.is_leader:
+            self._commit_q.put(job)
+            return
+        try:
+            # no fsync: a record only tells the leader that this rank's (fsynced) files are
+            # complete; after the commit the manifest holds everything it said
+            self.storage.makedirs(f"{step_dir(job.step)}/{record_name(job.attempt, self.rank).rsplit('/', 1)[0]}")
+            self.storage.put_atomic(f"{step_dir(job.step)}/{record_name(job.attempt, self.rank)}",
+                                    self._record(job), fsync=False)
+        except BaseException as exc:  # noqa: BLE001
+            self._report_failure(job, exc, "writing its record")
+            return
+        job.handle._done.set()
 
     def _record(self, job: _Job) -> bytes:
         e = job.entry
@@ -486,17 +509,7 @@ class Checkpointer:
         return record_doc(run_id=self.run_id, attempt=job.attempt, step=job.step, world_size=self.world_size,
                           entries={self.rank: job.line}, lanes=job.lanes, structure=structure)
 
-    def _commit_loop(self) -> None:
-        while True:
-            job = self._commit_q.get()
-            try:
-                if job is None:
-                    return
-                self._commit(job)
-            finally:
-                self._commit_q.task_done()
-
-    def _commit(self, job: _Job) -> None:
+    def _commit_one(self, job: _Job) -> None:
         if not self.is_coordinator:
             return self._lead(job)
         t0 = time.perf_counter()
@@ -556,6 +569,10 @@ class Checkpointer:
         log.error("flexckpt rank %d: save of step %d failed while %s: %s", self.rank, job.step, what, exc, exc_info=exc)
         if not isinstance(exc, AnnouncedFailure):
             mark_failed(self.storage, job.step, job.attempt, f"rank {self.rank} failed while {what}: {type(exc).__name__}: {exc}")
+        try:  # at once: a full disk must not stop every later save
+            reclaim_failed(self.storage, job.step, job.attempt, None if what == "committing" else self.rank)
+        except Exception:  # noqa: BLE001 - best effort; start-up and the next commit reclaim too
+            log.exception("flexckpt rank %d: could not remove the files of failed step %d", self.rank, job.step)
         job.handle._fail(exc)
 
     def _wait_for_commit(self, step: int, timeout: float | None, attempt: str) -> None:
@@ -639,8 +656,10 @@ class Checkpointer:
         With ``torch.distributed`` initialized, rank 0 picks the step for everyone, and a
         failure on any rank fails the load on all; ``fallback=True`` then tries the
         previous committed step, on all ranks together. ``strict=False`` loads what the
-        checkpoint and the state share and leaves the rest unchanged. On failure the
-        target tensors may have been partly overwritten.
+        checkpoint and the state share and leaves the rest unchanged. Everything is
+        validated before the ranks agree on success, and plain, per-lane and per-rank values
+        are set only after they agreed: a failed load leaves them unchanged on every rank,
+        but target tensors (read in place) may have been partly overwritten.
         """
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
@@ -720,3 +739,29 @@ def _collective_device(group: "dist.ProcessGroup | None") -> torch.device:
 
 def _global_rank(group_rank: int, group: "dist.ProcessGroup | None") -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _serve(ref: "weakref.ref[Checkpointer]", method: str, inbox: queue.Queue, outbox: queue.Queue | None) -> None:
+    """A background thread: hand each job from ``inbox`` to the checkpointer's ``method``.
+    Between jobs it holds only a weak reference, so a Checkpointer dropped without close()
+    is freed; None (from close() or the finalizer) stops it and is passed down the line."""
+    while True:
+        job = inbox.get()
+        try:
+            if job is None:
+                if outbox is not None:
+                    outbox.put(None)
+                return
+            owner = ref()
+            if owner is None:
+                return
+            getattr(owner, method)(job)
+        finally:
+            job = owner = None  # hold nothing while waiting for the next job
+            inbox.task_done()
+
+
+def _stop_threads(queues: tuple[queue.Queue, ...], at_exit: Any) -> None:
+    atexit.unregister(at_exit)
+    for q in queues:
+        q.put(None)

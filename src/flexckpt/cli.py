@@ -58,11 +58,21 @@ def _pick_step(storage: Storage, step: int | None) -> int:
 
 def cmd_steps(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
+    bad = 0
     for s in committed_steps(storage):
-        m = read_manifest(storage, s)
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.time))
-        print(f"{s:>12}  world {m.world_size:<4} {_mib(m.total_bytes):>14}  {len(m.tensors):>6} tensors  {when}  run {m.run_id}")
-    return 0
+        try:
+            m = read_manifest(storage, s)
+        except (OSError, CheckpointError) as e:  # one damaged step does not hide the others
+            print(f"{s:>12}  DAMAGED: {e}")
+            bad += 1
+            continue
+        print(f"{s:>12}  world {m.world_size:<4} {_mib(m.total_bytes):>14}  {len(m.tensors):>6} tensors  "
+              f"{_when(m.time)}  run {m.run_id}")
+    return 1 if bad else 0
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -70,7 +80,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     m = read_manifest(storage, _pick_step(storage, args.step))
     kinds = Counter(type(t.layout).__name__ for t in m.tensors.values())
     print(f"step {m.step} of run {m.run_id}, saved by {m.world_size} ranks at "
-          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.time))} (format version {m.version})")
+          f"{_when(m.time)} (format version {m.version})")
     if m.version == 1:
         codecs = Counter(c.codec for f in m.files.values() for c in f.chunks)
         print(f"  {len(m.tensors)} tensors, {_mib(m.total_bytes)} raw, {_mib(m.stored_bytes)} stored "
@@ -89,7 +99,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if m.plain:
         print("  plain values:")
         for k, v in sorted(m.plain.items()):
-            print(f"    {k} = {json.dumps(decode_plain(v), default=str)[:100]}")
+            try:
+                shown = json.dumps(decode_plain(v), default=str)[:100]
+            except (ValueError, RecursionError) as e:
+                shown = f"MALFORMED ({str(e)[:80]})"
+            print(f"    {k} = {shown}")
     for k, lanes in sorted(m.lanes.items()):
         print(f"  per-lane {k}: {len(lanes)} lanes ({', '.join(sorted(lanes, key=_lane_key)[:8])}{' ...' if len(lanes) > 8 else ''})")
     for k in sorted(m.per_rank):
@@ -102,7 +116,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _lane_key(lane: str) -> tuple:
-    return (0, int(lane)) if lane.isdigit() else (1, lane)
+    return (0, int(lane)) if lane.isascii() and lane.isdigit() else (1, lane)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -110,7 +124,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     steps = committed_steps(storage) if args.all else [_pick_step(storage, args.step)]
     bad = 0
     for s in steps:
-        m = read_manifest(storage, s)
+        try:
+            m = read_manifest(storage, s)
+        except (OSError, CheckpointError) as e:
+            print(f"step {s}: DAMAGED manifest: {e}")
+            bad += 1
+            continue
         total, errors = 0, []
         if m.version == 2:  # every rank's chunk table (data file or not) and per-rank values
             for r in range(m.world_size):
@@ -129,7 +148,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 if m.version == 1:
                     errors.append(str(e))
                 continue
-            with storage.open_reader(f"{step_dir(s)}/{name}") as reader:
+            try:
+                reader = storage.open_reader(f"{step_dir(s)}/{name}")
+            except (OSError, CheckpointError) as e:
+                errors.append(str(e))
+                continue
+            with reader:
                 for c in f.chunks:
                     buf = memoryview(bytearray(c.length))
                     where = f"{step_dir(s)}/{name} bytes [{c.offset}, {c.offset + c.length})"
@@ -141,7 +165,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     except (OSError, CheckpointError) as e:
                         errors.append(str(e))
                     total += c.length
-        status = "ok" if not errors else f"DAMAGED ({len(errors)} chunks)"
+        status = "ok" if not errors else f"DAMAGED ({len(errors)} problem{'s' if len(errors) > 1 else ''})"
         print(f"step {s}: {len(m.files)} files, {_mib(total)} read, {status}")
         for e in errors[:20]:
             print(f"  {e}")
@@ -192,7 +216,13 @@ def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, L
 def cmd_plan(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
     m = read_manifest(storage, _pick_step(storage, args.step))
-    plan = restore_plan(m, target_layouts(m, args.world, args.layout), args.world)
+    try:
+        layouts = target_layouts(m, args.world, args.layout)
+        for name, t in m.tensors.items():
+            layouts[name].flat_range(t.shape, args.world, 0)
+    except ValueError as e:  # e.g. a HybridShard group that does not divide --world
+        raise CheckpointError(f"cannot lay step {m.step}'s tensors out on {args.world} ranks: {e}") from None
+    plan = restore_plan(m, layouts, args.world)
     print(f"restore of step {m.step} (saved by {m.world_size} ranks) on {args.world} ranks:")
     print(f"  {'rank':>4}  {'holds':>14}  {'reads':>14}  {'ratio':>6}  {'requests':>8}  files")
     for r in plan.ranks:

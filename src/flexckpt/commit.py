@@ -32,6 +32,7 @@ from flexckpt.manifest import (
     SavedTensor,
     attempt_run_id,
     committed_name,
+    data_name,
     failed_name,
     group_name,
     parse_manifest,
@@ -39,6 +40,7 @@ from flexckpt.manifest import (
     parse_step_dir,
     record_name,
     step_dir,
+    table_name,
 )
 from flexckpt.plan import WritePlan
 from flexckpt.storage import Storage
@@ -368,3 +370,55 @@ def remove_other_attempts(storage: Storage, step: int, attempt: str, since: floa
             storage.remove_tree(f"{folder}/{name}")
         else:
             storage.remove(f"{folder}/{name}")
+
+
+# -- reclaiming the files of failed saves (a full disk must not stop every later save) ---------
+def reclaim_failed(storage: Storage, step: int, attempt: str, rank: int | None) -> None:
+    """Delete a failed attempt's files at once: rank ``rank``'s data file and chunk table,
+    or (``rank`` None: the coordinator, whose commit failed) every data file and table in
+    the attempt's folder. The failure marker and records stay (small; the other ranks read
+    the marker). Nothing is deleted if the step's manifest names this attempt."""
+    if committed_attempt(storage, step) == attempt:
+        return
+    folder = f"{step_dir(step)}/{attempt}"
+    if rank is not None:
+        doomed = [f"{step_dir(step)}/{data_name(attempt, rank)}", f"{step_dir(step)}/{table_name(attempt, rank)}"]
+    else:
+        doomed = [f"{folder}/{n}" for n in storage.list_names(folder) if n.endswith((".data", ".table", ".tmp"))]
+    for rel in doomed:
+        storage.remove(rel)
+
+
+def reclaim_at_start(storage: Storage, run_id: str, stale_after: float, since: float) -> list[str]:
+    """At start-up (the coordinator): remove attempt folders that no manifest names and no
+    live save can still need, i.e. those of an earlier launch of this run id in steps older
+    than the newest commit, and any (of any job) untouched for ``stale_after`` seconds
+    (commit_timeout). Never a folder written since ``since`` (when this job started: another
+    live job's), never the attempt a step's manifest names, never version-1 files. Step
+    folders left empty and without a manifest go too. Returns what was removed."""
+    removed: list[str] = []
+    steps = sorted(s for s in (parse_step_dir(n) for n in storage.list_names("")) if s is not None)
+    committed = set(committed_steps(storage))
+    newest = max(committed, default=-1)
+    now = time.time()
+    for s in steps:
+        folder = step_dir(s)
+        names = storage.list_names(folder)
+        keep = None
+        if MANIFEST in names:
+            keep = committed_attempt(storage, s)
+            if keep is None:  # version 1, or a manifest that does not parse: touch nothing here
+                continue
+        for name in names:
+            owner = attempt_run_id(name)
+            if owner is None or name == keep:
+                continue
+            age = storage.age(f"{folder}/{name}")
+            if age is None or now - age >= since:
+                continue  # written since this job started: another live job's
+            if age >= stale_after or (owner == run_id and s < newest):
+                storage.remove_tree(f"{folder}/{name}")
+                removed.append(f"{folder}/{name}")
+        if s not in committed and not storage.list_names(folder):
+            storage.remove_tree(folder)
+    return removed

@@ -24,3 +24,15 @@ class StructureMismatch(CheckpointError):
 
 class ChecksumError(LoadError):
     """Stored bytes do not match the checksum recorded for them."""
+
+
+class MissingFile(LoadError, FileNotFoundError):
+    """A file a committed checkpoint names is not there (deleted, or never written)."""
+
+
+class TruncatedFile(LoadError, EOFError):
+    """A file of a committed checkpoint ends before the bytes its manifest or table names."""
+
+
+class TooLarge(CheckpointError, ValueError):
+    """A metadata file is bigger than flexckpt reads for that kind of file."""

@@ -187,6 +187,7 @@ class PendingLoad:
         missing = sorted(n for n in self.per_rank if same_world and n not in self._rank_values)
         if missing:
             raise ManifestError(f"checkpoint step {self.manifest.step} has no per-rank values {missing} for rank {self.rank}")
+        self._values = self._decode_values()
         fetches = coalesce(reads, FETCH_BYTES)
         try:
             if threads > 1 and len(fetches) > 1:
@@ -204,21 +205,35 @@ class PendingLoad:
         self.stats.tensors = len(self.targets)
         self.stats.metadata_bytes = self.manifest.metadata_bytes_read
 
-    def apply(self) -> None:
-        """Copy staged tensors home, set plain, per-lane and per-rank values, and call
-        ``load_state_dict`` on stateful objects (innermost first)."""
-        for t, tmp in self._copy_back:
-            t.copy_(tmp, non_blocking=False)
+    def _decode_values(self) -> dict[str, Any]:
+        """Plain values decoded and checked against their slots, before the ranks agree:
+        :meth:`apply` then only assigns, and cannot fail half-way."""
         m, w = self.manifest, self.walk
+        out: dict[str, Any] = {}
         for name in self.plain:
             slot = w.plain_slots[name]
-            value = decode_plain(m.plain[name])
+            try:
+                value = decode_plain(m.plain[name])
+            except (ValueError, RecursionError) as e:
+                raise ManifestError(f"checkpoint step {m.step}: plain value {name!r} is malformed: {str(e)[:200]}") from None
             if isinstance(slot.like, tuple) and isinstance(value, list):
                 value = tuple(value)
             if isinstance(slot.container, tuple):
                 if slot.container[slot.key] != value:
                     raise StructureMismatch(f"cannot load plain value {name!r} into a tuple; use a list")
                 continue
+            out[name] = value
+        return out
+
+    def apply(self) -> None:
+        """Copy staged tensors home, set plain, per-lane and per-rank values (all decoded
+        and checked by :meth:`read`, before the ranks agreed), and call ``load_state_dict``
+        on stateful objects (innermost first)."""
+        for t, tmp in self._copy_back:
+            t.copy_(tmp, non_blocking=False)
+        m, w = self.manifest, self.walk
+        for name, value in self._values.items():
+            slot = w.plain_slots[name]
             slot.container[slot.key] = value
         for name in self.lanes:
             w.lanes[name].values = dict(m.lanes[name])

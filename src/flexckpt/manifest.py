@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,12 +42,13 @@ READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 CODECS = ("none", "zstd")
 
-MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 256 << 20  # parsing costs about 11 bytes of memory a byte
 MAX_RECORD_BYTES = 1 << 28
 MAX_CHUNK_BYTES = 1 << 30
 MAX_NUMEL = 1 << 48
 MAX_FILE_BYTES = 1 << 50
 MAX_WORLD = 1 << 20
+MAX_TIME = 253402300799  # 9999-12-31 23:59:59 UTC
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -55,6 +57,7 @@ _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX = re.compile(r"[0-9a-f]*")
 _ATTEMPT = re.compile(r"([A-Za-z0-9_-]{1,64})\.[0-9a-f]{8}\.[0-9]{1,9}")
 MAX_CHUNKS_PER_FILE = 1 << 22
+MAX_ZSTD_RATIO = 1 << 15  # a zstd block of 128 KiB of one byte value stores in 4 bytes
 
 
 def step_dir(step: int) -> str:
@@ -69,7 +72,7 @@ def parse_step_dir(name: str) -> int | None:
 
 
 def check_run_id(run_id: object) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise ValueError(f"run id must match {_RUN_ID.pattern}, got {run_id!r}")
     return run_id
 
@@ -220,7 +223,8 @@ class PlanPieces:
         with self._lock:
             offsets = self._offsets.get(rank)
             if offsets is None:
-                offsets = self._offsets[rank] = {p.spec_index: p.offset for p in self.plan.rank_plan(rank).pieces}
+                # pieces only: cutting chunks waits for the table that vouches for the sizes
+                offsets = self._offsets[rank] = {p.spec_index: p.offset for p in self.plan.rank_pieces(rank)[0]}
         return offsets[spec_index]
 
     def pieces_in(self, name: str, rng: FlatRange) -> list[SavedPiece]:
@@ -261,7 +265,9 @@ class TableFiles(Mapping):
         return name in self._names
 
     def __getitem__(self, name: str) -> FileEntry:
-        rank = self._names[name]
+        rank = self._names.get(name)
+        if rank is None:
+            raise ManifestError(f"the plan reads {_show(name)}, but the manifest lists no data stored for that rank")
         with self._lock:
             entry = self._entries.get(rank)
         if entry is None:
@@ -279,9 +285,22 @@ class TableFiles(Mapping):
         e = self.ranks[rank]
         rel = f"{self.folder}/{table_name(self.attempt, rank)}"
         data = self._read_verified(rel, e.table_nbytes, e.table_checksum, "chunk table")
+        # the work of cutting the stream into chunks is bounded by sizes the manifest and
+        # the table vouch for: the stream's length by the stored length (equal, or at most
+        # zstd's best ratio), the chunk count by the table's length
+        _pieces, raw_nbytes = self.plan.rank_pieces(rank)
+        stored = e.stored_nbytes
+        if (raw_nbytes != stored) if self.codec == "none" else (raw_nbytes > MAX_ZSTD_RATIO * stored or (stored and not raw_nbytes)):
+            raise ManifestError(f"chunk table {rel}: the plan gives rank {rank} a stream of {raw_nbytes} bytes, which "
+                                f"{stored} bytes stored with codec {self.codec} cannot hold")
+        if raw_nbytes // min(self.plan.rules.min_chunk, self.plan.chunk_bytes) > MAX_CHUNKS_PER_FILE:
+            raise ManifestError(f"chunk table {rel}: rank {rank}'s stream of {raw_nbytes} bytes needs too many chunks")
+        if stored:
+            size = self.storage.size(f"{self.folder}/{data_name(self.attempt, rank)}")
+            if size != stored:
+                raise ManifestError(f"data file {self.folder}/{data_name(self.attempt, rank)} is {size} bytes, the "
+                                    f"manifest says {stored}; the file is damaged")
         raw = self.plan.rank_plan(rank)
-        if raw.nbytes // min(self.plan.rules.min_chunk, self.plan.chunk_bytes) > MAX_CHUNKS_PER_FILE:
-            raise ManifestError(f"chunk table {rel}: rank {rank}'s stream of {raw.nbytes} bytes needs too many chunks")
         table = parse_table(data, rel, rank=rank, attempt=self.attempt, chunks=len(raw.chunks))
         with self._lock:
             self._tables[rank] = table
@@ -412,23 +431,33 @@ class Manifest:
 
 
 # -- validation of untrusted documents ---------------------------------------------------------
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 3, 80, 80, 6, 6
+
+
+def _show(value: Any) -> str:
+    """A short repr of an untrusted value: bounded in length and depth (an int nested a
+    thousand lists deep must not raise RecursionError in an error message)."""
+    return _SHOW.repr(value)
+
+
 def _fail(where: str, msg: str) -> ManifestError:
     return ManifestError(f"invalid checkpoint {where}: {msg}")
 
 
 def _get(doc: dict, key: str, kind: type | tuple, where: str) -> Any:
     if key not in doc:
-        raise _fail(where, f"missing field {key!r}")
+        raise _fail(where, f"missing field {_show(key)}")
     value = doc[key]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise _fail(where, f"field {key!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+        raise _fail(where, f"field {_show(key)} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
     return value
 
 
 def _int(value: Any, lo: int, hi: int, what: str, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise _fail(where, f"{what} must be an int in [{lo}, {hi}], got {value!r}")
+        raise _fail(where, f"{what} must be an int in [{lo}, {hi}], got {_show(value)}")
     return value
 
 
@@ -447,12 +476,12 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
         raise _fail(where, f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     doc = parse_json(data, where)
     if doc.get("format") != FORMAT:
-        raise _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+        raise _fail(where, f"format is {_show(doc.get('format'))}, expected {_show(FORMAT)}")
     version = doc.get("version")
     if version not in READ_VERSIONS or isinstance(version, bool):
-        raise _fail(where, f"version {version!r} is not supported (this flexckpt reads {list(READ_VERSIONS)})")
+        raise _fail(where, f"version {_show(version)} is not supported (this flexckpt reads {list(READ_VERSIONS)})")
     if doc.get("checksum") != ALGORITHM:
-        raise _fail(where, f"checksum algorithm {doc.get('checksum')!r} is not supported (expected {ALGORITHM})")
+        raise _fail(where, f"checksum algorithm {_show(doc.get('checksum'))} is not supported (expected {ALGORITHM})")
     step = _int(doc.get("step"), 0, 10**12 - 1, "step", where)
     try:
         run_id = check_run_id(doc.get("run_id"))
@@ -460,6 +489,8 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
         raise _fail(where, str(e)) from None
     world = _int(doc.get("world_size"), 1, MAX_WORLD, "world_size", where)
     wall = _get(doc, "time", (int, float), where)
+    if not 0 <= wall <= MAX_TIME:  # NaN fails too
+        raise _fail(where, f"time {_show(wall)} is not seconds since 1970 before the year 10000")
     fp = _get(doc, "fingerprint", str, where)
     if version == 2:
         return _parse_v2(doc, step, run_id, world, float(wall), fp, where)
@@ -471,11 +502,11 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
     lanes = _get(doc, "lanes", dict, where)
     for path, mapping in lanes.items():
         if not isinstance(mapping, dict):
-            raise _fail(where, f"lanes of {path!r} must be an object keyed by lane")
+            raise _fail(where, f"lanes of {_show(path)} must be an object keyed by lane")
     per_rank = _get(doc, "per_rank", dict, where)
     for path, values in per_rank.items():
         if not isinstance(values, list) or len(values) != world:
-            raise _fail(where, f"per-rank values of {path!r} must be a list of {world} entries")
+            raise _fail(where, f"per-rank values of {_show(path)} must be a list of {world} entries")
     return Manifest(step, run_id, world, float(wall), fp, files, tensors, plain, lanes, per_rank)
 
 
@@ -484,13 +515,13 @@ def _parse_values(doc: dict, where: str) -> tuple[dict, dict]:
     lanes = _get(doc, "lanes", dict, where)
     for path, mapping in lanes.items():
         if not isinstance(mapping, dict):
-            raise _fail(where, f"lanes of {path!r} must be an object keyed by lane")
+            raise _fail(where, f"lanes of {_show(path)} must be an object keyed by lane")
     return plain, lanes
 
 
 def _parse_rules(raw: Any, where: str) -> PlanRules:
     if not isinstance(raw, dict) or raw.get("version") != RULES_VERSION:
-        raise _fail(where, f"plan rules {raw!r} are not version {RULES_VERSION} (the rules this flexckpt computes)")
+        raise _fail(where, f"plan rules {_show(raw)} are not version {RULES_VERSION} (the rules this flexckpt computes)")
     if set(raw) != {"version", "align", "chunk_bytes", "min_chunk", "chunks_per_piece", "hybrid_part_bytes"}:
         raise _fail(where, f"plan rules have fields {sorted(raw)}")
     align = _int(raw["align"], 1, 4096, "rules align", where)
@@ -506,11 +537,11 @@ def _parse_rules(raw: Any, where: str) -> PlanRules:
 def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: str, where: str) -> Manifest:
     attempt = _get(doc, "attempt", str, where)
     if attempt_run_id(attempt) != run_id:
-        raise _fail(where, f"attempt {attempt[:80]!r} is not an attempt of run {run_id!r}")
+        raise _fail(where, f"attempt {_show(attempt[:80])} is not an attempt of run {_show(run_id)}")
     rules = _parse_rules(doc.get("rules"), where)
     codec = doc.get("codec")
     if codec not in CODECS:
-        raise _fail(where, f"codec {codec!r} is not one of {CODECS}")
+        raise _fail(where, f"codec {_show(codec)} is not one of {CODECS}")
     specs = []
     for name, entry in _get(doc, "tensors", dict, where).items():
         t = _parse_tensor(name, entry, {}, where, pieces=False)
@@ -548,13 +579,13 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
 
 def _parse_file(name: str, entry: Any, where: str) -> FileEntry:
     if not _FILE_NAME.match(name) or ".." in name:
-        raise _fail(where, f"file name {name!r} is not a plain file name inside the checkpoint folder")
+        raise _fail(where, f"file name {_show(name)} is not a plain file name inside the checkpoint folder")
     if not isinstance(entry, dict):
-        raise _fail(where, f"file {name!r} must be an object")
-    nbytes = _int(entry.get("nbytes"), 0, MAX_FILE_BYTES, f"file {name!r} nbytes", where)
+        raise _fail(where, f"file {_show(name)} must be an object")
+    nbytes = _int(entry.get("nbytes"), 0, MAX_FILE_BYTES, f"file {_show(name)} nbytes", where)
     raw_chunks = entry.get("chunks")
     if not isinstance(raw_chunks, list):
-        raise _fail(where, f"file {name!r} chunks must be a list")
+        raise _fail(where, f"file {_show(name)} chunks must be a list")
     chunks = []
     checks = []
     raw_pos = pos = 0
@@ -577,14 +608,14 @@ def _parse_file(name: str, entry: Any, where: str) -> FileEntry:
         chunks.append(StoredChunk(raw_offset, raw_length, offset, length, codec, check))
     if checks and not _HEX.fullmatch("".join(checks)):
         bad = next(c for c in checks if not _HEX16.match(c))
-        raise _fail(where, f"file {name!r}: checksum {bad!r} is not 16 hex digits")
+        raise _fail(where, f"file {_show(name)}: checksum {_show(bad)} is not 16 hex digits")
     if raw_pos != nbytes:
-        raise _fail(where, f"file {name!r} chunks cover {raw_pos} bytes, not its {nbytes}")
+        raise _fail(where, f"file {_show(name)} chunks cover {raw_pos} bytes, not its {nbytes}")
     return FileEntry(name, nbytes, tuple(chunks))
 
 
 def _explain_bad_chunk(name: str, i: int, c: Any, raw_pos: int, pos: int, where: str) -> None:
-    what = f"file {name!r} chunk {i}"
+    what = f"file {_show(name)} chunk {i}"
     if not isinstance(c, list) or len(c) != 6:
         raise _fail(where, f"{what} must be [raw_offset, raw_length, offset, length, codec, checksum]")
     raw_offset, raw_length, offset, length, codec, check = c
@@ -593,9 +624,9 @@ def _explain_bad_chunk(name: str, i: int, c: Any, raw_pos: int, pos: int, where:
     _int(offset, 0, MAX_FILE_BYTES, f"{what} offset", where)
     _int(length, 0, MAX_CHUNK_BYTES, f"{what} length", where)
     if codec not in CODECS:
-        raise _fail(where, f"{what} codec {codec!r} is not one of {CODECS}")
+        raise _fail(where, f"{what} codec {_show(codec)} is not one of {CODECS}")
     if not isinstance(check, str) or not _HEX16.match(check):
-        raise _fail(where, f"{what} checksum {check!r} is not 16 hex digits")
+        raise _fail(where, f"{what} checksum {_show(check)} is not 16 hex digits")
     if raw_offset != raw_pos or offset != pos:
         raise _fail(where, f"{what} does not follow the previous chunk (gap or overlap)")
     raise _fail(where, f"{what} is uncompressed but stores {length} bytes for {raw_length}")
@@ -603,43 +634,51 @@ def _explain_bad_chunk(name: str, i: int, c: Any, raw_pos: int, pos: int, where:
 
 def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str, pieces: bool = True) -> SavedTensor:
     if not name or len(name) > 4096:
-        raise _fail(where, f"tensor name {name[:80]!r} is empty or too long")
+        raise _fail(where, f"tensor name {_show(name[:80])} is empty or too long")
     if not isinstance(entry, dict):
-        raise _fail(where, f"tensor {name!r} must be an object")
+        raise _fail(where, f"tensor {_show(name)} must be an object")
     try:
         dtype = dtype_from_name(entry.get("dtype"))
         layout = layout_from_json(entry.get("layout"))
-    except (ValueError, TypeError) as e:
-        raise _fail(where, f"tensor {name!r}: {e}") from None
+    except (ValueError, TypeError, RecursionError) as e:
+        raise _fail(where, f"tensor {_show(name)}: {str(e)[:200]}") from None
     shape_raw = entry.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > 64:
-        raise _fail(where, f"tensor {name!r} shape must be a list of at most 64 ints")
-    shape = tuple(_int(s, 0, MAX_NUMEL, f"tensor {name!r} dimension", where) for s in shape_raw)
+        raise _fail(where, f"tensor {_show(name)} shape must be a list of at most 64 ints")
+    shape = tuple(_int(s, 0, MAX_NUMEL, f"tensor {_show(name)} dimension", where) for s in shape_raw)
     numel = math.prod(shape)
     if numel > MAX_NUMEL:
-        raise _fail(where, f"tensor {name!r} has {numel} elements, more than {MAX_NUMEL}")
+        raise _fail(where, f"tensor {_show(name)} has {numel} elements, more than {MAX_NUMEL}")
     if not pieces:
         if set(entry) != {"dtype", "shape", "layout"}:
-            raise _fail(where, f"tensor {name!r} has fields {sorted(entry)}, expected dtype, shape and layout")
+            raise _fail(where, f"tensor {_show(name)} has fields {sorted(entry)}, expected dtype, shape and layout")
         return SavedTensor(name, dtype, shape, layout)
     size = itemsize(dtype)
     pieces_raw = entry.get("pieces")
     if not isinstance(pieces_raw, list):
-        raise _fail(where, f"tensor {name!r} pieces must be a list")
+        raise _fail(where, f"tensor {_show(name)} pieces must be a list")
     saved = []
     for i, p in enumerate(pieces_raw):
-        what = f"tensor {name!r} piece {i}"
+        what = f"tensor {_show(name)} piece {i}"
         if not isinstance(p, list) or len(p) != 4:
             raise _fail(where, f"{what} must be [file, start, stop, raw_offset]")
         file = p[0]
-        if file not in files:
-            raise _fail(where, f"{what} names file {file!r}, which the manifest does not list")
+        if type(file) is not str or file not in files:
+            raise _fail(where, f"{what} names file {_show(file)}, which the manifest does not list")
         start = _int(p[1], 0, numel, f"{what} start", where)
         stop = _int(p[2], start, numel, f"{what} stop", where)
         raw_offset = _int(p[3], 0, MAX_FILE_BYTES, f"{what} raw_offset", where)
         if raw_offset + (stop - start) * size > files[file].nbytes:
-            raise _fail(where, f"{what} ends past the end of {file!r}")
+            raise _fail(where, f"{what} ends past the end of {_show(file)}")
         saved.append(SavedPiece(file, start, stop, raw_offset))
+    # every element saved exactly once: the non-empty pieces, by start, tile [0, numel)
+    pos, tiled = 0, True
+    for p in sorted((p for p in saved if p.stop > p.start), key=lambda p: p.start):
+        tiled = tiled and p.start == pos
+        pos = p.stop if tiled else pos
+    if not tiled or pos != numel:
+        raise _fail(where, f"tensor {_show(name)} pieces do not cover its {numel} elements exactly once "
+                           f"(a gap or an overlap at element {pos})")
     return SavedTensor(name, dtype, shape, layout, tuple(saved))
 
 

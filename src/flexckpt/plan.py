@@ -123,7 +123,9 @@ class WritePlan:
             cached = self._rank_plans[rank] = self._make_rank_plan(rank)
         return cached
 
-    def _make_rank_plan(self, rank: int) -> RankPlan:
+    def rank_pieces(self, rank: int) -> tuple[list[Piece], int]:
+        """Rank ``rank``'s pieces and its stream's length, without cutting chunks: O(tensors),
+        whatever the sizes (a reader checks the length before it lets chunks be cut)."""
         pieces = []
         offset = 0
         for i, spec in enumerate(self.specs):
@@ -133,6 +135,10 @@ class WritePlan:
             nbytes = len(rng) * itemsize(spec.dtype)
             pieces.append(Piece(i, rng.start, rng.stop, offset, nbytes))
             offset = _align(offset + nbytes, self.rules.align)
+        return pieces, offset
+
+    def _make_rank_plan(self, rank: int) -> RankPlan:
+        pieces, offset = self.rank_pieces(rank)
         return RankPlan(tuple(pieces), offset, tuple(cut_chunks(pieces, offset, self.rules.chunk_bytes, self.rules)))
 
     def _written_by(self, i: int, rank: int) -> FlatRange | None:

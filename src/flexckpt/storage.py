@@ -4,28 +4,65 @@
 Local filesystems get the exact commit protocol (temporary name, fsync, ``os.replace``,
 fsync of the folder) and positional reads straight into caller memory; object stores get
 one PUT per small object and ranged GETs.
+
+Every call is bounded by the stall timeout (see ``stall.py``): no progress for that long and
+it raises ``StorageStalled``. Local data files are opened only inside the root: a symbolic
+link that leads out of it is refused (the root itself may be a link).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import os
 import time
 import uuid
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from flexckpt.errors import CheckpointError, MissingFile, TooLarge, TruncatedFile
+from flexckpt.stall import bounded, progress
 
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, offsets and lengths on this boundary
 DIRECT_WRITE_BYTES = 64 << 20
 IOV_MAX = 1024  # buffers per preadv (Linux's UIO_MAXIOV)
+DEFAULT_STALL_TIMEOUT = 300.0  # a local fsync of a large file is one call with no progress to report
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class OutsideRoot(CheckpointError, PermissionError):
+    """A checkpoint file resolves (through a symbolic link) to a place outside the root."""
+
+
+def _watched(method: F) -> F:
+    """Run the storage call under the stall timeout of its ``Storage``."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        storage = self if isinstance(self, Storage) else self.storage
+        what = f"{method.__name__}({args[0]!r})" if args and isinstance(args[0], str) else method.__name__
+        return bounded(storage.stall_timeout, f"{what} on {storage.url}", lambda: method(self, *args, **kwargs))
+
+    return call  # type: ignore[return-value]
 
 
 class Storage:
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """``stall_timeout``: seconds a call may go without progress before it is given up
+    (None: never)."""
+
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+    ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"checkpoint location must be a URL or path string, got {url!r}")
+        if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
+            raise ValueError(f"stall_timeout must be None or a positive number of seconds, got {stall_timeout!r}")
+        self.stall_timeout = None if stall_timeout is None else float(stall_timeout)
         fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.url = url
         self.fs = fs
@@ -41,18 +78,31 @@ class Storage:
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts]) if self.root != "/" else "/" + "/".join(parts)
 
+    def check_inside(self, path: str) -> None:
+        """Refuse a local file whose real location is outside the root's real location."""
+        if not self.local:
+            return
+        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        if os.path.commonpath([real, root]) != root:
+            raise OutsideRoot(
+                f"{path} is a symbolic link to {real}, outside the checkpoint root {root}; flexckpt does not "
+                "follow links out of a checkpoint (copy the file into the checkpoint, or fix the link)"
+            )
+
     # -- writing ---------------------------------------------------------------------------
+    @_watched
     def makedirs(self, rel: str) -> None:
         if self.local:
             os.makedirs(self.path(rel), exist_ok=True)
         else:
             self.fs.makedirs(self.path(rel), exist_ok=True)
 
+    @_watched
     def write_stream(self, rel: str, parts: Iterable[memoryview], fsync: bool = True) -> int:
         """Write ``parts`` one after the other to a new file; returns the bytes written."""
         total = 0
         if self.local:
-            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644)
             try:
                 for part in parts:
                     view = memoryview(part)
@@ -60,6 +110,7 @@ class Storage:
                         n = os.write(fd, view)
                         total += n
                         view = view[n:]
+                        progress()
                 if fsync:
                     os.fsync(fd)
             finally:
@@ -69,8 +120,10 @@ class Storage:
             for part in parts:
                 f.write(part)
                 total += memoryview(part).nbytes
+                progress()
         return total
 
+    @_watched
     def write_direct(self, rel: str, data: memoryview, nbytes: int, fsync: bool = True) -> bool:
         """Write ``data[:nbytes]`` to a new local file with O_DIRECT: the device reads the
         caller's memory, with no copy into the page cache (far less CPU taken from
@@ -80,7 +133,7 @@ class Storage:
         if not self.local or not hasattr(os, "O_DIRECT"):
             return False
         try:
-            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | _NOFOLLOW, 0o644)
         except OSError as e:
             if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
                 return False
@@ -97,6 +150,7 @@ class Storage:
                 if n % DIRECT_ALIGN and n != view.nbytes:
                     raise OSError(errno.EIO, f"short O_DIRECT write to {self.path(rel)}")
                 view = view[n:]
+                progress()
             os.ftruncate(fd, nbytes)
             if fsync:
                 os.fsync(fd)
@@ -104,6 +158,7 @@ class Storage:
             os.close(fd)
         return True
 
+    @_watched
     def put_atomic(self, rel: str, data: bytes, fsync: bool = True) -> None:
         """Make ``data`` appear under ``rel`` all at once: on a local filesystem a temporary
         name, fsync, ``os.replace`` and an fsync of the folder; elsewhere one PUT."""
@@ -115,14 +170,20 @@ class Storage:
         tmp = os.path.join(folder, f".{os.path.basename(final)}.{uuid.uuid4().hex[:12]}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)
-            while view.nbytes:
-                view = view[os.write(fd, view) :]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+            try:
+                view = memoryview(data)
+                while view.nbytes:
+                    view = view[os.write(fd, view) :]
+                    progress()
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a full disk must not keep the half-written copy
+                os.remove(tmp)
+            raise
         if fsync:
             dfd = os.open(folder, os.O_RDONLY)
             try:
@@ -131,28 +192,39 @@ class Storage:
                 os.close(dfd)
 
     # -- reading ---------------------------------------------------------------------------
+    @_watched
     def read_bytes(self, rel: str, limit: int | None = None) -> bytes:
         """A whole small object; ``limit`` refuses bigger ones before reading them."""
         path = self.path(rel)
         if limit is not None:
             size = self.size(rel)
             if size > limit:
-                raise ValueError(f"{path} is {size} bytes, more than the {limit} allowed for it")
-        if self.local:
-            with open(path, "rb") as f:
-                return f.read()
-        return self.fs.cat_file(path)
+                raise TooLarge(f"{path} is {size} bytes, more than the {limit} allowed for it")
+        try:
+            if self.local:
+                self.check_inside(path)
+                with open(path, "rb") as f:
+                    return f.read()
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise MissingFile(f"{path} is missing") from None
 
+    @_watched
     def size(self, rel: str) -> int:
         path = self.path(rel)
-        if self.local:
-            return os.stat(path).st_size
-        return int(self.fs.size(path))
+        try:
+            if self.local:
+                return os.stat(path).st_size
+            return int(self.fs.size(path))
+        except FileNotFoundError:
+            raise MissingFile(f"{path} is missing") from None
 
+    @_watched
     def open_reader(self, rel: str) -> "RangeReader":
         return RangeReader(self, rel)
 
     # -- listing and removal ----------------------------------------------------------------
+    @_watched
     def list_names(self, rel: str = "") -> list[str]:
         """Names directly under ``rel`` (fresh, never from a listing cache); [] if absent."""
         path = self.path(rel) if rel else self.root
@@ -168,6 +240,7 @@ class Storage:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    @_watched
     def exists(self, rel: str) -> bool:
         if self.local:
             return os.path.exists(self.path(rel))
@@ -175,6 +248,7 @@ class Storage:
         self.fs.invalidate_cache(path)
         return self.fs.exists(path)
 
+    @_watched
     def age(self, rel: str) -> float | None:
         """Seconds since ``rel``, or the newest object directly under it, was last written;
         None if there is nothing there."""
@@ -203,6 +277,7 @@ class Storage:
             return None if not entries else 0.0
         return max(0.0, time.time() - max(stamps))
 
+    @_watched
     def remove(self, rel: str) -> None:
         try:
             if self.local:
@@ -212,6 +287,7 @@ class Storage:
         except FileNotFoundError:
             pass
 
+    @_watched
     def remove_tree(self, rel: str) -> None:
         path = self.path(rel)
         try:
@@ -228,8 +304,13 @@ class RangeReader:
     def __init__(self, storage: Storage, rel: str) -> None:
         self.storage = storage
         self.path = storage.path(rel)
-        self._fd = os.open(self.path, os.O_RDONLY) if storage.local else None
+        storage.check_inside(self.path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY) if storage.local else None
+        except FileNotFoundError:
+            raise MissingFile(f"{self.path} is missing") from None
 
+    @_watched
     def read_into(self, offset: int, out: memoryview) -> None:
         n = out.nbytes
         if self._fd is not None:
@@ -237,22 +318,24 @@ class RangeReader:
             while got < n:
                 k = os.preadv(self._fd, [out[got:]], offset + got)
                 if k == 0:
-                    raise EOFError(f"{self.path} ends at byte {offset + got}, expected {offset + n}")
+                    raise TruncatedFile(f"{self.path} ends at byte {offset + got}, expected {offset + n}")
                 got += k
+                progress()
             return
-        data = self.storage.fs.cat_file(self.path, start=offset, end=offset + n)
+        data = self._cat(offset, n)
         if len(data) != n:
-            raise EOFError(f"{self.path}: asked for {n} bytes at {offset}, got {len(data)}")
+            raise TruncatedFile(f"{self.path}: asked for {n} bytes at {offset}, got {len(data)}")
         out[:] = data
 
+    @_watched
     def read_scatter(self, offset: int, outs: list[memoryview]) -> None:
         """Bytes from ``offset`` on, filling ``outs`` one after the other (one preadv per
         IOV_MAX buffers on a local file; one ranged GET elsewhere)."""
         if self._fd is None:
             total = sum(o.nbytes for o in outs)
-            data = memoryview(self.storage.fs.cat_file(self.path, start=offset, end=offset + total))
+            data = memoryview(self._cat(offset, total))
             if data.nbytes != total:
-                raise EOFError(f"{self.path}: asked for {total} bytes at {offset}, got {data.nbytes}")
+                raise TruncatedFile(f"{self.path}: asked for {total} bytes at {offset}, got {data.nbytes}")
             pos = 0
             for o in outs:
                 o[:] = data[pos : pos + o.nbytes]
@@ -264,8 +347,9 @@ class RangeReader:
             batch = pending[i : i + IOV_MAX]
             got = os.preadv(self._fd, batch, pos)
             if got == 0:
-                raise EOFError(f"{self.path} ends at byte {pos}, expected {pos + sum(o.nbytes for o in batch)}")
+                raise TruncatedFile(f"{self.path} ends at byte {pos}, expected {pos + sum(o.nbytes for o in batch)}")
             pos += got
+            progress()
             while got:  # step past what was filled; a short read leaves a buffer partly filled
                 n = pending[i].nbytes
                 if got >= n:
@@ -274,6 +358,12 @@ class RangeReader:
                 else:
                     pending[i] = pending[i][got:]
                     got = 0
+
+    def _cat(self, offset: int, n: int) -> bytes:
+        try:
+            return self.storage.fs.cat_file(self.path, start=offset, end=offset + n)
+        except FileNotFoundError:
+            raise MissingFile(f"{self.path} is missing") from None
 
     def close(self) -> None:
         if self._fd is not None:

@@ -64,7 +64,7 @@ def covering(target: FlatRange, sources: list[FlatRange]) -> list[Overlap]:
                 best = Overlap(pos, stop, i, pos - src.start, pos - target.start)
                 break
         if best is None:
-            raise ValueError(f"element {pos} of range {tuple(target)} is held by no source piece")
+            raise ValueError(f"element {pos} of range ({target.start}, {target.stop}) is held by no source piece")
         out.append(best)
         pos = best.stop
     return out

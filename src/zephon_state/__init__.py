@@ -11,6 +11,7 @@ from .errors import (
     BadRecordError,
     ConfigError,
     FingerprintMismatch,
+    SourceError,
     StateError,
     TokenizerNotFound,
     ZephonError,
@@ -28,7 +29,7 @@ __all__ = [
     "BadRecordError", "Batch", "BatchConfig", "CacheOptions", "ConfigError", "DataParallel",
     "FingerprintMismatch", "HoldoutConfig", "IGNORE", "InMemory", "IoOptions", "JsonLines",
     "LaneCursor", "Mix", "Options", "PAD_DOCUMENT", "PackConfig", "Pipeline", "PipelineConfig", "SourceState",
-    "ShuffleConfig", "Source", "SourceReport", "StateError", "TextFiles", "TokenizeConfig",
+    "ShuffleConfig", "Source", "SourceError", "SourceReport", "StateError", "TextFiles", "TokenizeConfig",
     "TokenizerNotFound", "Topology", "ZephonError", "block_causal_mask", "global_batch_digest",
     "lane_digest", "load_tokenizer",
 ]

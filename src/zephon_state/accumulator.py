@@ -56,7 +56,7 @@ class Accumulator:
             epoch, index, doc = self.reader.next()
             where.append((epoch, index))
             texts.append(self._texts[doc])
-            nbytes += int(self._nbytes[doc])
+            nbytes += max(1, int(self._nbytes[doc]))  # an empty document still moves readahead on
         self._pending.append((self.pool.submit(self.tokenizer.encode, texts), where, nbytes))
         self._ahead += nbytes
 

@@ -11,9 +11,9 @@ from there and skips ``emitted`` rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from .errors import StateError
+from .errors import StateError, short
 
 
 @dataclass(frozen=True)
@@ -49,23 +49,40 @@ class LaneCursor:
 
     @classmethod
     def from_dict(cls, value: Any, n_sources: int, lane: int) -> "LaneCursor":
-        """Validate a cursor read from a checkpoint (untrusted input)."""
+        """Validate a cursor read from a checkpoint (untrusted input): the right keys, each a
+        count in ``[0, 2**53)``. ``LaneSetup.check_cursor`` then checks it against the plan."""
 
         def bad(why: str) -> StateError:
-            return StateError(f"cursor of lane {lane} is invalid: {why}; it was not written by this pipeline version")
+            return cursor_error(lane, why)
 
         if not isinstance(value, Mapping):
             raise bad(f"expected a dict, got {type(value).__name__}")
+        if set(value) != _KEYS:
+            raise bad(f"its keys are {short(sorted(map(str, value)))}, expected {sorted(_KEYS)}")
         for key in ("window", "emitted", "sequences"):
-            v = value.get(key)
-            if type(v) is not int or v < 0:
-                raise bad(f"{key!r} must be a non-negative int, got {v!r}")
-        sources = value.get("sources")
+            _check_count(value[key], repr(key), bad)
+        sources = value["sources"]
         if not isinstance(sources, list) or len(sources) != n_sources:
-            raise bad(f"'sources' must list {n_sources} source states, got {sources!r}")
+            raise bad(f"'sources' must list {n_sources} source states, got {short(sources)}")
         parsed = []
-        for s in sources:
-            if not isinstance(s, list) or len(s) != 4 or any(type(x) is not int or x < 0 for x in s):
-                raise bad(f"a source state must be 4 non-negative ints [epoch, index, offset, tokens], got {s!r}")
+        for i, s in enumerate(sources):
+            if not isinstance(s, list) or len(s) != 4:
+                raise bad(f"'sources[{i}]' must be 4 counts [epoch, index, offset, tokens], got {short(s)}")
+            for name, x in zip(SOURCE_FIELDS, s):
+                _check_count(x, f"'sources[{i}].{name}'", bad)
             parsed.append(SourceState(*s))
         return cls(tuple(parsed), value["window"], value["emitted"], value["sequences"])
+
+
+SOURCE_FIELDS = ("epoch", "index", "offset", "tokens")
+COUNT_LIMIT = 1 << 53  # far beyond any real run; larger JSON numbers lose precision in many readers
+_KEYS = {"window", "emitted", "sequences", "sources"}
+
+
+def cursor_error(lane: int, why: str) -> StateError:
+    return StateError(f"cursor of lane {lane} is invalid: {why}; it was not written by this pipeline and data")
+
+
+def _check_count(value: Any, name: str, bad: Callable[[str], StateError]) -> None:
+    if type(value) is not int or not 0 <= value < COUNT_LIMIT:
+        raise bad(f"{name} must be an int in [0, 2**53), got {short(value)}")

@@ -1,6 +1,16 @@
 """The exceptions the pipeline raises; each message names the value, the limit and the fix."""
 from __future__ import annotations
 
+import reprlib
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 60, 60, 40
+
+
+def short(value: object) -> str:
+    """A bounded repr of an untrusted value for an error message (never deep, never long)."""
+    return _SHORT.repr(value)
+
 
 class ZephonError(Exception):
     """Base class of every error raised by zephon_state."""
@@ -12,6 +22,11 @@ class ConfigError(ZephonError, ValueError):
 
 class BadRecordError(ZephonError, ValueError):
     """A source record is unusable and the bad-record policy is "raise"."""
+
+
+class SourceError(ZephonError, ValueError):
+    """A source file is damaged (a compressed stream that fails or is cut short): the message
+    names the file and the byte offset."""
 
 
 class TokenizerNotFound(ZephonError, LookupError):

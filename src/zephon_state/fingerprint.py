@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import orjson
 
+from .errors import short
+
 if TYPE_CHECKING:
     from .plan import Mix, Plan
     from .tokenize import LoadedTokenizer
@@ -107,6 +109,6 @@ def mismatch_message(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) ->
     lines = []
     for path, was, is_now in found[:8]:
         top = path.split(".")[0].split("[")[0]
-        lines.append(f"{path}: saved {was!r}, now {is_now!r} ({_FIX.get(top, 'restore the saved value')})")
+        lines.append(f"{path}: saved {short(was)}, now {is_now!r} ({_FIX.get(top, 'restore the saved value')})")
     more = f"; and {len(found) - 8} more" if len(found) > 8 else ""
     return head + ":\n  " + "\n  ".join(lines) + more + "\n" + tail.lstrip("; ")

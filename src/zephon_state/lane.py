@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .accumulator import Accumulator
-from .cursor import LaneCursor, SourceState
+from .cursor import LaneCursor, SourceState, cursor_error
 from .deal import SourceReader
 from .errors import StateError
 from .mix import allotment
@@ -55,6 +55,38 @@ class LaneSetup:
         chunks = tuple(int(min(chunk_bytes, max(_MIN_CHUNK_BYTES, b / 4))) for b in window_bytes)
         ahead = tuple(int(b * readahead_windows) + c for b, c in zip(window_bytes, chunks))
         return cls(plan, tokenizer, pool, lanes, max_length, algorithm, window, shuffle, chunks, ahead)
+
+    def check_cursor(self, cursor: LaneCursor, lane: int) -> None:
+        """Refuse a cursor this plan cannot have written, naming the field: a document past the
+        lane's share, fewer tokens than the documents read, token counts off the window's
+        quotas, rows beyond the window. (Reading then starts at most one window from where
+        the cursor says, so an absurd cursor cannot make a lane read without end.)"""
+        targets = allotment(cursor.window * self.window_tokens, self.plan.shares)
+        for i, (s, docs, target) in enumerate(zip(cursor.sources, self.plan.documents, targets)):
+            share = len(range(lane, len(docs), self.lanes))
+            if s.index >= share:
+                raise cursor_error(lane, f"'sources[{i}].index' is {s.index}, but the lane's share of the source "
+                                         f"has {share} documents")
+            least = s.epoch * share + s.index + s.offset  # every document holds at least its EOS token
+            if s.tokens < least:
+                raise cursor_error(lane, f"'sources[{i}].tokens' is {s.tokens}, but its epoch {s.epoch}, index "
+                                         f"{s.index} and offset {s.offset} mean at least {least} tokens were read")
+            exact = self.algorithm == "wrap"
+            if not (s.tokens == target if exact else target <= s.tokens < target + self.max_length):
+                want = f"{target}" if exact else f"in [{target}, {target + self.max_length})"
+                raise cursor_error(lane, f"'sources[{i}].tokens' is {s.tokens}, but at the start of window "
+                                         f"{cursor.window} the source's quota makes it {want}")
+            if not exact and s.offset % self.max_length:
+                raise cursor_error(lane, f"'sources[{i}].offset' is {s.offset}, not a multiple of max_length "
+                                         f"{self.max_length} (best_fit cuts documents only there)")
+        if self.algorithm == "wrap":
+            if cursor.emitted >= self.window:
+                raise cursor_error(lane, f"'emitted' is {cursor.emitted}, but a window has {self.window} rows")
+            if cursor.sequences != cursor.window * self.window + cursor.emitted:
+                raise cursor_error(lane, f"'sequences' is {cursor.sequences}, but window {cursor.window} and "
+                                         f"emitted {cursor.emitted} make it {cursor.window * self.window + cursor.emitted}")
+        elif cursor.sequences < cursor.emitted:
+            raise cursor_error(lane, f"'sequences' is {cursor.sequences}, fewer than 'emitted' {cursor.emitted}")
 
 
 class Lane:

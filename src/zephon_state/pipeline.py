@@ -20,6 +20,7 @@ ends: sources start new epochs.
 from __future__ import annotations
 
 import copy
+import re
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
@@ -27,7 +28,7 @@ from typing import Any, Iterator, Mapping
 from .batch import Batch
 from .config import BatchConfig, DataParallel, Options, PackConfig, ShuffleConfig, TokenizeConfig
 from .cursor import LaneCursor
-from .errors import ConfigError, FingerprintMismatch, StateError
+from .errors import ConfigError, FingerprintMismatch, StateError, short
 from .fingerprint import fingerprint, mismatch_message, plan_fields
 from .holdout import HoldoutConfig, split
 from .lane import LaneSetup
@@ -39,6 +40,16 @@ from .tokenize import LoadedTokenizer, TokenizerPool, load_tokenizer
 from .topology import Topology
 
 STATE_FORMAT = "zephon_state/1"
+_LANE_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def _is_lane_key(key: object, lanes: int) -> bool:
+    return isinstance(key, str) and _LANE_KEY.fullmatch(key) is not None and int(key) < lanes
+
+
+def _is_phase(value: object) -> bool:
+    return (isinstance(value, Mapping) and set(value) == {"data_phase", "fingerprint"}
+            and all(isinstance(v, str) for v in value.values()))
 
 
 @dataclass(frozen=True)
@@ -304,15 +315,22 @@ class Pipeline:
         if not isinstance(saved_fp, str) or not isinstance(lanes, Mapping):
             raise StateError("a zephon_state state dict needs a 'fingerprint' string and a 'lanes' mapping")
         phases = state.get("phases") or []
+        if not isinstance(phases, list) or not all(_is_phase(p) for p in phases):
+            raise StateError(
+                f"the state's 'phases' must be a list of {{'data_phase': str, 'fingerprint': str}}, got {short(phases)}"
+            )
         if new_phase:
             self._start_new_phase(state, saved_fp, phases)
             return
         if saved_fp != prepared.fingerprint:
             raise FingerprintMismatch(mismatch_message(state.get("plan"), prepared.fields))
         topo = prepared.topology
-        bad_keys = [k for k in lanes if not (isinstance(k, str) and k.isdigit() and int(k) < topo.lanes)]
+        bad_keys = [k for k in lanes if not _is_lane_key(k, topo.lanes)]
         if bad_keys:
-            raise StateError(f"the state names lanes {bad_keys!r}, outside 0..{topo.lanes - 1}")
+            raise StateError(
+                f"the state names lanes {short(bad_keys)}; lane keys are decimal strings without leading "
+                f"zeros, '0' to '{topo.lanes - 1}'"
+            )
         cursors = {}
         for lane in topo.hosted:
             if str(lane) not in lanes:
@@ -321,6 +339,7 @@ class Pipeline:
                     f"(it holds lanes {sorted(lanes, key=int)}); pass the union of every rank's 'lanes'"
                 )
             cursors[lane] = LaneCursor.from_dict(lanes[str(lane)], len(prepared.plan.names), lane)
+            prepared.setup.check_cursor(cursors[lane], lane)
         try:
             resume = resume_point(topo, cursors)
         except ValueError as e:

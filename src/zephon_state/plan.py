@@ -100,6 +100,11 @@ class Plan:
                     f"source {name!r} has {len(docs)} documents but lanes={lanes}: every lane needs at "
                     "least one document of every source per epoch; use fewer lanes or more documents"
                 )
+            if len(docs) and not docs.report.bytes:
+                raise ConfigError(
+                    f"source {name!r} has {len(docs)} documents but every one is empty: there is no text to "
+                    "train on; check the source's text field, or remove the source"
+                )
             if window_tokens * share < 1:
                 raise ConfigError(
                     f"source {name!r} has share {float(share):.3g} of a {window_tokens}-token window, less than "

@@ -84,6 +84,11 @@ class Producer:
         self._stop.set()
         for lane in list(self._lanes):
             lane.cancel()
+        while True:  # a put blocked on a full queue returns now, not at its next poll
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
         self._thread.join(timeout)
 
     def _put(self, item: object) -> bool:

@@ -2,20 +2,21 @@
 optional local cache for remote files and decompression chosen by suffix (``.gz``, ``.zst``)."""
 from __future__ import annotations
 
-import gzip
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import fsspec
 import zstandard
 from fsspec.utils import get_protocol
 
-from .errors import ConfigError
+from .errors import ConfigError, SourceError
 
 _LOCAL_PROTOCOLS = ("file", "local")
 _GLOB_CHARS = ("*", "?", "[")
+_FEED_BYTES = 1 << 16  # compressed bytes fed per step: a damage report is this precise
 
 
 def default_cache_dir() -> str:
@@ -107,8 +108,35 @@ def read_bytes(url: str, io: IoOptions) -> bytes:
     except FileNotFoundError as e:
         raise ConfigError(f"source file {url!r} does not exist; check the path and the storage options") from e
     if url.endswith(".gz"):
-        return gzip.decompress(raw)
+        return decompress(raw, url, "gzip", lambda: zlib.decompressobj(wbits=31), zlib.error)
     if url.endswith((".zst", ".zstd")):
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        return reader.read()
+        dctx = zstandard.ZstdDecompressor()
+        return decompress(raw, url, "zstd", dctx.decompressobj, zstandard.ZstdError)
     return raw
+
+
+def decompress(raw: bytes, url: str, codec: str, new_stream: Callable[[], Any], error: type) -> bytes:
+    """Every frame (gzip member, zstd frame) of ``raw``, one after another. A frame that is
+    damaged or cut short raises ``SourceError`` naming the file and the byte offsets: a
+    truncated file must never pass for a shorter one."""
+    out: list[bytes] = []
+    start = 0
+    while start < len(raw):
+        stream, pos = new_stream(), start
+        while not stream.eof and pos < len(raw):
+            chunk = raw[pos : pos + _FEED_BYTES]
+            try:
+                out.append(stream.decompress(chunk))
+            except error as e:
+                raise SourceError(
+                    f"source file {url!r} is damaged: its {codec} frame starting at byte {start} fails between "
+                    f"bytes {pos} and {pos + len(chunk)} of {len(raw)} ({e}); replace the file"
+                ) from None
+            pos += len(chunk)
+        if not stream.eof:
+            raise SourceError(
+                f"source file {url!r} is truncated: its {codec} frame starting at byte {start} is cut off at "
+                f"byte {len(raw)}, the end of the file; replace the file (a partial copy or download?)"
+            )
+        start = pos - len(stream.unused_data)
+    return b"".join(out)

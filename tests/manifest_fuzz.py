@@ -1,0 +1,342 @@
+"""The manifest fuzzer (issue 11): mutate real small checkpoints (format versions 1 and 2,
+and version 2's chunk tables and data files) and drive every reader over them: parse, the
+``flexckpt plan`` path, a load at another world size, ``verify``, ``inspect`` and ``steps``.
+Every outcome must be success or one of flexckpt's own errors, under a memory cap
+(RLIMIT_AS) and a time bound per case.
+
+Run as ``python manifest_fuzz.py FOLDER CASES``: it prints one JSON line of counts. A
+foreign exception, a case over its time bound or a MemoryError ends the run with the case
+that caused it (hypothesis shrinks it first) and exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from flexckpt import ByLane, Checkpointer, CheckpointError, PerRank
+from flexckpt.checksum import checksum
+from flexckpt import cli, storage as storage_module
+from flexckpt.commit import read_manifest
+from flexckpt.storage import Storage
+from flexshard import BlockShard, HybridShard, Owned, Replicate, Shard, ShardedTensor
+
+STEP = 3
+CASE_SECONDS = 10.0  # per case; a clean case takes milliseconds
+MEMORY_HEADROOM = 1 << 30  # address space the fuzzing may add to what setup left
+DATA = Path(__file__).resolve().parent / "data" / "v1"
+
+V2_TENSORS = {
+    "a": ((37, 5), torch.float32, Shard(0)),
+    "b": ((70,), torch.bfloat16, BlockShard(32)),
+    "c": ((), torch.float64, Replicate()),
+    "d": ((9, 3), torch.int64, Owned(1)),
+    "e": ((40, 2), torch.float16, HybridShard(1)),
+}
+
+
+class CaseTimeout(BaseException):
+    """A case ran past CASE_SECONDS."""
+
+
+def _global(name: str) -> torch.Tensor:
+    shape, dtype, _ = V2_TENSORS[name]
+    g = torch.Generator().manual_seed(ord(name))
+    return (torch.randn(shape, generator=g) * 40).to(dtype)
+
+
+def _v2_state(rank: int, world: int) -> dict:
+    return {
+        "t": {n: ShardedTensor.from_global(_global(n), lay, rank, world) for n, (_, _, lay) in V2_TENSORS.items()},
+        "meta": {"step": STEP, "pair": [1, "x"], "lr": 0.5},
+        "lanes": ByLane({str(rank): {"doc": 10 + rank, "off": [rank, 7]}}),
+        "rng": PerRank(torch.arange(4, dtype=torch.int32) + rank),
+    }
+
+
+def _v2_target(rank: int, world: int) -> dict:
+    return {
+        "t": {n: ShardedTensor.empty(shape, Owned(world - 1) if isinstance(lay, Owned) else lay, dtype, rank=rank,
+                                     world_size=world)
+              for n, (shape, dtype, lay) in V2_TENSORS.items()},
+        "meta": {"step": 0, "pair": [0, ""], "lr": 0.0},
+        "lanes": ByLane(),
+        "rng": PerRank(None),
+    }
+
+
+def _v1_target(rank: int, world: int) -> dict:
+    shapes = {"block": ((70, 3), torch.float32), "shard": ((9, 2), torch.int64), "owned": ((5, 4), torch.bfloat16),
+              "rep": ((6,), torch.float32), "scalar": ((), torch.float64)}
+    return {
+        "t": {n: ShardedTensor.empty(s, Shard(0) if s else Replicate(), d, rank=rank, world_size=world)
+              for n, (s, d) in shapes.items()},
+        "step": 0, "lanes": ByLane(), "rng": PerRank(None),
+    }
+
+
+def make_bases(folder: Path) -> dict[str, dict[str, bytes]]:
+    """Four real checkpoints of step 3: version 1 (plain, zstd) from tests/data, version 2
+    (plain, zstd) saved here by two ranks. Returns each one's files, by path."""
+    for sub in ("plain", "zstd"):
+        shutil.copytree(DATA / sub, folder / f"v1{sub}")
+    for codec in ("none", "zstd"):
+        root = str(folder / f"v2{codec}")
+        cks = [Checkpointer(root, rank=r, world_size=2, run_id="fz", chunk_bytes=256,
+                            compression=None if codec == "none" else "zstd", direct_io=False, fsync=False)
+               for r in range(2)]
+        handles = [ck.save(STEP, _v2_state(r, 2)) for r, ck in enumerate(cks)]
+        for h in handles:
+            h.result(timeout=60)
+        for ck in cks:
+            ck.close()
+    bases = {}
+    for base in sorted(os.listdir(folder)):
+        files = {}
+        for path in sorted((folder / base).rglob("*")):
+            if path.is_file():
+                files[str(path.relative_to(folder / base))] = path.read_bytes()
+        bases[base] = files
+    return bases
+
+
+# -- mutations ---------------------------------------------------------------------------------
+INTERESTING = [
+    None, True, False, 0, -1, 1, 2, 3, 7, 255, 256, 2**30, 2**31, 2**32, 2**40, 2**62, 2**63, -(2**63), "HUGE",
+    0.5, -0.0, 1e20, -1e300, "", "x", "²", "..", "../../etc/passwd", "/abs", "r00000.data", "0" * 16, "f" * 16,
+    "zstd", "none", "float32", "bfloat16", "nope", [], [1], ["x"], [[1, 2]], [0, 1, 2, 3], {}, {"kind": "shard", "dim": 0},
+    {"kind": "replicate"}, {"kind": "owned", "owner": 5}, {"kind": "hybrid_shard", "group_size": 3, "block_size": None},
+    {"$tuple": "x"}, {"$float": "nan"}, {"$tensor": {"dtype": "float32", "shape": [2**40], "data": ""}},
+    "DEEP",
+]
+DEEP = b"[" * 1010 + b"1" + b"]" * 1010
+
+
+def _nodes(doc, path=()):
+    """Every (path, value) in a JSON document."""
+    yield path, doc
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _nodes(v, path + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _nodes(v, path + (i,))
+
+
+def _json_edit(data: bytes, draw) -> bytes:
+    doc = orjson.loads(data)
+    nodes = list(_nodes(doc))
+    path, value = nodes[draw(st.integers(0, len(nodes) - 1))]
+    op = draw(st.sampled_from(["replace", "replace", "replace", "delete", "add", "grow", "shrink", "tweak"]))
+    parent = doc
+    for p in path[:-1]:
+        parent = parent[p]
+    new = draw(st.sampled_from(INTERESTING))
+    if op == "tweak" and isinstance(value, int) and not isinstance(value, bool):
+        new = value + draw(st.sampled_from([-1, 1, 64, -64, 4096, 2**20]))
+    elif op == "tweak" and isinstance(value, str):
+        new = value[:-1] + ("0" if value[-1:] != "0" else "1") if value else "0"
+    if op in ("replace", "tweak"):
+        if path:
+            parent[path[-1]] = new
+        else:
+            doc = new
+    elif op == "delete" and path:
+        del parent[path[-1]]
+    elif op == "add" and isinstance(value, dict):
+        value[draw(st.sampled_from(["x", "²", "0", "1", "a", "t/zz", "extra"]))] = new
+    elif op == "add" and isinstance(value, list):
+        value.insert(draw(st.integers(0, len(value))), new)
+    elif op == "grow" and isinstance(value, list) and value:
+        value.extend(value[-1:] * draw(st.integers(1, 3)))
+    elif op == "shrink" and isinstance(value, list) and value:
+        del value[draw(st.integers(0, len(value) - 1))]
+    return orjson.dumps(doc).replace(b'"DEEP"', DEEP).replace(b'"HUGE"', b"1" + b"0" * 30)
+
+
+def _byte_edit(data: bytes, draw) -> bytes:
+    op = draw(st.sampled_from(["flip", "flip", "cut", "splice"]))
+    if not data:
+        return b"\x00"
+    if op == "cut":
+        return data[: draw(st.integers(0, len(data) - 1))]
+    out = bytearray(data)
+    if op == "flip":
+        for _ in range(draw(st.integers(1, 4))):
+            i = draw(st.integers(0, len(out) - 1))
+            out[i] ^= 1 << draw(st.integers(0, 7))
+        return bytes(out)
+    i = draw(st.integers(0, len(out)))
+    return bytes(out[:i] + draw(st.binary(min_size=1, max_size=24)) + out[i:])
+
+
+def _table_edit(data: bytes, draw) -> bytes:
+    """A table with a header field set to an edge value, or its bytes edited."""
+    import struct
+
+    if draw(st.booleans()):
+        return _byte_edit(data, draw)
+    fields = list(struct.unpack_from("<8sIIQQI", data))
+    i = draw(st.integers(1, 5))
+    fields[i] = draw(st.sampled_from([0, 1, 2, 3, 2**31, 2**32 - 1] + ([2**40, 2**63] if i in (3, 4) else [])))
+    return struct.pack("<8sIIQQI", *fields) + data[struct.calcsize("<8sIIQQI"):]
+
+
+def _vouch(manifest: bytes, table_rel: str, table: bytes) -> bytes:
+    """The manifest, saying the (edited) table is the one it committed."""
+    doc = orjson.loads(manifest)
+    rank = int(table_rel.rsplit("/r", 1)[1].split(".")[0])
+    doc["ranks"][rank][:2] = [checksum(table), len(table)]
+    return orjson.dumps(doc)
+
+
+def mutate(files: dict[str, bytes], draw) -> tuple[str, dict[str, bytes | None]]:
+    """(what was done, the files to change: new bytes or None to delete)."""
+    manifest_rel = next(k for k in files if k.endswith("manifest.json"))
+    tables = sorted(k for k in files if k.endswith(".table"))
+    datas = sorted(k for k in files if k.endswith(".data"))
+    kinds = ["json", "json", "json", "bytes", "data", "none"] + (["table", "table", "table"] if tables else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "json":
+        return kind, {manifest_rel: _json_edit(files[manifest_rel], draw)}
+    if kind == "bytes":
+        return kind, {manifest_rel: _byte_edit(files[manifest_rel], draw)}
+    if kind == "table":
+        rel = draw(st.sampled_from(tables))
+        table = _table_edit(files[rel], draw)
+        out: dict[str, bytes | None] = {rel: table}
+        if draw(st.integers(0, 4)):  # mostly vouched for: past the manifest's checksum
+            out[manifest_rel] = _vouch(files[manifest_rel], rel, table)
+        return kind, out
+    if kind == "data":
+        rel = draw(st.sampled_from(datas))
+        if draw(st.integers(0, 5)) == 0:
+            return "data-missing", {rel: None}
+        return kind, {rel: _byte_edit(files[rel], draw)}
+    return kind, {}
+
+
+# -- the run -----------------------------------------------------------------------------------
+def _cli(cmd: str, url: str, **options) -> int:
+    """``flexckpt CMD URL ...`` as ``cli.main`` runs it (its own errors: status 2), without
+    building the argument parser each time; anything else propagates."""
+    args = argparse.Namespace(url=url, step=None, all=False, tensors=True, layout=[], **options)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return getattr(cli, f"cmd_{cmd}")(args)
+        except CheckpointError:
+            return 2
+
+
+def run(folder: Path, cases: int) -> dict:
+    bases = make_bases(folder / "bases")
+    work = folder / "work"
+    for name, files in bases.items():
+        for rel, data in files.items():
+            (work / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (work / name / rel).write_bytes(data)
+    names = sorted(bases)
+    counts = {"cases": 0, "parsed": 0, "planned": 0, "loaded": 0, "load_errors": 0, "verified_ok": 0,
+              "verify_damaged": 0, "unmutated_exact": 0, "by_kind": {}}
+    # every reader below logs its failures: keep the output to the counts
+    import logging
+    logging.getLogger("flexckpt").setLevel(logging.CRITICAL)
+
+    def on_alarm(signum, frame):
+        raise CaseTimeout(f"a case ran past {CASE_SECONDS} s")
+
+    # the stall timeout runs each storage call on a helper thread; the per-case alarm bounds
+    # time here, so calls run directly (three times as many cases in the same minute)
+    storage_module.bounded = lambda stall_timeout, what, fn: fn()
+    signal.signal(signal.SIGALRM, on_alarm)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    used = _address_space()
+    resource.setrlimit(resource.RLIMIT_AS, (used + MEMORY_HEADROOM, hard))
+    counts["memory_cap_mib"] = (used + MEMORY_HEADROOM) >> 20
+
+    @settings(max_examples=cases, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def case(data):
+        draw = data.draw
+        name = draw(st.sampled_from(names))
+        root = work / name
+        kind, changes = mutate(bases[name], draw)
+        for rel, new in changes.items():
+            if new is None:
+                (root / rel).unlink(missing_ok=True)
+            else:
+                (root / rel).write_bytes(new)
+        world = draw(st.integers(1, 3))
+        rank = draw(st.integers(0, world - 1))
+        signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
+        try:
+            drive(root, name, kind, world, rank, counts)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for rel in changes:
+                (root / rel).write_bytes(bases[name][rel])
+        counts["cases"] += 1
+        counts["by_kind"][kind] = counts["by_kind"].get(kind, 0) + 1
+
+    case()
+    return counts
+
+
+def drive(root: Path, name: str, kind: str, world: int, rank: int, counts: dict) -> None:
+    storage = Storage(str(root))
+    try:
+        manifest = read_manifest(storage, STEP)
+    except CheckpointError:
+        manifest = None
+    if manifest is not None:
+        counts["parsed"] += 1
+        if _cli("plan", str(root), world=world) == 0:
+            counts["planned"] += 1
+    target = (_v1_target if name.startswith("v1") else _v2_target)(rank, world)
+    with Checkpointer(str(root), rank=rank, world_size=world, run_id="reader", read_threads=2) as ck:
+        try:
+            ck.load(target, step=STEP, strict=False)
+            counts["loaded"] += 1
+            if kind == "none" and name.startswith("v2"):
+                for n, t in target["t"].items():
+                    want = ShardedTensor.from_global(_global(n), t.layout, rank, world).local
+                    if not torch.equal(t.local, want):
+                        raise AssertionError(f"{name}: unmutated tensor {n} loads differently at world {world}")
+                counts["unmutated_exact"] += 1
+        except CheckpointError:
+            counts["load_errors"] += 1
+    rc = _cli("verify", str(root))
+    counts["verified_ok" if rc == 0 else "verify_damaged"] += 1
+    assert rc in (0, 1, 2), rc
+    if counts["cases"] % 4 == 0:
+        for cmd in ("steps", "inspect"):
+            assert _cli(cmd, str(root)) in (0, 1, 2)
+
+
+def _address_space() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    out = run(Path(sys.argv[1]), int(sys.argv[2]))
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(out), flush=True)
