@@ -12,9 +12,8 @@ import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer, LoadError, ManifestError, PerRank
 from flexckpt.checksum import checksum
-from flexckpt.chunktable import parse_table
 from flexckpt.commit import read_manifest
-from flexckpt.manifest import MANIFEST, step_dir, table_name
+from flexckpt.manifest import MANIFEST, step_dir, values_name
 from flexshard import Shard, ShardedTensor
 from flexshard.spawn import run_workers
 
@@ -53,20 +52,17 @@ def _edit_manifest(root, step, edit):
 
 
 def _damage_per_rank_value(root, step, rank):
-    """Rewrite rank ``rank``'s chunk table with a per-rank tensor whose bytes do not fill its
-    shape, and make the manifest vouch for the new table: only that rank can tell."""
+    """Rewrite rank ``rank``'s per-rank values file with a tensor whose bytes do not fill its
+    shape, and make the manifest vouch for the new file: only that rank can tell."""
     with Checkpointer(root, run_id="fix", rank=0, world_size=1) as ck:
         m = read_manifest(ck.storage, step)
-        rel = f"{step_dir(step)}/{table_name(m.attempt, rank)}"
-        old = m.files.table(rank)
+        rel = f"{step_dir(step)}/{values_name(m.attempt, rank)}"
     bad = orjson.dumps({"rng": {"$tensor": {"dtype": "float32", "shape": [4], "data": "AAAA"}}})
-    table = type(old)(old.rank, old.codec, old.attempt, old.stored_lengths, old.checksums, bad).to_bytes()
-    parse_table(table, "check", rank=rank, attempt=old.attempt, chunks=len(old.stored_lengths))
     with open(os.path.join(root, rel), "wb") as f:
-        f.write(table)
+        f.write(bad)
 
     def vouch(doc):
-        doc["ranks"][rank][:2] = [checksum(table), len(table)]
+        doc["ranks"][rank][3:5] = [checksum(bad), len(bad)]
 
     _edit_manifest(root, step, vouch)
 
