@@ -310,8 +310,8 @@ def _hsdp_save(rank: int, world: int, url: str) -> dict:
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     state = {n: distribute_tensor(_hsdp_tensor(n), mesh, [Replicate(), DShard(0)]) for n in HSDP}
-    counts = install_counters()
-    with Checkpointer(url, run_id="hsdp") as ck:
+    with Checkpointer(url, run_id="hsdp") as ck:  # construction may broadcast once (the session)
+        counts = install_counters()
         h = ck.save(1, state)
         h.wait_staged()
         h.result(timeout=60)
