@@ -96,3 +96,15 @@ def test_every_subcommand_describes_itself_and_its_arguments(cmd, capsys):
     assert not description.startswith(("positional arguments", "options")), out  # a sentence, not just the usage
     if "--step STEP" in out:
         assert "a committed step" in out or "--step, else" in out, out
+
+
+def test_bad_layout_sizes_and_compression_are_one_line_errors(tmp_path, capsys):
+    _save(tmp_path / "src")
+    for kind in ("hybrid:x", "block:abc", "bogus"):
+        with pytest.raises(SystemExit, match=f"unknown layout kind '{kind}': use replicate"):
+            main(["plan", str(tmp_path / "src"), "--world", "2", "--layout", f"model/*={kind}"])
+    with pytest.raises(SystemExit) as e:
+        main(["reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--world", "2", "--compression", "lz4"])
+    assert e.value.code == 2
+    assert "argument --compression: compression must be None, 'zstd' or 'zstd:LEVEL'" in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()

@@ -28,7 +28,7 @@ from typing import Any
 
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.checksum import checksum
-from flexckpt.codec import decompress_into
+from flexckpt.codec import Compression, decompress_into, parse_compression
 from flexckpt.convert_cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
@@ -164,19 +164,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _parse_kind(kind: str) -> Any:
-    if kind == "replicate":
-        return lambda name, world, owners: Replicate()
-    if kind == "shard":
-        return lambda name, world, owners: Shard(0)
-    if kind == "owned":
-        return lambda name, world, owners: Owned(owners[name])
-    if kind == "block" or kind.startswith("block:"):
-        size = int(kind.split(":")[1]) if ":" in kind else 32
-        return lambda name, world, owners: BlockShard(size)
-    if kind.startswith("hybrid:"):
-        parts = [int(p) for p in kind.split(":")[1:]]
-        return lambda name, world, owners: HybridShard(parts[0], parts[1] if len(parts) > 1 else None)
-    raise SystemExit(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or hybrid:GROUP[:BLOCK]")
+    try:
+        if kind == "replicate":
+            return lambda name, world, owners: Replicate()
+        if kind == "shard":
+            return lambda name, world, owners: Shard(0)
+        if kind == "owned":
+            return lambda name, world, owners: Owned(owners[name])
+        if kind == "block" or kind.startswith("block:"):
+            size = int(kind.split(":")[1]) if ":" in kind else 32
+            return lambda name, world, owners: BlockShard(size)
+        if kind.startswith("hybrid:"):
+            parts = [int(p) for p in kind.split(":")[1:]]
+            return lambda name, world, owners: HybridShard(parts[0], parts[1] if len(parts) > 1 else None)
+    except ValueError:  # a size that is not an integer
+        pass
+    raise SystemExit(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or hybrid:GROUP[:BLOCK] "
+                     "(SIZE, GROUP and BLOCK are integers)")
+
+
+def _compression(value: str) -> Compression:
+    try:
+        return parse_compression(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, Layout]:
@@ -324,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, required=True, help="the world size to write for")
     p.add_argument("--step", type=int, help="a committed step (default: the newest)")
     p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND", help=layout_help)
-    p.add_argument("--compression", default=None, help="none, zstd or zstd:LEVEL")
+    p.add_argument("--compression", default=None, type=_compression, help="none, zstd or zstd:LEVEL")
     p.set_defaults(fn=cmd_reshard)
     add_convert_parsers(sub)  # import-dcp, export-dcp, export-safetensors
     args = parser.parse_args(argv)
