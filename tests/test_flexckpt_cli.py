@@ -1,4 +1,5 @@
 """The command-line tool on a checkpoint saved by 2 ranks."""
+import pytest
 import torch
 
 from flexckpt import ByLane, Checkpointer
@@ -70,3 +71,40 @@ def test_reshard_rewrites_for_a_new_world_that_loads_without_resharding(tmp_path
                 assert torch.equal(target["model"][k].local, ShardedTensor.from_global(v, layouts[k], r, 3).local)
             # saved pieces now match the targets exactly: each rank reads only its own file
             assert ck.last_load_stats.bytes_read <= sum(target["model"][k].local.numel() * 4 for k in GLOBAL) + 4096
+
+
+def test_a_folder_without_checkpoints_is_an_error_that_points_at_a_run_folders_ckpt(tmp_path, capsys):
+    _save(tmp_path / "run" / "ckpt")  # where flextrain keeps a run's checkpoints
+    for cmd in (["steps"], ["inspect"], ["verify"], ["plan", "--world", "2"]):
+        assert main([cmd[0], str(tmp_path / "run"), *cmd[1:]]) == 2
+        assert capsys.readouterr().err == (f"flexckpt: no committed checkpoint under {tmp_path / 'run'}; it looks "
+                                           f"like a flextrain run folder: pass {tmp_path / 'run'}/ckpt\n")
+    assert main(["export-safetensors", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    assert f"pass {tmp_path / 'run'}/ckpt" in capsys.readouterr().err
+    assert main(["steps", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err == f"flexckpt: no committed checkpoint under {tmp_path / 'missing'}\n"
+
+
+@pytest.mark.parametrize("cmd", ["steps", "inspect", "verify", "plan", "reshard", "import-dcp", "export-dcp",
+                                 "export-safetensors"])
+def test_every_subcommand_describes_itself_and_its_arguments(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: flexckpt {cmd}")
+    description = out.split("\n\n")[1]
+    assert not description.startswith(("positional arguments", "options")), out  # a sentence, not just the usage
+    if "--step STEP" in out:
+        assert "a committed step" in out or "--step, else" in out, out
+
+
+def test_bad_layout_sizes_and_compression_are_one_line_errors(tmp_path, capsys):
+    _save(tmp_path / "src")
+    for kind in ("hybrid:x", "block:abc", "bogus"):
+        with pytest.raises(SystemExit, match=f"unknown layout kind '{kind}': use replicate"):
+            main(["plan", str(tmp_path / "src"), "--world", "2", "--layout", f"model/*={kind}"])
+    with pytest.raises(SystemExit) as e:
+        main(["reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--world", "2", "--compression", "lz4"])
+    assert e.value.code == 2
+    assert "argument --compression: compression must be None, 'zstd' or 'zstd:LEVEL'" in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()

@@ -127,3 +127,25 @@ def test_set_lr_reaches_the_update_and_plan_layouts_match_the_optimizer():
     opt.step()
     assert torch.equal(w.detach(), torch.full((4, 32), 1.0 * (1 - 0.0 * 0.1)))  # lr 0: no update, no decay
     assert torch.allclose(b.detach(), torch.full((32,), 1.0 * (1 - 0.5 * 0.01) - 0.5), atol=1e-6)  # Adam's first step: lr * sign
+
+
+def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    from flextrain.cli import main
+
+    assert main(["train", "--run-dir", str(tmp_path), "--resume", "--set", "steps=1"]) == 2
+    assert capsys.readouterr().err == (f"flextrain: --resume: no committed checkpoint under {tmp_path / 'ckpt'}; "
+                                       "drop --resume to start a new run there\n")
+
+
+def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--config .*nope.toml: cannot read it \(No such file or directory\)$"):
+        load_config("tiny", str(tmp_path / "nope.toml"))
+    (tmp_path / "bad.toml").write_text("steps = [\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: not valid TOML: Invalid value"):
+        load_config("tiny", str(tmp_path / "bad.toml"))
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"list.json: wants a table of sections and keys, got list$"):
+        load_config("tiny", str(tmp_path / "list.json"))
+    (tmp_path / "ok.toml").write_text("steps = 7\n[data]\nmax_length = 64\n")
+    cfg = load_config("tiny", str(tmp_path / "ok.toml"))
+    assert (cfg.steps, cfg.data.max_length) == (7, 64)

@@ -28,7 +28,7 @@ from typing import Any
 
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.checksum import checksum
-from flexckpt.codec import decompress_into
+from flexckpt.codec import Compression, decompress_into, parse_compression
 from flexckpt.convert_cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
@@ -45,10 +45,21 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def _no_checkpoint(storage: Storage) -> CheckpointError:
+    """"Nothing here", with a hint when URL is a flextrain run folder (its checkpoints are in ckpt/)."""
+    msg = f"no committed checkpoint under {storage.url}"
+    try:
+        if committed_steps(Storage(storage.url.rstrip("/") + "/ckpt")):
+            msg += f"; it looks like a flextrain run folder: pass {storage.url.rstrip('/')}/ckpt"
+    except (OSError, CheckpointError):
+        pass
+    return CheckpointError(msg)
+
+
 def _pick_step(storage: Storage, step: int | None) -> int:
     steps = committed_steps(storage)
     if not steps:
-        raise CheckpointError(f"no committed checkpoint under {storage.url}")
+        raise _no_checkpoint(storage)
     if step is None:
         return steps[-1]
     if step not in steps:
@@ -58,8 +69,11 @@ def _pick_step(storage: Storage, step: int | None) -> int:
 
 def cmd_steps(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
+    steps = committed_steps(storage)
+    if not steps:
+        raise _no_checkpoint(storage)
     bad = 0
-    for s in committed_steps(storage):
+    for s in steps:
         try:
             m = read_manifest(storage, s)
         except (OSError, CheckpointError) as e:  # one damaged step does not hide the others
@@ -174,19 +188,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _parse_kind(kind: str) -> Any:
-    if kind == "replicate":
-        return lambda name, world, owners: Replicate()
-    if kind == "shard":
-        return lambda name, world, owners: Shard(0)
-    if kind == "owned":
-        return lambda name, world, owners: Owned(owners[name])
-    if kind == "block" or kind.startswith("block:"):
-        size = int(kind.split(":")[1]) if ":" in kind else 32
-        return lambda name, world, owners: BlockShard(size)
-    if kind.startswith("hybrid:"):
-        parts = [int(p) for p in kind.split(":")[1:]]
-        return lambda name, world, owners: HybridShard(parts[0], parts[1] if len(parts) > 1 else None)
-    raise SystemExit(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or hybrid:GROUP[:BLOCK]")
+    try:
+        if kind == "replicate":
+            return lambda name, world, owners: Replicate()
+        if kind == "shard":
+            return lambda name, world, owners: Shard(0)
+        if kind == "owned":
+            return lambda name, world, owners: Owned(owners[name])
+        if kind == "block" or kind.startswith("block:"):
+            size = int(kind.split(":")[1]) if ":" in kind else 32
+            return lambda name, world, owners: BlockShard(size)
+        if kind.startswith("hybrid:"):
+            parts = [int(p) for p in kind.split(":")[1:]]
+            return lambda name, world, owners: HybridShard(parts[0], parts[1] if len(parts) > 1 else None)
+    except ValueError:  # a size that is not an integer
+        pass
+    raise SystemExit(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or hybrid:GROUP[:BLOCK] "
+                     "(SIZE, GROUP and BLOCK are integers)")
+
+
+def _compression(value: str) -> Compression:
+    try:
+        return parse_compression(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, Layout]:
@@ -300,33 +325,47 @@ def _get(state: dict, name: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("steps", help="list committed steps")
-    p.add_argument("url")
+    url_help = "checkpoint folder or URL (file://, s3://bucket/prefix); for a flextrain run, RUN_DIR/ckpt"
+    p = sub.add_parser("steps", help="list committed steps",
+                       description="One line per committed step: world size, bytes, tensors, time, run id. "
+                                   "Exit 2 when there is none.")
+    p.add_argument("url", help=url_help)
     p.set_defaults(fn=cmd_steps)
-    p = sub.add_parser("inspect", help="summarise a checkpoint")
-    p.add_argument("url")
-    p.add_argument("--step", type=int)
+    p = sub.add_parser("inspect", help="summarise a checkpoint",
+                       description="What one committed step holds: tensors, layouts, files, plain, per-lane "
+                                   "and per-rank values. Reads the manifest only.")
+    p.add_argument("url", help=url_help)
+    p.add_argument("--step", type=int, help="a committed step (default: the newest)")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.set_defaults(fn=cmd_inspect)
-    p = sub.add_parser("verify", help="read every chunk and check its checksum")
-    p.add_argument("url")
+    p = sub.add_parser("verify", help="read every chunk and check its checksum",
+                       description="Read every chunk of a step and check its xxh3-64 checksum; exit 1 if any "
+                                   "step is damaged, naming the file and byte range.")
+    p.add_argument("url", help=url_help)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--step", type=int)
+    g.add_argument("--step", type=int, help="a committed step (default: the newest)")
     g.add_argument("--all", action="store_true", help="every committed step")
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("plan", help="what each rank of another world size would read")
-    p.add_argument("url")
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--step", type=int)
-    p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND")
+    layout_help = ("glob PATTERN=KIND (repeatable): replicate, shard, owned, block[:SIZE], hybrid:GROUP[:BLOCK]; "
+                   "default: each tensor keeps its saved kind")
+    p = sub.add_parser("plan", help="what each rank of another world size would read",
+                       description="Per rank of a world of N: bytes held, bytes read, ranged requests and "
+                                   "files, when loading a committed step. Reads the manifest only.")
+    p.add_argument("url", help=url_help)
+    p.add_argument("--world", type=int, required=True, help="the world size to plan for")
+    p.add_argument("--step", type=int, help="a committed step (default: the newest)")
+    p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND", help=layout_help)
     p.set_defaults(fn=cmd_plan)
-    p = sub.add_parser("reshard", help="rewrite a checkpoint for another world size")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--step", type=int)
-    p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND")
-    p.add_argument("--compression", default=None, help="none, zstd or zstd:LEVEL")
+    p = sub.add_parser("reshard", help="rewrite a checkpoint for another world size",
+                       description="Write one committed step of SRC to DST as if saved by N ranks (one "
+                                   "process plays every rank), so a job of N ranks loads it without resharding (any "
+                                   "world size can load the original too). Per-rank values are dropped when N changes.")
+    p.add_argument("src", help=url_help)
+    p.add_argument("dst", help="where to write the new checkpoint")
+    p.add_argument("--world", type=int, required=True, help="the world size to write for")
+    p.add_argument("--step", type=int, help="a committed step (default: the newest)")
+    p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND", help=layout_help)
+    p.add_argument("--compression", default=None, type=_compression, help="none, zstd or zstd:LEVEL")
     p.set_defaults(fn=cmd_reshard)
     add_convert_parsers(sub)  # import-dcp, export-dcp, export-safetensors
     args = parser.parse_args(argv)

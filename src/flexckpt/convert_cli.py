@@ -60,9 +60,13 @@ def cmd_export_safetensors(args: argparse.Namespace) -> int:
 
 def _command(sub: Any, name: str, fn: Any, src: str, dst: str, help: str, description: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=description)
-    p.add_argument(src)
-    p.add_argument(dst)
-    p.add_argument("--step", type=int)
+    what = {"url": "flexckpt checkpoint folder or URL (file://, s3://bucket/prefix; for a flextrain run, RUN_DIR/ckpt)",
+            "dcp_dir": "torch.distributed.checkpoint folder", "out_dir": "output folder (new or empty)"}
+    p.add_argument(src, help=what[src])
+    p.add_argument(dst, help="where to write the checkpoint: a folder or URL (file://, s3://bucket/prefix)"
+                   if dst == "url" else what[dst])
+    p.add_argument("--step", type=int, help="the step number to write (default: see above)" if name == "import-dcp"
+                   else "a committed step (default: the newest)")
     p.add_argument("--budget-mib", type=int, default=DEFAULT_BUDGET >> 20, metavar="MIB",
                    help="tensors read together, in MiB (peak memory is about twice this or the largest tensor)")
     p.set_defaults(fn=_one_line_os_errors(fn))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -71,11 +72,14 @@ def read_dcp_metadata(dcp_dir: str) -> Any:
 
 def _dcp_call(what: str, fn: Callable[[], Any]) -> Any:
     """Run a DCP call; its failure (a ``CheckpointException`` wrapping each rank's error)
-    becomes one ``CheckpointError`` line naming the first underlying error."""
+    becomes one ``CheckpointError`` line naming the first underlying error. DCP's warning
+    that torch.distributed is not initialised is silenced: one process is what we ask for."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        return fn()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            return fn()
     except CheckpointException as e:
         first = next(iter(e.failures.values()), (e, None))[0]
         raise CheckpointError(f"{what} failed: {type(first).__name__}: {first}") from first

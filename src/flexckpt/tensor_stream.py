@@ -47,7 +47,10 @@ def open_source(url: str, step: int | None) -> tuple[Checkpointer, Contents]:
     ck = Checkpointer(url, rank=0, world_size=1, run_id="convert")
     try:
         if not ck.steps():
-            raise CheckpointError(f"no committed flexckpt checkpoint under {url}")
+            run_ckpt = url.rstrip("/") + "/ckpt"  # a flextrain run folder keeps its checkpoints there
+            with Checkpointer(run_ckpt, rank=0, world_size=1, run_id="convert") as probe:
+                hint = f"; for a flextrain run folder pass {run_ckpt}" if probe.steps() else ""
+            raise CheckpointError(f"no committed flexckpt checkpoint under {url}{hint}")
         return ck, ck.contents(step)
     except BaseException:
         ck.close()

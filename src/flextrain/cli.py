@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="a TOML or JSON file with the sections model, data, optim and top-level keys")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set data.global_batch=32 --set steps=200 (repeatable)")
-    p.add_argument("--run-dir", help="run folder (checkpoints, metrics.jsonl); same as --set run_dir=...")
+    p.add_argument("--run-dir", help="run folder (checkpoints in RUN_DIR/ckpt, metrics.jsonl; default "
+                   "runs/flextrain); same as --set run_dir=...")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
     g.add_argument("--fresh", action="store_true", help="ignore existing checkpoints (they are kept until retention)")
@@ -61,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="whether and how a run resumes on N ranks",
                        description="Per part of the state, what a resume on N ranks does, the bytes each rank reads "
                                    "and the memory it needs; exit 2 if N does not divide the lanes/global batch.")
-    p.add_argument("run_dir")
-    p.add_argument("--world", type=int, required=True)
+    p.add_argument("run_dir", help="the run folder given to flextrain train (its checkpoints are in RUN_DIR/ckpt)")
+    p.add_argument("--world", type=int, required=True, help="the number of ranks to resume on")
     p.add_argument("--step", type=int, help="a committed step (default: the newest)")
-    p.add_argument("--batches", type=int, default=0, help="SHA-256 digests of the next K global batches")
+    p.add_argument("--batches", type=int, default=0, metavar="K", help="SHA-256 digests of the next K global batches")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
     args = parser.parse_args(argv)

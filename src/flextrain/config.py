@@ -110,8 +110,8 @@ class TrainConfig:
         """Lanes and the global batch must split evenly over ``world`` ranks."""
         problems = world_problems(self.data.lanes, self.data.global_batch, self.data.micro_batch, world)
         if problems:
-            raise ConfigError(f"cannot run on {world} ranks: {problems}; sizes that work: "
-                              f"{working_sizes(self.data.lanes, self.data.global_batch, self.data.micro_batch)}")
+            raise ConfigError(f"cannot run on {world} ranks: {problems}; rank counts that work with these "
+                              f"settings: {working_sizes(self.data.lanes, self.data.global_batch, self.data.micro_batch)}")
 
 
 def world_problems(lanes: int, global_batch: int, micro_batch: int, world: int) -> str:
@@ -234,8 +234,16 @@ def load_config(preset: str = "tiny", path: str | None = None, sets: list[str] =
         raise ConfigError(f"--preset {preset!r} is not one of {sorted(PRESETS)}")
     cfg = from_dict(json.loads(json.dumps(PRESETS[preset])))
     if path:
-        text = Path(path).read_bytes()
-        values = tomllib.loads(text.decode()) if path.endswith(".toml") else json.loads(text)
+        try:
+            text = Path(path).read_bytes()
+            values = tomllib.loads(text.decode()) if path.endswith(".toml") else json.loads(text)
+        except OSError as e:
+            raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+        except (ValueError, UnicodeDecodeError) as e:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+            kind = "TOML" if path.endswith(".toml") else "JSON (name it .toml for TOML)"
+            raise ConfigError(f"--config {path}: not valid {kind}: {e}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"--config {path}: wants a table of sections and keys, got {type(values).__name__}")
         _merge(cfg, values, f"{path}: ")
     for s in sets:
         apply_set(cfg, s)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexckpt import ByLane, Checkpointer, LoadError
+from flexckpt import ByLane, Checkpointer
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from zephon_state import Pipeline, global_batch_digest
 
@@ -37,7 +37,8 @@ DEVICE = torch.device("cpu")  # the one place the device is chosen (ShardedOptim
 
 
 class ResumeRefused(RuntimeError):
-    """The checkpoint was written by a run whose numbers this configuration would change."""
+    """The checkpoint was written by a run whose numbers this configuration would change, or
+    ``--resume`` found no checkpoint to resume from."""
 
 
 def init_distributed() -> tuple[int, int]:
@@ -147,7 +148,8 @@ class Trainer:
             _, saved = saved_trainer_values(self.ckpt)  # plain values only: refuse a changed run before any read
             check_resumable(saved["config"], cfg)
         elif resume:
-            raise LoadError(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}")
+            raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}; "
+                                "drop --resume to start a new run there")
         self.timings["checkpoint_probe_s"] = time.perf_counter() - t
         t = time.perf_counter()
         if cfg.data.loader == "usual":
