@@ -22,6 +22,7 @@ from flexckpt.dtypes import dtype_from_name, dtype_name
 from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
 from flexckpt.manifest import Manifest, step_dir
 from flexckpt.readplan import Fetch, coalesce, plan_reads
+from flexckpt.stall import bounded
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.structure import Walk, decode_plain
 from flexshard import FlatRange
@@ -189,12 +190,21 @@ class PendingLoad:
             raise ManifestError(f"checkpoint step {self.manifest.step} has no per-rank values {missing} for rank {self.rank}")
         self._values = self._decode_values()
         fetches = coalesce(reads, FETCH_BYTES)
+        stall = self.storage.stall_timeout
+
+        def fetch_all(part: list[Fetch]) -> list[int]:
+            # one stall watch over a whole share of the reads (each read reports progress),
+            # not one per read: a watch hands its call to a helper thread, and a resharding
+            # load makes hundreds of small reads
+            return bounded(stall, f"reading {len(part)} ranges on {self.storage.url}", lambda: [fetch(f) for f in part])
+
         try:
             if threads > 1 and len(fetches) > 1:
-                with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flexckpt-read") as pool:
-                    whole = list(pool.map(fetch, fetches))
+                parts = [fetches[i::threads] for i in range(min(threads, len(fetches)))]
+                with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="flexckpt-read") as pool:
+                    whole = [n for done in pool.map(fetch_all, parts) for n in done]
             else:
-                whole = [fetch(f) for f in fetches]
+                whole = fetch_all(fetches)
         finally:
             for r in readers.values():
                 r.close()

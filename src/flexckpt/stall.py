@@ -7,9 +7,14 @@ progress came for the whole timeout, so a large upload that keeps moving is neve
 A given-up call cannot be interrupted (Python cannot stop a thread blocked in a socket
 or a system call): its helper thread is a daemon and is left to finish or fail alone;
 what it may still write belongs to a save that has already been reported failed.
+Helper threads are reused: starting a thread for every call cost about 0.1 ms a call,
+which doubled a resharding load of many small reads. A helper returns to the idle pool
+when its call ends and ends after ``IDLE_EXIT_S`` without one, so the pool holds at most as
+many threads as calls recently ran at once (plus those stuck in given-up calls).
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -37,8 +42,40 @@ class _Call:
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             self.error = e
         finally:
+            _current.call = None
             self.fn = None  # drop what the call held (buffers) as soon as it ends
             self.done.set()
+
+
+IDLE_EXIT_S = 2.0  # an idle helper thread ends after this long without a call
+_lock = threading.Lock()
+_idle: list["queue.SimpleQueue[_Call]"] = []  # inboxes of idle helper threads
+
+
+def _helper(inbox: "queue.SimpleQueue[_Call]") -> None:
+    while True:
+        try:
+            call = inbox.get(timeout=IDLE_EXIT_S)
+        except queue.Empty:
+            with _lock:
+                if any(q is inbox for q in _idle):  # nobody took it meanwhile: end
+                    _idle[:] = [q for q in _idle if q is not inbox]
+                    return
+            continue  # taken just now: its call is on the way
+        call.run()
+        del call
+        with _lock:
+            _idle.append(inbox)
+
+
+def _start(call: _Call) -> None:
+    """Hand ``call`` to an idle helper thread, or to a new one."""
+    with _lock:
+        inbox = _idle.pop() if _idle else None
+    if inbox is None:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_helper, args=(inbox,), name="flexckpt-storage-call", daemon=True).start()
+    inbox.put(call)
 
 
 def progress() -> None:
@@ -55,7 +92,7 @@ def bounded(stall_timeout: float | None, what: str, fn: Callable[[], T]) -> T:
     if stall_timeout is None or getattr(_current, "call", None) is not None:
         return fn()
     call = _Call(fn)
-    threading.Thread(target=call.run, name="flexckpt-storage-call", daemon=True).start()
+    _start(call)
     while not call.done.wait(max(0.0, call.last + stall_timeout - time.monotonic())):
         if time.monotonic() - call.last >= stall_timeout:
             raise StorageStalled(
