@@ -108,6 +108,7 @@ class WritePlan:
         self.replicated_writer: dict[int, int] = _balance_replicated(self.specs, world_size, rules)
         self.ranks = _Ranks(self)
         self._rank_plans: dict[int, RankPlan] = {}
+        self._rank_pieces: dict[int, tuple[list[Piece], int]] = {}
         self._geometry = _geometries(self.specs, world_size, rules)
 
     @property
@@ -126,6 +127,12 @@ class WritePlan:
     def rank_pieces(self, rank: int) -> tuple[list[Piece], int]:
         """Rank ``rank``'s pieces and its stream's length, without cutting chunks: O(tensors),
         whatever the sizes (a reader checks the length before it lets chunks be cut)."""
+        cached = self._rank_pieces.get(rank)
+        if cached is None:
+            cached = self._rank_pieces[rank] = self._make_rank_pieces(rank)
+        return cached
+
+    def _make_rank_pieces(self, rank: int) -> tuple[list[Piece], int]:
         pieces = []
         offset = 0
         for i, spec in enumerate(self.specs):

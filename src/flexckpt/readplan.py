@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from flexckpt.dtypes import itemsize
-from flexckpt.manifest import Manifest, SavedTensor, StoredChunk
+from flexckpt.manifest import FileEntry, Manifest, SavedTensor, StoredChunk
 from flexshard import FlatRange, covering
 
 
@@ -45,6 +45,7 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange]])
     each chunk once, in file order."""
     wanted: dict[tuple[str, int], list[Copy]] = {}
     offsets: dict[str, list[int]] = {}
+    entries: dict[str, FileEntry] = {}  # a version-2 manifest's entry lookup takes a lock
     for t, (saved, rng) in enumerate(targets):
         size = itemsize(saved.dtype)
         pieces = saved.pieces_in(rng)  # version 2: only the writers of rng, recomputed
@@ -54,8 +55,9 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange]])
             raw_start = piece.raw_offset + ov.source_offset * size
             raw_stop = raw_start + (ov.stop - ov.start) * size
             target_pos = ov.target_offset * size
-            entry = manifest.files[piece.file]
-            if piece.file not in offsets:
+            entry = entries.get(piece.file)
+            if entry is None:
+                entry = entries[piece.file] = manifest.files[piece.file]
                 offsets[piece.file] = [c.raw_offset for c in entry.chunks]
             for ci in _chunks_between(offsets[piece.file], raw_start, raw_stop):
                 c = entry.chunks[ci]
@@ -64,7 +66,7 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange]])
                     Copy(lo - c.raw_offset, hi - lo, t, target_pos + (lo - raw_start))
                 )
     return [
-        ChunkRead(file, manifest.files[file].chunks[ci], tuple(copies))
+        ChunkRead(file, entries[file].chunks[ci], tuple(copies))
         for (file, ci), copies in sorted(wanted.items())
     ]
 
