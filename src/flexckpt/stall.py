@@ -14,6 +14,7 @@ many threads as calls recently ran at once (plus those stuck in given-up calls).
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -66,6 +67,16 @@ def _helper(inbox: "queue.SimpleQueue[_Call]") -> None:
         del call
         with _lock:
             _idle.append(inbox)
+
+
+def _forget_helpers() -> None:
+    """In a forked child the parent's helper threads do not exist: start from none."""
+    global _lock
+    _lock = threading.Lock()
+    _idle.clear()
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
 
 
 def _start(call: _Call) -> None:
