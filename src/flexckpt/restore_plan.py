@@ -9,13 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from flexckpt import load as _load
 from flexckpt.dtypes import itemsize
+from flexckpt.load import FETCH_BYTES  # the load's largest coalesced request: the same fetches
 from flexckpt.manifest import Manifest
 from flexckpt.readplan import coalesce, plan_reads
 from flexshard import Layout
-
-FETCH_BYTES = getattr(_load, "FETCH_BYTES", 16 << 20)  # the load's largest coalesced request
 
 
 @dataclass(frozen=True)
