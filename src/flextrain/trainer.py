@@ -254,6 +254,7 @@ class Trainer:
         waits: list[float] = []
         t_start = time.perf_counter()
         stopped = False
+        last_save = self.resumed_from
         try:
             self._stop_if_signalled(agree=True)
             preempt.training = True
@@ -302,13 +303,15 @@ class Trainer:
                     raise TrainingDiverged(
                         f"step {self.step}: the loss is {loss_total / labels:.6g}"
                         + ("" if finite else " and the updated weights are not finite")
-                        + f"; stopped on every rank before this step's checkpoint (the newest is step "
-                        f"{self.ckpt.latest_step()}); lower optim.muon_lr / optim.adamw_lr or check the data")
+                        + "; stopped on every rank before this step's checkpoint ("
+                        + (f"the last one taken is step {last_save}" if last_save else "no checkpoint was taken")
+                        + "); lower optim.muon_lr / optim.adamw_lr or check the data")
                 row = {"step": self.step, "loss": loss_total / labels, "tokens": int(labels),
                        "lr": o.muon_lr * scale, "lr_adamw": o.adamw_lr * scale, "global_batch_sha256": digest,
                        "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "world": self.world,
                        "optim_s": opt_s}
                 if save:
+                    last_save = self.step
                     handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,
                                                                         self.pipeline.state_dict(), self._calibration))
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
