@@ -6,7 +6,8 @@ One step on D ranks: take this rank's microbatches; start one small all-reduce o
 losses; wait for the all-reduce; divide the gradients by the global label count (so the
 loss does not depend on D); reduce gradients to their owners; fence the checkpoint staged
 in the previous step; set the learning rate; optimizer step; gather the lane digests and
-loss sums (one small all-gather); log; maybe save (async) and evaluate.
+loss sums (one small all-gather; a loss or weights that are not finite stop every rank
+here, before the save); log; maybe save (async) and evaluate.
 """
 from __future__ import annotations
 
