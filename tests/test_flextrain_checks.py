@@ -189,5 +189,5 @@ def test_sigterm_during_start_up_stops_cleanly(tmp_path):
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert err == ("flextrain: SIGTERM received: during start-up: stopping before the first step\n"
-                   "flextrain: stopped by a signal during start-up, before step 1; nothing to save\n")
+                   "flextrain: stopped by a signal during start-up, before any step; nothing to save\n")
     assert not (run / "metrics.jsonl").exists()

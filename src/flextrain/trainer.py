@@ -214,10 +214,13 @@ class Trainer:
         elif self.world > 1:
             return
         if flag.item():
+            if not agree:  # in __init__: run() closes only a built trainer
+                for part in ("heldout", "pipeline", "ckpt"):
+                    if hasattr(self, part):
+                        getattr(self, part).close()
             resumed = getattr(self, "resumed_from", None)
-            kept = f" (the checkpoint of step {resumed} stays the newest)" if resumed else ""
-            raise StartupStopped(f"stopped by a signal during start-up, before step {(resumed or 0) + 1}; "
-                                 f"nothing to save{kept}")
+            kept = f" (step {resumed}, resumed from, stays the newest checkpoint)" if resumed else ""
+            raise StartupStopped(f"stopped by a signal during start-up, before any step; nothing to save{kept}")
 
     def _say(self, msg: str, all_ranks: bool = False) -> None:
         if all_ranks or self.rank == 0:
