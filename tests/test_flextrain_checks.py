@@ -113,6 +113,21 @@ def test_held_out_pipeline_of_six_lanes_on_two_ranks_yields_its_rows():
             assert rows == [1, 1, 1]  # 3 rows of the 6 lanes, one per forward pass
 
 
+def test_a_held_out_geometry_that_cannot_run_is_refused_before_step_1(tmp_path, capsys, monkeypatch):
+    """Start-up builds and checks the held-out pipeline too: with the old evaluation micro
+    batch (min(micro batch, rows): 2 for 3 rows) the run stops before its first step."""
+    import flextrain.data
+
+    monkeypatch.setattr(flextrain.data, "eval_micro_batch", lambda micro, lanes, world: min(micro, lanes // world))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=3", "--set", "data.global_batch=6",
+                 "--set", "data.micro_batch=2", "--set", "steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("flextrain: data: the local batch global_batch_size/size = 3/1 = 3 rows is not divisible by "
+                   "microbatch_size=2; use a microbatch size that divides 3 (e.g. 1)\n")
+    assert not (run / "metrics.jsonl").exists()
+
+
 def _count_training_calls(monkeypatch, nan_from_call: int | None = None) -> None:
     """Make the training loss (not evaluation's) NaN from its ``nan_from_call``-th call."""
     import flextrain.trainer as trainer

@@ -88,8 +88,7 @@ class TrainConfig:
             obj = self
             for h in heads:
                 obj = getattr(obj, h)
-            if hasattr(obj, name):  # pragma: no branch - every rule names a field
-                rule(path, getattr(obj, name))
+            rule(path, getattr(obj, name))
         m, d = self.model, self.data
         if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
             raise ConfigError(f"model.d_model={m.d_model} must split into model.n_heads={m.n_heads} heads of even size")
