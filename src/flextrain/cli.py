@@ -14,18 +14,30 @@ from flextrain.config import ConfigError, load_config
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from flextrain.trainer import ResumeRefused, run
-    from zephon_state import FingerprintMismatch
+    from flextrain.preempt import Preemption, StartupStopped
 
+    preempt = Preemption()  # first: a signal during the seconds of start-up stops the run cleanly
     try:
-        cfg = load_config(args.preset, args.config, args.set)
-        if args.run_dir:
-            cfg.run_dir = args.run_dir
-        resume = True if args.resume else (False if args.fresh else None)
-        run(cfg, resume=resume)
-    except (ConfigError, ResumeRefused, FingerprintMismatch) as e:
-        print(f"flextrain: {e}", file=sys.stderr)
-        return 2
+        from flextrain.trainer import ResumeRefused, TrainingDiverged, run
+        from zephon_state import FingerprintMismatch, ZephonError
+
+        try:
+            cfg = load_config(args.preset, args.config, args.set)
+            if args.run_dir:
+                cfg.run_dir = args.run_dir
+            resume = True if args.resume else (False if args.fresh else None)
+            run(cfg, resume=resume, preempt=preempt)
+        except StartupStopped as e:
+            print(f"flextrain: {e}", file=sys.stderr)
+            return 0  # as a stop in training: the run did what it was asked
+        except (ConfigError, ResumeRefused, FingerprintMismatch, TrainingDiverged) as e:
+            print(f"flextrain: {e}", file=sys.stderr)
+            return 2
+        except ZephonError as e:  # the data a run reads, found wrong while building its pipelines
+            print(f"flextrain: data: {e}", file=sys.stderr)
+            return 2
+    finally:
+        preempt.restore()
     return 0
 
 

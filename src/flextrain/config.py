@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,11 +82,14 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> "TrainConfig":
-        m, d, o = self.model, self.data, self.optim
-        _pos(self, "steps", "ckpt_every", "keep_last", "eval_every", "log_every")
-        _pos(m, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", prefix="model.")
-        _pos(d, "max_length", "shuffle_buffer", "lanes", "global_batch", "micro_batch", "workers", "eval_batches",
-             prefix="data.")
+        """Every field against its range or choices (``RULES``), then the rules between fields."""
+        for path, rule in RULES.items():
+            *heads, name = path.split(".")
+            obj = self
+            for h in heads:
+                obj = getattr(obj, h)
+            rule(path, getattr(obj, name))
+        m, d = self.model, self.data
         if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
             raise ConfigError(f"model.d_model={m.d_model} must split into model.n_heads={m.n_heads} heads of even size")
         if m.vocab_size != 50257 and d.tokenizer == "gpt2":
@@ -94,16 +98,6 @@ class TrainConfig:
             raise ConfigError(f"data.shares names {sorted(d.shares)}, data.sources {sorted(d.sources)}: name the same sources")
         if d.global_batch % d.lanes:
             raise ConfigError(f"data.global_batch={d.global_batch} must be a multiple of data.lanes={d.lanes}")
-        if not 0 < d.heldout_fraction < 1:
-            raise ConfigError(f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
-        if d.loader not in ("zephon", "usual"):
-            raise ConfigError(f"data.loader={d.loader!r} must be 'zephon' or 'usual'")
-        if o.decay not in ("cosine", "linear"):
-            raise ConfigError(f"optim.decay={o.decay!r} must be 'cosine' or 'linear'")
-        if o.placement not in ("owned", "fsdp"):
-            raise ConfigError(f"optim.placement={o.placement!r} must be 'owned' or 'fsdp'")
-        if o.compute_copy not in ("full", "mxfp8"):
-            raise ConfigError(f"optim.compute_copy={o.compute_copy!r} must be 'full' or 'mxfp8'")
         return self
 
     def check_world(self, world: int) -> None:
@@ -128,11 +122,108 @@ def working_sizes(lanes: int, global_batch: int, micro_batch: int = 1) -> list[i
     return [w for w in range(1, lanes + 1) if not world_problems(lanes, global_batch, micro_batch, w)]
 
 
-def _pos(obj: Any, *names: str, prefix: str = "") -> None:
-    for n in names:
-        v = getattr(obj, n)
-        if type(v) is not int or v < 1:
-            raise ConfigError(f"{prefix}{n}={v!r} must be a positive int")
+def eval_micro_batch(micro_batch: int, lanes: int, world: int) -> int:
+    """Rows per forward pass in evaluation: the largest divisor of the per-rank held-out rows
+    (one row per lane per batch, ``lanes / world``) not above ``micro_batch``, so every layout
+    that trains also evaluates (6 lanes on 2 ranks with micro batch 2: 3 rows, micro batch 1)."""
+    rows = lanes // world
+    return max(k for k in range(1, min(micro_batch, rows) + 1) if rows % k == 0)
+
+
+# ---- the range or choices of every field ------------------------------------------------------
+# A rule gets (dotted field name, value) and raises one line naming both and what is allowed.
+SEED_MAX = 2**63 - 1  # torch, numpy and zephon all take it
+
+
+def _fail(path: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"{path}={value!r} is not allowed: it must be {allowed}")
+
+
+def _int(lo: int, hi: int | None = None):
+    allowed = f"an int from {lo} to {hi}" if hi is not None else f"an int >= {lo}"
+
+    def rule(path: str, v: Any) -> None:
+        if type(v) is not int or v < lo or (hi is not None and v > hi):
+            _fail(path, v, allowed)
+    return rule
+
+
+def _is_number(v: Any) -> bool:
+    if type(v) is int:
+        return -1e308 < v < 1e308  # exact comparison; float(v) would overflow past that
+    return type(v) is float and math.isfinite(v)
+
+
+def _real(lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False):
+    """A finite number (an int is fine) in the interval from ``lo`` to ``hi``."""
+    if hi is None:
+        allowed = f"a finite number {'>' if lo_open else '>='} {lo:g}"
+    else:
+        allowed = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+    def rule(path: str, v: Any) -> None:
+        if not _is_number(v) or (v <= lo if lo_open else v < lo) or (
+                hi is not None and (v >= hi if hi_open else v > hi)):
+            _fail(path, v, allowed)
+    return rule
+
+
+def _one_of(*choices: str):
+    def rule(path: str, v: Any) -> None:
+        if v not in choices or type(v) is not str:
+            _fail(path, v, "one of " + ", ".join(repr(c) for c in choices))
+    return rule
+
+
+def _packing(path: str, v: Any) -> None:
+    from zephon_state.pack import ALGORITHMS  # here: the CLI reads the configuration before the heavy imports
+
+    _one_of(*ALGORITHMS)(path, v)
+
+
+def _text(path: str, v: Any) -> None:
+    if type(v) is not str or not v.strip():
+        _fail(path, v, "a non-empty string")
+
+
+def _sources(path: str, v: Any) -> None:
+    if not isinstance(v, dict) or not v:
+        _fail(path, v, "a table of source name = path (a file, a glob or a URL), at least one")
+    for name, p in v.items():
+        _text(f"{path}[{name!r}]", p)
+
+
+def _shares(path: str, v: Any) -> None:
+    if not isinstance(v, dict) or not v:
+        _fail(path, v, "a table of source name = share, one per source")
+    for name, share in v.items():
+        _real(0, lo_open=True)(f"{path}[{name!r}]", share)
+
+
+RULES: dict[str, Any] = {
+    "run_dir": _text,
+    "seed": _int(0, SEED_MAX),
+    "steps": _int(1), "ckpt_every": _int(1), "keep_last": _int(1), "eval_every": _int(1), "log_every": _int(1),
+    "model.vocab_size": _int(1), "model.d_model": _int(1), "model.n_layers": _int(1), "model.n_heads": _int(1),
+    "model.d_ff": _int(1),
+    "model.rope_base": _real(1, lo_open=True),  # the base of the rotary wavelengths; 0 makes them infinite
+    "model.init_std": _real(0, 10, lo_open=True),
+    "data.sources": _sources, "data.shares": _shares, "data.tokenizer": _text,
+    "data.max_length": _int(2),  # a row holds at least one input and its label
+    "data.packing": _packing,
+    "data.shuffle_buffer": _int(1), "data.lanes": _int(1), "data.global_batch": _int(1), "data.micro_batch": _int(1),
+    "data.workers": _int(1, 256),  # tokenizer threads
+    "data.heldout_fraction": _real(0, 0.5, lo_open=True),  # the held-out side is the smaller one
+    "data.eval_batches": _int(1),
+    "data.loader": _one_of("zephon", "usual"),
+    # bounded far above any useful value, below where the float32 update overflows (a traceback)
+    "optim.muon_lr": _real(0, 100), "optim.adamw_lr": _real(0, 100), "optim.weight_decay": _real(0, 100),
+    "optim.warmup_steps": _int(0),
+    "optim.decay": _one_of("cosine", "linear"),
+    "optim.min_lr_ratio": _real(0, 1),
+    "optim.placement": _one_of("owned", "fsdp"),
+    "optim.compute_copy": _one_of("full", "mxfp8"),
+}
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -201,9 +292,9 @@ def _parse_value(text: str, current: Any, key: str) -> Any:
         value = json.loads(text)
     except json.JSONDecodeError:
         raise ConfigError(f"--set {key}={text}: not a JSON value (quote strings inside dicts)") from None
-    if isinstance(current, bool) != isinstance(value, bool) or (isinstance(current, float) and isinstance(value, int)):
-        value = type(current)(value) if not isinstance(current, bool) else value
-    return value
+    if isinstance(current, float) and type(value) is int:  # --set optim.muon_lr=1 means 1.0
+        value = float(value) if abs(value) < 1e308 else value  # a huge int stays one: the range check names it
+    return value  # anything else as written (true stays a bool): validate() names a wrong type
 
 
 def apply_set(cfg: TrainConfig, assignment: str) -> None:

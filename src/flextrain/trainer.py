@@ -6,11 +6,13 @@ One step on D ranks: take this rank's microbatches; start one small all-reduce o
 losses; wait for the all-reduce; divide the gradients by the global label count (so the
 loss does not depend on D); reduce gradients to their owners; fence the checkpoint staged
 in the previous step; set the learning rate; optimizer step; gather the lane digests and
-loss sums (one small all-gather); log; maybe save (async) and evaluate.
+loss sums (one small all-gather; a loss or weights that are not finite stop every rank
+here, before the save); log; maybe save (async) and evaluate.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -27,9 +29,9 @@ from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from zephon_state import Pipeline, global_batch_digest
 
 from flextrain.config import TrainConfig, differences, fingerprint
-from flextrain.data import build_pipeline, heldout_pipeline
+from flextrain.data import build_pipeline, check_inputs, heldout_pipeline
 from flextrain.model import Transformer, token_loss_sum
-from flextrain.preempt import Preemption
+from flextrain.preempt import Preemption, StartupStopped
 from flextrain.schedule import lr_scale
 from flextrain.usual_loader import UsualLoader
 
@@ -39,6 +41,11 @@ DEVICE = torch.device("cpu")  # the one place the device is chosen (ShardedOptim
 class ResumeRefused(RuntimeError):
     """The checkpoint was written by a run whose numbers this configuration would change, or
     ``--resume`` found no checkpoint to resume from."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The step's loss or its updated weights are not finite: every rank stops at that step,
+    before its checkpoint."""
 
 
 def init_distributed() -> tuple[int, int]:
@@ -121,10 +128,14 @@ def p99(xs: list[float]) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool | None = None, quiet: bool = False) -> None:
+    def __init__(self, cfg: TrainConfig, *, resume: bool | None = None, quiet: bool = False,
+                 preempt: Preemption | None = None) -> None:
         self.cfg = cfg.validate()
+        check_inputs(cfg.data, cfg.model.vocab_size)
+        self.preempt = preempt  # installed by the CLI at start; train() installs one otherwise
         self.rank, self.world = init_distributed()
         cfg.check_world(self.world)
+        self._stop_if_signalled()
         self.quiet = quiet or self.rank != 0
         self.run_dir = Path(cfg.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,6 +152,7 @@ class Trainer:
         if cfg.optim.compute_copy == "mxfp8":
             self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
         self.timings["model_build_s"] = time.perf_counter() - t
+        self._stop_if_signalled()
         self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last)
         t = time.perf_counter()
         saved = None
@@ -160,8 +172,10 @@ class Trainer:
             self.pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
         self._calibration = self.pipeline.calibration() if isinstance(self.pipeline, Pipeline) else None
         self.heldout = heldout_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=self._calibration)
+        self.heldout.fingerprint()  # its split and batch geometry too: an evaluation cannot fail on them later
         self._heldout_start: dict | None = None
         self.timings["pipeline_build_s"] = time.perf_counter() - t
+        self._stop_if_signalled()
         self.step = 0
         self.resumed_from: int | None = None
         t = time.perf_counter()
@@ -190,6 +204,24 @@ class Trainer:
         self._say(f"flextrain: resumed step {got} on {self.world} ranks; rank {self.rank} read "
                   f"{record['bytes_read']} bytes", all_ranks=True)
 
+    def _stop_if_signalled(self, agree: bool = False) -> None:
+        """A signal during start-up stops the run before its first step. One rank stops on
+        its own flag at once; ranks stop only together, on ``agree`` (one all-reduce when
+        start-up ends), as a rank stopping alone would leave the others waiting."""
+        flag = torch.tensor([float(self.preempt is not None and self.preempt.requested)])
+        if agree and self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        elif self.world > 1:
+            return
+        if flag.item():
+            if not agree:  # in __init__: run() closes only a built trainer
+                for part in ("heldout", "pipeline", "ckpt"):
+                    if hasattr(self, part):
+                        getattr(self, part).close()
+            resumed = getattr(self, "resumed_from", None)
+            kept = f" (step {resumed}, resumed from, stays the newest checkpoint)" if resumed else ""
+            raise StartupStopped(f"stopped by a signal during start-up, before any step; nothing to save{kept}")
+
     def _say(self, msg: str, all_ranks: bool = False) -> None:
         if all_ranks or self.rank == 0:
             print(msg, file=sys.stderr, flush=True)
@@ -217,7 +249,7 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         cfg, o = self.cfg, self.cfg.optim
-        preempt = Preemption()
+        preempt = self.preempt = self.preempt or Preemption()
         bar = None
         if not self.quiet and sys.stderr.isatty():
             from tqdm import tqdm
@@ -226,7 +258,10 @@ class Trainer:
         waits: list[float] = []
         t_start = time.perf_counter()
         stopped = False
+        last_save = self.resumed_from
         try:
+            self._stop_if_signalled(agree=True)
+            preempt.training = True
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
                 flag = float(preempt.requested)
@@ -264,13 +299,23 @@ class Trainer:
                 opt_s += time.perf_counter() - t_opt
                 self.opt.zero_grad()
                 self.step += 1
-                digest, loss_total = self._gather_step(micro, loss_sum)
+                final = stop or self.step == cfg.steps
+                save = self.step % cfg.ckpt_every == 0 or final
+                weights_ok = not save or all(bool(torch.isfinite(e.master.local).all()) for e in self.opt.entries)
+                digest, loss_total, finite = self._gather_step(micro, loss_sum, weights_ok)
+                if not (finite and math.isfinite(loss_total)):  # every rank has the same values: all stop here
+                    raise TrainingDiverged(
+                        f"step {self.step}: the loss is {loss_total / labels:.6g}"
+                        + ("" if finite else " and the updated weights are not finite")
+                        + "; stopped on every rank before this step's checkpoint ("
+                        + (f"the last one taken is step {last_save}" if last_save else "no checkpoint was taken")
+                        + "); lower optim.muon_lr / optim.adamw_lr or check the data")
                 row = {"step": self.step, "loss": loss_total / labels, "tokens": int(labels),
                        "lr": o.muon_lr * scale, "lr_adamw": o.adamw_lr * scale, "global_batch_sha256": digest,
                        "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "world": self.world,
                        "optim_s": opt_s}
-                final = stop or self.step == cfg.steps
-                if self.step % cfg.ckpt_every == 0 or final:
+                if save:
+                    last_save = self.step
                     handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,
                                                                         self.pipeline.state_dict(), self._calibration))
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
@@ -294,9 +339,10 @@ class Trainer:
         (self.run_dir / f"summary-w{self.world}-r{self.rank}.json").write_text(json.dumps(summary))
         return summary
 
-    def _gather_step(self, micro: list, loss_sum: float) -> tuple[str, float]:
-        """One all-gather of this rank's step digests and loss sum: the global batch digest
-        and the global loss sum (added in rank order, the same on every rank)."""
+    def _gather_step(self, micro: list, loss_sum: float, weights_ok: bool = True) -> tuple[str, float, bool]:
+        """One all-gather of this rank's step digests, loss sum and whether its updated weights
+        are finite: the global batch digest, the global loss sum (added in rank order, the same
+        on every rank) and whether every rank's weights are finite."""
         if isinstance(self.pipeline, UsualLoader):
             mine, combine = UsualLoader.step_digests(micro), UsualLoader.combine
         else:
@@ -305,17 +351,20 @@ class Trainer:
                 lanes.update(b.lane_digests)
             mine, combine = [lanes[k] for k in sorted(lanes)], global_batch_digest
         if self.world == 1:
-            return combine(mine), loss_sum
-        payload = np.frombuffer(b"".join(mine) + np.float64(loss_sum).tobytes(), dtype=np.uint8).copy()
+            return combine(mine), loss_sum, weights_ok
+        tail = np.array([loss_sum, float(weights_ok)], dtype=np.float64).tobytes()
+        payload = np.frombuffer(b"".join(mine) + tail, dtype=np.uint8).copy()
         out = [torch.empty(len(payload), dtype=torch.uint8) for _ in range(self.world)]
         dist.all_gather(out, torch.from_numpy(payload))
         digests: list[bytes] = []
-        total = 0.0
+        total, ok = 0.0, True
         for t in out:  # ranks in order: lanes in lane order
             raw = t.numpy().tobytes()
-            digests += [raw[i: i + 32] for i in range(0, len(raw) - 8, 32)]
-            total += float(np.frombuffer(raw[-8:], dtype=np.float64)[0])
-        return combine(digests), total
+            digests += [raw[i: i + 32] for i in range(0, len(raw) - 16, 32)]
+            loss, rank_ok = np.frombuffer(raw[-16:], dtype=np.float64)
+            total += float(loss)
+            ok = ok and bool(rank_ok)
+        return combine(digests), total, ok
 
     def _log(self, row: dict, bar: Any) -> None:
         if self.quiet:
@@ -355,8 +404,8 @@ class Trainer:
         self.heldout.close()
 
 
-def run(cfg: TrainConfig, resume: bool | None = None) -> dict[str, Any]:
-    trainer = Trainer(cfg, resume=resume)
+def run(cfg: TrainConfig, resume: bool | None = None, preempt: Preemption | None = None) -> dict[str, Any]:
+    trainer = Trainer(cfg, resume=resume, preempt=preempt)
     try:
         return trainer.train()
     finally:

@@ -1,0 +1,208 @@
+"""flextrain refuses what it cannot run before step 1, in one line and exit 2: every
+configuration field against its range or choices, the files and tokenizer it reads, and the
+held-out pipeline's batch geometry; a non-finite loss or weights stop every rank before that
+step's checkpoint (exit 2); a signal during start-up stops cleanly (exit 0)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexckpt import Checkpointer
+from flextrain.cli import main
+from flextrain.config import RULES, ConfigError, TrainConfig, eval_micro_batch, load_config
+from flextrain.launch import metrics
+
+SHRINK = ["--set", "data.max_length=64", "--set", "model.d_model=64", "--set", "model.d_ff=128",
+          "--set", "optim.warmup_steps=2"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def _leaf_fields(obj, prefix: str = ""):
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaf_fields(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def test_every_config_field_has_a_range_or_choices():
+    fields = list(_leaf_fields(TrainConfig()))
+    missing = [f for f in fields if f not in RULES]
+    assert not missing, f"fields without a rule in flextrain.config.RULES (add their range or choices): {missing}"
+    assert sorted(RULES) == sorted(fields)
+    for path in fields:  # a value of the wrong type is refused naming the field, whatever the field
+        *heads, name = path.split(".")
+        cfg = TrainConfig()
+        obj = cfg
+        for h in heads:
+            obj = getattr(obj, h)
+        setattr(obj, name, None)
+        with pytest.raises(ConfigError, match=rf"^{path.replace('.', '[.]')}=None is not allowed: it must be "):
+            cfg.validate()
+
+
+# (--set value, the field and value the message names, what it says is allowed)
+BAD_VALUES = [
+    ("optim.adamw_lr=NaN", "optim.adamw_lr=nan", "a number in [0, 100]"),
+    ("optim.adamw_lr=Infinity", "optim.adamw_lr=inf", "a number in [0, 100]"),
+    ("optim.muon_lr=-0.01", "optim.muon_lr=-0.01", "a number in [0, 100]"),
+    ("optim.muon_lr=NaN", "optim.muon_lr=nan", "a number in [0, 100]"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1", "a number in [0, 100]"),
+    ("optim.warmup_steps=-3", "optim.warmup_steps=-3", "an int >= 0"),
+    ("optim.min_lr_ratio=5", "optim.min_lr_ratio=5.0", "a number in [0, 1]"),
+    ("optim.decay=step", "optim.decay='step'", "one of 'cosine', 'linear'"),
+    ("model.rope_base=0", "model.rope_base=0.0", "a finite number > 1"),
+    ("model.init_std=-1", "model.init_std=-1.0", "a number in (0, 10]"),
+    ("seed=-1", "seed=-1", "an int from 0 to 9223372036854775807"),
+    ("seed=1.5", "seed=1.5", "an int from 0 to 9223372036854775807"),
+    ("seed=100000000000000000000000", "seed=100000000000000000000000", "an int from 0 to 9223372036854775807"),
+    ("seed=true", "seed=True", "an int from 0"),
+    ("steps=0", "steps=0", "an int >= 1"),
+    ("data.packing=bogus", "data.packing='bogus'", "one of 'wrap', 'best_fit'"),
+    ("data.tokenizer=./no-such-tokenizer.json", "data.tokenizer='./no-such-tokenizer.json'",
+     "pass tokenizer_id='gpt2' or the path of a tokenizer.json"),
+    ('data.shares={"prose": 0, "code": 1}', "data.shares['prose']=0", "a finite number > 0"),
+    ('data.shares={"prose": 0.7, "code": -0.3}', "data.shares['code']=-0.3", "a finite number > 0"),
+    ('data.sources={"prose": "/no/such/kjv.jsonl.zst", "code": "/no/such/py.jsonl.zst"}',
+     "data.sources['prose']='/no/such/kjv.jsonl.zst'", "no such file; give an existing file"),
+    ("data.heldout_fraction=0.999999", "data.heldout_fraction=0.999999", "a number in (0, 0.5]"),
+    ("data.heldout_fraction=0", "data.heldout_fraction=0.0", "a number in (0, 0.5]"),
+    ("data.loader=fast", "data.loader='fast'", "one of 'zephon', 'usual'"),
+    ("data.workers=100000", "data.workers=100000", "an int from 1 to 256"),
+]
+
+
+@pytest.mark.parametrize("assignment,named,allowed", BAD_VALUES, ids=[b[0][:40] for b in BAD_VALUES])
+def test_a_bad_value_is_one_line_naming_field_value_and_range(tmp_path, capsys, assignment, named, allowed):
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "--set", assignment]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flextrain: {named} is not allowed: ") and err.count("\n") == 1, err
+    assert allowed in err, err
+    assert not (tmp_path / "run" / "ckpt").exists()  # refused before anything was built
+
+
+def test_evaluation_micro_batch_divides_the_held_out_rows():
+    assert eval_micro_batch(2, lanes=6, world=2) == 1  # 3 rows per rank: the layout of the issue
+    assert eval_micro_batch(2, lanes=8, world=2) == 2  # 4 rows: as before
+    assert eval_micro_batch(4, lanes=12, world=2) == 3  # 6 rows: the largest divisor up to 4
+    assert eval_micro_batch(8, lanes=8, world=4) == 2  # fewer rows than the micro batch: all of them
+    assert eval_micro_batch(5, lanes=7, world=1) == 1  # 7 rows, prime
+
+
+def test_held_out_pipeline_of_six_lanes_on_two_ranks_yields_its_rows():
+    from flextrain.data import heldout_pipeline
+
+    cfg = load_config(sets=["data.lanes=6", "data.global_batch=12", "data.micro_batch=2", "data.max_length=64"])
+    cfg.check_world(2)  # training: 6 rows per rank, micro batch 2
+    for rank in (0, 1):
+        with heldout_pipeline(cfg.data, cfg.seed, rank, 2, calibration={"prose": 0.3, "code": 0.3}) as p:
+            p.fingerprint()  # what start-up checks
+            rows = []
+            while not rows or not b.last_in_step:
+                b = next(p)
+                rows.append(b.input_ids.shape[0])
+            assert rows == [1, 1, 1]  # 3 rows of the 6 lanes, one per forward pass
+
+
+def test_a_held_out_geometry_that_cannot_run_is_refused_before_step_1(tmp_path, capsys, monkeypatch):
+    """Start-up builds and checks the held-out pipeline too: with the old evaluation micro
+    batch (min(micro batch, rows): 2 for 3 rows) the run stops before its first step."""
+    import flextrain.data
+
+    monkeypatch.setattr(flextrain.data, "eval_micro_batch", lambda micro, lanes, world: min(micro, lanes // world))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=3", "--set", "data.global_batch=6",
+                 "--set", "data.micro_batch=2", "--set", "steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("flextrain: data: the local batch global_batch_size/size = 3/1 = 3 rows is not divisible by "
+                   "microbatch_size=2; use a microbatch size that divides 3 (e.g. 1)\n")
+    assert not (run / "metrics.jsonl").exists()
+
+
+def _count_training_calls(monkeypatch, nan_from_call: int | None = None) -> None:
+    """Make the training loss (not evaluation's) NaN from its ``nan_from_call``-th call."""
+    import flextrain.trainer as trainer
+
+    real, calls = trainer.token_loss_sum, [0]
+
+    def loss_sum(model, batch):
+        loss, n = real(model, batch)
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            if nan_from_call is not None and calls[0] >= nan_from_call:
+                loss = loss * float("nan")
+        return loss, n
+
+    monkeypatch.setattr(trainer, "token_loss_sum", loss_sum)
+
+
+def test_odd_held_out_rows_evaluate_and_a_nan_loss_stops_before_its_checkpoint(tmp_path, capsys, monkeypatch):
+    """1 rank, 3 lanes, global batch 6, micro batch 2: the held-out batch has 3 rows, which
+    micro batch 2 does not divide (the issue's crash at the first evaluation); step 2
+    evaluates and is checkpointed. Step 3's loss is NaN (3 microbatches a step: from the 7th
+    call): the run stops at step 3 with exit 2 and logs and checkpoints nothing of it."""
+    _count_training_calls(monkeypatch, nan_from_call=7)
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=3", "--set", "data.global_batch=6",
+                 "--set", "data.micro_batch=2", "--set", "data.eval_batches=1", "--set", "steps=4",
+                 "--set", "ckpt_every=2", "--set", "eval_every=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("flextrain: step 3: the loss is nan; stopped on every rank before this step's checkpoint "
+                        "(the last one taken is step 2); lower optim.muon_lr / optim.adamw_lr or check the data\n")
+    rows = metrics(run)
+    assert sorted(rows) == [1, 2] and 0 < rows[2]["eval_loss"] < 20
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps() == [2]
+
+
+def test_non_finite_weights_stop_before_their_checkpoint(tmp_path, capsys, monkeypatch):
+    """A step's loss is computed before its update: weights the update made infinite are
+    caught on the save step itself."""
+    from flexshard import ShardedOptimizer
+
+    real_step = ShardedOptimizer.step
+
+    def step(self):
+        real_step(self)
+        self.entries[0].master.local.fill_(float("inf"))
+
+    monkeypatch.setattr(ShardedOptimizer, "step", step)
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=3", "--set", "data.global_batch=3", "--set", "data.micro_batch=3",
+                 "--set", "steps=2", "--set", "ckpt_every=1"]) == 2
+    err = capsys.readouterr().err
+    assert "flextrain: step 1: the loss is " in err
+    assert err.endswith(" and the updated weights are not finite; stopped on every rank before this step's "
+                        "checkpoint (no checkpoint was taken); lower optim.muon_lr / optim.adamw_lr or check the "
+                        "data\n")
+    assert not (run / "metrics.jsonl").exists()
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps() == []
+
+
+def test_sigterm_during_start_up_stops_cleanly(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flextrain", "train", "--run-dir", str(run), *SHRINK, "--set", "steps=1000"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "rank0.pid").exists():  # written by the trainer's start-up, before the data is built
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)[1][-3000:]
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert err == ("flextrain: SIGTERM received: during start-up: stopping before the first step\n"
+                   "flextrain: stopped by a signal during start-up, before any step; nothing to save\n")
+    assert not (run / "metrics.jsonl").exists()
