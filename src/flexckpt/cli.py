@@ -29,7 +29,7 @@ from typing import Any
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.checksum import checksum
 from flexckpt.codec import Compression, decompress_into, parse_compression
-from flexckpt.convert_cli import add_parsers as add_convert_parsers
+from flexckpt.convert.cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError

@@ -5,8 +5,8 @@ import argparse
 import sys
 from typing import Any
 
+from flexckpt.convert.tensor_stream import DEFAULT_BUDGET
 from flexckpt.errors import CheckpointError
-from flexckpt.tensor_stream import DEFAULT_BUDGET
 
 TRUST = ("DCP's .metadata is a Python pickle and its non-tensor values are torch.load-ed with "
          "weights_only=False: import only checkpoints you trust. (flexckpt's own load path never unpickles.)")
@@ -28,7 +28,7 @@ def _mib(n: float) -> str:
 
 
 def cmd_import_dcp(args: argparse.Namespace) -> int:
-    from flexckpt.convert_dcp import import_dcp
+    from flexckpt.convert.dcp import import_dcp
 
     r = import_dcp(args.dcp_dir, args.url, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
     print(f"imported {r.tensors} tensors ({_mib(r.nbytes)}) from {args.dcp_dir} as step {r.step} "
@@ -39,7 +39,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_export_dcp(args: argparse.Namespace) -> int:
-    from flexckpt.convert_dcp import export_dcp
+    from flexckpt.convert.dcp import export_dcp
 
     r = export_dcp(args.url, args.dcp_dir, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
     print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) to {args.dcp_dir}")
@@ -49,7 +49,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_export_safetensors(args: argparse.Namespace) -> int:
-    from flexckpt.safetensors_out import export_safetensors
+    from flexckpt.convert.safetensors_out import export_safetensors
 
     r = export_safetensors(args.url, args.out_dir, args.step, select=args.select, strip_prefix=args.strip_prefix,
                            dtype=args.dtype, max_shard_size=args.max_shard_size, budget=args.budget_mib << 20,
