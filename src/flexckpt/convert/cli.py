@@ -10,6 +10,9 @@ from flexckpt.errors import CheckpointError
 
 TRUST = ("DCP's .metadata is a Python pickle and its non-tensor values are torch.load-ed with "
          "weights_only=False: import only checkpoints you trust. (flexckpt's own load path never unpickles.)")
+NO_CHECKSUMS = ("DCP stores no checksums: a damaged byte in a DCP data file imports without an error, and the "
+                "imported checkpoint's checksums then vouch for the damaged bytes. Check the source (for example "
+                "against file hashes taken when it was written) before importing.")
 
 
 def _one_line_os_errors(fn: Any) -> Any:
@@ -78,7 +81,7 @@ def add_parsers(sub: Any) -> None:
              help="a torch.distributed.checkpoint folder as a flexckpt checkpoint",
              description="Write a checkpoint saved by torch.distributed.checkpoint.save (any world size, FSDP2 or "
              "plain) as one flexckpt step that loads at any world size. The step is --step, else a top-level plain "
-             "'step' value of the checkpoint, else 0. " + TRUST)
+             "'step' value of the checkpoint, else 0. " + TRUST + " " + NO_CHECKSUMS)
     _command(sub, "export-dcp", cmd_export_dcp, "url", "dcp_dir",
              help="a flexckpt checkpoint as a torch.distributed.checkpoint folder",
              description="Write one committed step (the newest unless --step) as a DCP checkpoint that "
