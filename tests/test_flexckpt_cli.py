@@ -1,4 +1,6 @@
 """The command-line tool on a checkpoint saved by 2 ranks."""
+import os
+
 import pytest
 import torch
 
@@ -186,3 +188,76 @@ def test_bad_arguments_to_every_subcommand_are_one_line_naming_the_value_and_exi
     captured = capsys.readouterr()
     assert rc == 2 and captured.err.count("\n") == 1 and want.format(**where) in captured.err, captured.err
     assert captured.out == "" and not (tmp_path / "new").exists() and not (tmp_path / "newx").exists()
+
+
+@pytest.fixture(scope="module")
+def dcp_folder(tmp_path_factory):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path_factory.mktemp("dcp")
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"w": torch.arange(256.0).reshape(16, 16), "b": torch.ones(16)}, "step": 7},
+                 checkpoint_id=str(path))
+    return path
+
+
+def _refuse_writes_under(monkeypatch, folder):
+    """What a read-only folder does to a writer that is not root: its folders cannot be made."""
+    import errno
+
+    from flexckpt.storage import Storage
+
+    real = Storage.makedirs
+
+    def makedirs(self, rel):
+        if self.path(rel).startswith(str(folder)):
+            raise PermissionError(errno.EACCES, "Permission denied", self.path(rel))
+        return real(self, rel)
+
+    monkeypatch.setattr(Storage, "makedirs", makedirs)
+
+
+@pytest.mark.parametrize("dest", ["under a file", "refusing writes", "read-only folder"])
+@pytest.mark.parametrize("cmd", ["reshard", "import-dcp"])
+def test_an_unwritable_destination_is_one_line_with_no_logged_tracebacks(cmd, dest, saved, dcp_folder, tmp_path,
+                                                                         monkeypatch, capsys, caplog):
+    import logging
+
+    if dest == "read-only folder" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders (the 'refusing writes' case stands in)")
+    dst = saved / "a-file" / "dst" if dest == "under a file" else tmp_path / "dst"
+    if dest == "refusing writes":
+        _refuse_writes_under(monkeypatch, dst)
+    if dest == "read-only folder":
+        dst.mkdir()
+        dst.chmod(0o555)
+    logger = logging.getLogger("flexckpt")
+    handlers = list(logger.handlers)
+    argv = ["reshard", str(saved / "src"), str(dst), "--world", "2"] if cmd == "reshard" else \
+        ["import-dcp", str(dcp_folder), str(dst), "--budget-mib", "0"]  # 0: a save per tensor, as many failures
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flexckpt: ") and str(dst) in err, err
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("flexckpt")] == []  # none went on to be printed
+    assert logger.handlers == handlers and logger.propagate  # a library user's logging is as it was
+
+
+def test_import_dcp_into_a_path_under_a_file_prints_one_line_in_a_real_process(saved, dcp_folder):
+    import subprocess
+    import sys
+
+    dst = saved / "a-file" / "imported"
+    proc = subprocess.run([sys.executable, "-m", "flexckpt.cli", "import-dcp", str(dcp_folder), str(dst)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"flexckpt: save of step 7 failed: [Errno 20] Not a directory: '{dst}'\n", proc.stderr
+
+
+def test_import_dcp_help_says_dcp_has_no_checksums(capsys):
+    with pytest.raises(SystemExit):
+        main(["import-dcp", "--help"])
+    assert "DCP stores no checksums: a damaged byte in a DCP data file imports without an error" in \
+        " ".join(capsys.readouterr().out.split())
