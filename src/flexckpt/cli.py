@@ -208,8 +208,8 @@ def _parse_kind(kind: str) -> Any:
             return lambda name, world, owners: HybridShard(parts[0], parts[1] if len(parts) > 1 else None)
     except ValueError:  # a size that is not an integer
         pass
-    raise CheckpointError(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or hybrid:GROUP[:BLOCK] "
-                     "(SIZE, GROUP and BLOCK are integers)")
+    raise CheckpointError(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or "
+                          "hybrid:GROUP[:BLOCK] (SIZE, GROUP and BLOCK are integers)")
 
 
 def _compression(value: str) -> Compression:
@@ -393,7 +393,7 @@ class _HeldErrors(logging.Handler):
     """The library logs each failure with its traceback (a training job carries on after a
     failed save); a command reports its own failure in one line instead. So while a command
     runs, the library's warnings print in one line each and its errors are held: shown, one
-    line each, only if the command succeeds all the same."""
+    line each, only if the command succeeds all the same (or fails in a way of its own)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -405,6 +405,10 @@ class _HeldErrors(logging.Handler):
         if record.levelno >= logging.ERROR:
             self.held.append(msg)
         else:
+            print(msg, file=sys.stderr)
+
+    def show(self) -> None:
+        for msg in self.held:
             print(msg, file=sys.stderr)
 
 
@@ -478,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:  # a folder that cannot be read or written: like bad input
             print(f"flexckpt: {args.cmd}: {e}", file=sys.stderr)
             return 2
-    for msg in log.held:
-        print(msg, file=sys.stderr)
+        except BaseException:  # not the library's own error: what it logged may explain it
+            log.show()
+            raise
+    log.show()
     return rc
 
 
