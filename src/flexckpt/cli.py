@@ -36,7 +36,7 @@ from flexckpt.convert.cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError
-from flexckpt.manifest import Manifest, step_dir
+from flexckpt.manifest import MAX_WORLD, Manifest, step_dir
 from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
 from flexckpt.structure import decode_plain
@@ -357,8 +357,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _check_arguments(args: argparse.Namespace) -> None:
     """Values argparse's types let through, refused before anything is read or written."""
-    if getattr(args, "world", None) is not None and args.world < 1:
-        raise CheckpointError(f"--world must be >= 1, got {args.world}")
+    if getattr(args, "world", None) is not None and not 1 <= args.world <= MAX_WORLD:
+        raise CheckpointError(f"--world must be in [1, {MAX_WORLD}] (what a checkpoint can record), got {args.world}")
     if getattr(args, "step", None) is not None:
         try:
             step_dir(args.step)
