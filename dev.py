@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     if task == "demo":
         cmd = [py, "-m", "flextrain.demo", *rest]
     elif task == "demo-checkpoint":
-        cmd = [py, "-m", "flexckpt.demo", *rest]
+        cmd = [py, str(ROOT / "demos" / "checkpoint_demo.py"), *rest]
     elif task == "test":
         cmd = [py, "-m", "pytest", *rest]
     elif task == "bench":

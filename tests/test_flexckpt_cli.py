@@ -1,4 +1,6 @@
 """The command-line tool on a checkpoint saved by 2 ranks."""
+import os
+
 import pytest
 import torch
 
@@ -100,11 +102,178 @@ def test_every_subcommand_describes_itself_and_its_arguments(cmd, capsys):
 
 def test_bad_layout_sizes_and_compression_are_one_line_errors(tmp_path, capsys):
     _save(tmp_path / "src")
-    for kind in ("hybrid:x", "block:abc", "bogus"):
-        with pytest.raises(SystemExit, match=f"unknown layout kind '{kind}': use replicate"):
-            main(["plan", str(tmp_path / "src"), "--world", "2", "--layout", f"model/*={kind}"])
+    for kind in ("hybrid:x", "block:abc", "bogus", "hybrid:2:3:4"):
+        assert main(["plan", str(tmp_path / "src"), "--world", "2", "--layout", f"model/*={kind}"]) == 2
+        assert capsys.readouterr().err.startswith(f"flexckpt: unknown layout kind '{kind}': use replicate")
     with pytest.raises(SystemExit) as e:
         main(["reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--world", "2", "--compression", "lz4"])
     assert e.value.code == 2
-    assert "argument --compression: compression must be None, 'zstd' or 'zstd:LEVEL'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --compression: compression must be None, 'zstd' or 'zstd:LEVEL'" in err and err.count("\n") == 1
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("ckpt_kept_in", ["run/ckpt", "elsewhere"])
+def test_verify_all_of_a_folder_without_checkpoints_is_an_error_like_verify(ckpt_kept_in, tmp_path, capsys):
+    _save(tmp_path / ckpt_kept_in)
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    hint = f"; it looks like a flextrain run folder: pass {run}/ckpt" if ckpt_kept_in == "run/ckpt" else ""
+    for argv in (["verify", str(run), "--all"], ["verify", str(run)], ["steps", str(run)]):
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", f"flexckpt: no committed checkpoint under {run}{hint}\n"), argv
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    _save(root / "src")
+    (root / "a-file").write_text("not a checkpoint")
+    return root
+
+
+# {src}: a committed checkpoint; {file}: a plain file; {new}: a path that does not exist yet
+BAD_ARGUMENTS = [
+    (["steps", ""], "the checkpoint location is empty"),
+    (["steps", "foo://bar"], "'foo://bar' as a checkpoint location: Protocol not known: foo"),
+    (["steps", "{file}"], "{file} is a file, not a checkpoint folder"),
+    (["inspect", "{file}"], "{file} is a file, not a checkpoint folder"),
+    (["verify", "{file}", "--all"], "{file} is a file, not a checkpoint folder"),
+    (["steps", "{file}/ckpt"], "Not a directory: '{file}/ckpt'"),
+    (["inspect", "{src}", "--step", "-1"], "--step -1: step must be an int in [0, 10**12)"),
+    (["plan", "{file}", "--world", "2"], "{file} is a file, not a checkpoint folder"),
+    (["plan", "{src}", "--world", "0"], "--world must be in [1, 1048576] (what a checkpoint can record), got 0"),
+    (["reshard", "{src}", "{new}", "--world", str(10**20)],
+     f"--world must be in [1, 1048576] (what a checkpoint can record), got {10**20}"),
+    (["plan", "{src}", "--world", "x"], "argument --world: invalid int value: 'x'"),
+    (["plan", "{src}", "--world", "3", "--layout", "model/*=hybrid:2"],
+     "cannot lay step 5's tensors out on 3 ranks: HybridShard(group_size=2) needs a world size divisible"),
+    (["plan", "{src}", "--world", "2", "--layout", "model/*=bogus"], "unknown layout kind 'bogus'"),
+    (["plan", "{src}", "--world", "2", "--layout", "noequals"], "--layout wants PATTERN=KIND, got 'noequals'"),
+    (["plan", "{src}", "--world", "2", "--layout", "modle/*=shard"], "--layout 'modle/*=shard' matches no tensor of step 5"),
+    (["reshard", "{src}", "{new}", "--world", "3", "--layout", "model/*=hybrid:2"],
+     "cannot lay step 5's tensors out on 3 ranks: HybridShard(group_size=2) needs a world size divisible"),
+    (["reshard", "{src}", "{new}", "--world", "2", "--layout", "model/*=block:0"],
+     "BlockShard(block_size=...) needs an int >= 1, got 0"),
+    (["reshard", "{src}", "{new}", "--world", "2", "--layout", "model/*=bogus"], "unknown layout kind 'bogus'"),
+    (["reshard", "{src}", "{new}", "--world", "2", "--layout", "noequals"], "--layout wants PATTERN=KIND, got 'noequals'"),
+    (["reshard", "{src}", "", "--world", "2"], "the checkpoint location is empty"),
+    (["reshard", "{src}", "foo://bar", "--world", "2"], "'foo://bar' as a checkpoint location"),
+    (["reshard", "{src}", "{file}", "--world", "2"], "{file} is a file, not a checkpoint folder"),
+    (["reshard", "{src}", "{file}/dst", "--world", "2"], "reshard: [Errno 20] Not a directory: '{file}/dst'"),
+    (["reshard", "{src}", "{new}", "--world", "2", "--step", "-4"], "--step -4: step must be an int"),
+    (["import-dcp", "{new}", ""], "the checkpoint location is empty"),
+    (["import-dcp", "{new}", "foo://bar"], "'foo://bar' as a checkpoint location"),
+    (["import-dcp", "{file}", "{new}"], "'{file}' is not a folder"),
+    (["import-dcp", "{new}", "{file}"], "{file} is a file, not a checkpoint folder"),
+    (["import-dcp", "{new}", "{new}x", "--step", "-1"], "--step -1: step must be an int in [0, 10**12)"),
+    (["import-dcp", "{new}", "{new}x", "--budget-mib", "-1"], "--budget-mib must be >= 0"),
+    (["export-dcp", "", "{new}"], "the checkpoint location is empty"),
+    (["export-dcp", "foo://bar", "{new}"], "'foo://bar' as a checkpoint location"),
+    (["export-dcp", "{file}", "{new}"], "{file} is a file, not a checkpoint folder"),
+    (["export-dcp", "{src}", "foo://bar"], "DCP_DIR 'foo://bar' is a URL"),
+    (["export-safetensors", "", "{new}"], "the checkpoint location is empty"),
+    (["export-safetensors", "{file}", "{new}"], "{file} is a file, not a checkpoint folder"),
+    (["export-safetensors", "{src}", "s3://bucket/out"], "OUT_DIR 's3://bucket/out' is a URL"),
+    (["export-safetensors", "{src}", "{new}", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+]
+
+
+@pytest.mark.parametrize("argv,want", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_to_every_subcommand_are_one_line_naming_the_value_and_exit_2(argv, want, saved, tmp_path, capsys):
+    where = {"src": saved / "src", "file": saved / "a-file", "new": tmp_path / "new"}
+    try:
+        rc = main([a.format(**where) for a in argv])
+    except SystemExit as e:  # argparse's own checks
+        rc = e.code
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.err.count("\n") == 1 and want.format(**where) in captured.err, captured.err
+    assert captured.out == "" and not (tmp_path / "new").exists() and not (tmp_path / "newx").exists()
+
+
+@pytest.fixture(scope="module")
+def dcp_folder(tmp_path_factory):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path_factory.mktemp("dcp")
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"w": torch.arange(256.0).reshape(16, 16), "b": torch.ones(16)}, "step": 7},
+                 checkpoint_id=str(path))
+    return path
+
+
+def _refuse_writes_under(monkeypatch, folder):
+    """What a read-only folder does to a writer that is not root: its folders cannot be made."""
+    import errno
+
+    from flexckpt.storage import Storage
+
+    real = Storage.makedirs
+
+    def makedirs(self, rel):
+        if self.path(rel).startswith(str(folder)):
+            raise PermissionError(errno.EACCES, "Permission denied", self.path(rel))
+        return real(self, rel)
+
+    monkeypatch.setattr(Storage, "makedirs", makedirs)
+
+
+@pytest.mark.parametrize("dest", ["under a file", "refusing writes", "read-only folder"])
+@pytest.mark.parametrize("cmd", ["reshard", "import-dcp"])
+def test_an_unwritable_destination_is_one_line_with_no_logged_tracebacks(cmd, dest, saved, dcp_folder, tmp_path,
+                                                                         monkeypatch, capsys, caplog):
+    import logging
+
+    if dest == "read-only folder" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders (the 'refusing writes' case stands in)")
+    dst = saved / "a-file" / "dst" if dest == "under a file" else tmp_path / "dst"
+    if dest == "refusing writes":
+        _refuse_writes_under(monkeypatch, dst)
+    if dest == "read-only folder":
+        dst.mkdir()
+        dst.chmod(0o555)
+    logger = logging.getLogger("flexckpt")
+    handlers = list(logger.handlers)
+    argv = ["reshard", str(saved / "src"), str(dst), "--world", "2"] if cmd == "reshard" else \
+        ["import-dcp", str(dcp_folder), str(dst), "--budget-mib", "0"]  # 0: a save per tensor, as many failures
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flexckpt: ") and str(dst) in err, err
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("flexckpt")] == []  # none went on to be printed
+    assert logger.handlers == handlers and logger.propagate  # a library user's logging is as it was
+
+
+def test_errors_the_library_logs_during_a_command_that_succeeds_are_shown_one_line_each(saved, tmp_path, monkeypatch,
+                                                                                       capsys):
+    import flexckpt.checkpointer
+
+    def reclaim_at_start(*args, **kwargs):
+        raise OSError("disk on fire (test)")
+
+    monkeypatch.setattr(flexckpt.checkpointer, "reclaim_at_start", reclaim_at_start)
+    assert main(["reshard", str(saved / "src"), str(tmp_path / "dst"), "--world", "2"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(line.startswith("flexckpt: reclaiming unfinished saves under ") and line.endswith(" failed")
+                         for line in lines), lines
+
+
+def test_import_dcp_into_a_path_under_a_file_prints_one_line_in_a_real_process(saved, dcp_folder):
+    import subprocess
+    import sys
+
+    dst = saved / "a-file" / "imported"
+    proc = subprocess.run([sys.executable, "-m", "flexckpt.cli", "import-dcp", str(dcp_folder), str(dst)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"flexckpt: save of step 7 failed: [Errno 20] Not a directory: '{dst}'\n", proc.stderr
+
+
+def test_import_dcp_help_says_dcp_has_no_checksums(capsys):
+    with pytest.raises(SystemExit):
+        main(["import-dcp", "--help"])
+    assert "DCP stores no checksums: a damaged byte in a DCP data file imports without an error" in \
+        " ".join(capsys.readouterr().out.split())

@@ -139,8 +139,8 @@ def test_converters_refuse_bad_input_with_one_line_and_no_complete_looking_outpu
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "s1")
 
     # a failure half-way leaves neither the index nor any final-named file (nor .metadata)
-    import flexckpt.safetensors_out as so
-    import flexckpt.convert_dcp as cd
+    import flexckpt.convert.safetensors_out as so
+    import flexckpt.convert.dcp as cd
 
     calls = []
 

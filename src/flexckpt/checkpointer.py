@@ -51,7 +51,7 @@ from flexckpt.commit import (
 )
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError, SaveError
-from flexckpt.load import LoadStats, PendingLoad, encode_per_rank
+from flexckpt.load import LoadStats, PendingLoad
 from flexckpt.manifest import (
     GROUP,
     attempt_id,
@@ -68,7 +68,7 @@ from flexckpt.plan import RankPlan, WritePlan, make_write_plan
 from flexckpt.staging import BufferPool, StagingBuffer, copy_into
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import Walk, encode_plain, fingerprint, walk
-from flexckpt.writer import table_bytes, values_bytes, write_data_file
+from flexckpt.writer import encode_per_rank, table_bytes, values_bytes, write_data_file
 from flexshard import current_world
 
 log = logging.getLogger("flexckpt")

@@ -18,22 +18,25 @@ balanced for the new world).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import json
+import logging
+import os
 import sys
 import time
 import uuid
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator, NoReturn
 
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.checksum import checksum
 from flexckpt.codec import Compression, decompress_into, parse_compression
-from flexckpt.convert_cli import add_parsers as add_convert_parsers
+from flexckpt.convert.cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError
-from flexckpt.manifest import Manifest, step_dir
+from flexckpt.manifest import MAX_WORLD, Manifest, step_dir
 from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
 from flexckpt.structure import decode_plain
@@ -136,6 +139,8 @@ def _lane_key(lane: str) -> tuple:
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
     steps = committed_steps(storage) if args.all else [_pick_step(storage, args.step)]
+    if not steps:  # --all of nothing is not "all verified"
+        raise _no_checkpoint(storage)
     bad = 0
     for s in steps:
         try:
@@ -198,13 +203,13 @@ def _parse_kind(kind: str) -> Any:
         if kind == "block" or kind.startswith("block:"):
             size = int(kind.split(":")[1]) if ":" in kind else 32
             return lambda name, world, owners: BlockShard(size)
-        if kind.startswith("hybrid:"):
+        if kind.startswith("hybrid:") and kind.count(":") <= 2:
             parts = [int(p) for p in kind.split(":")[1:]]
             return lambda name, world, owners: HybridShard(parts[0], parts[1] if len(parts) > 1 else None)
     except ValueError:  # a size that is not an integer
         pass
-    raise SystemExit(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or hybrid:GROUP[:BLOCK] "
-                     "(SIZE, GROUP and BLOCK are integers)")
+    raise CheckpointError(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or "
+                          "hybrid:GROUP[:BLOCK] (SIZE, GROUP and BLOCK are integers)")
 
 
 def _compression(value: str) -> Compression:
@@ -219,8 +224,12 @@ def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, L
     rules = []
     for rule in overrides:
         if "=" not in rule:
-            raise SystemExit(f"--layout wants PATTERN=KIND, got {rule!r}")
+            raise CheckpointError(f"--layout wants PATTERN=KIND, got {rule!r}")
         pattern, kind = rule.rsplit("=", 1)
+        _parse_kind(kind)
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in m.tensors):
+            raise CheckpointError(f"--layout {rule!r} matches no tensor of step {m.step} (tensors: "
+                                  f"{', '.join(sorted(m.tensors)[:4])}{' ...' if len(m.tensors) > 4 else ''})")
         rules.append((pattern, kind))
     kinds: dict[str, str] = {}
     for name, t in m.tensors.items():
@@ -238,15 +247,21 @@ def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, L
     return {n: _parse_kind(k)(n, world, owners) for n, k in kinds.items()}
 
 
+def checked_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, Layout]:
+    """``target_layouts``, each tried on its tensor's shape at ``world``."""
+    try:
+        layouts = target_layouts(m, world, overrides)
+        for name, t in m.tensors.items():
+            layouts[name].flat_range(t.shape, world, 0)
+    except ValueError as e:  # e.g. a HybridShard group that does not divide --world
+        raise CheckpointError(f"cannot lay step {m.step}'s tensors out on {world} ranks: {e}") from None
+    return layouts
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
     m = read_manifest(storage, _pick_step(storage, args.step))
-    try:
-        layouts = target_layouts(m, args.world, args.layout)
-        for name, t in m.tensors.items():
-            layouts[name].flat_range(t.shape, args.world, 0)
-    except ValueError as e:  # e.g. a HybridShard group that does not divide --world
-        raise CheckpointError(f"cannot lay step {m.step}'s tensors out on {args.world} ranks: {e}") from None
+    layouts = checked_layouts(m, args.world, args.layout)
     plan = restore_plan(m, layouts, args.world)
     print(f"restore of step {m.step} (saved by {m.world_size} ranks) on {args.world} ranks:")
     print(f"  {'rank':>4}  {'holds':>14}  {'reads':>14}  {'ratio':>6}  {'requests':>8}  files")
@@ -261,7 +276,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     step = _pick_step(src, args.step)
     m = read_manifest(src, step)
     world = args.world
-    layouts = target_layouts(m, world, args.layout)
+    layouts = checked_layouts(m, world, args.layout)
+    _writable_folder(args.dst)
     run_id = uuid.uuid4().hex[:16]
     same_world = world == m.world_size
     if m.per_rank and not same_world:
@@ -299,6 +315,16 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _writable_folder(url: str) -> None:
+    """A local destination is created and checked before any work (an object store is
+    written to as it is: creating its folder could create a bucket)."""
+    storage = Storage(url)
+    if storage.local:
+        os.makedirs(storage.root, exist_ok=True)
+        if not os.access(storage.root, os.W_OK | os.X_OK):
+            raise CheckpointError(f"{url} is not writable; choose a writable place")
+
+
 def _tensors(state: dict) -> list[ShardedTensor]:
     out = []
     for v in state.values():
@@ -322,8 +348,85 @@ def _get(state: dict, name: str) -> Any:
     return state
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line with exit status 2, like the commands' own errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Values argparse's types let through, refused before anything is read or written."""
+    if getattr(args, "world", None) is not None and not 1 <= args.world <= MAX_WORLD:
+        raise CheckpointError(f"--world must be in [1, {MAX_WORLD}] (what a checkpoint can record), got {args.world}")
+    if getattr(args, "step", None) is not None:
+        try:
+            step_dir(args.step)
+        except ValueError as e:
+            raise CheckpointError(f"--step {args.step}: {e}") from None
+    if getattr(args, "budget_mib", 0) < 0:
+        raise CheckpointError(f"--budget-mib must be >= 0 (0: one tensor at a time), got {args.budget_mib}")
+    for name in ("url", "src", "dst"):  # checkpoint locations
+        if name in vars(args):
+            _check_location(getattr(args, name))
+    for name in ("dcp_dir", "out_dir"):  # the converters' other side is a local folder
+        path = getattr(args, name, None)
+        if path is not None and "://" in path:
+            raise CheckpointError(f"{name.upper()} {path!r} is a URL: DCP and safetensors folders are read and "
+                                  "written on local disk only; pass a path")
+
+
+def _check_location(url: str) -> None:
+    """A folder (there or not) or a URL of a filesystem fsspec knows; not a file."""
+    where = "pass a folder or a URL (file://, s3://bucket/prefix); for a flextrain run, RUN_DIR/ckpt"
+    if not url:
+        raise CheckpointError(f"the checkpoint location is empty; {where}")
+    try:
+        storage = Storage(url)
+    except (ValueError, ImportError) as e:  # fsspec: "Protocol not known: foo", or its package is missing
+        raise CheckpointError(f"cannot use {url!r} as a checkpoint location: {e}; {where}") from None
+    if storage.local and os.path.isfile(storage.root):
+        raise CheckpointError(f"{url} is a file, not a checkpoint folder; {where}")
+
+
+class _HeldErrors(logging.Handler):
+    """The library logs each failure with its traceback (a training job carries on after a
+    failed save); a command reports its own failure in one line instead. So while a command
+    runs, the library's warnings print in one line each and its errors are held: shown, one
+    line each, only if the command succeeds all the same (or fails in a way of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.held: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        msg = msg if msg.startswith("flexckpt") else f"flexckpt: {msg}"
+        if record.levelno >= logging.ERROR:
+            self.held.append(msg)
+        else:
+            print(msg, file=sys.stderr)
+
+    def show(self) -> None:
+        for msg in self.held:
+            print(msg, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _one_line_log() -> Iterator[_HeldErrors]:
+    logger = logging.getLogger("flexckpt")
+    handler, propagate = _HeldErrors(), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     url_help = "checkpoint folder or URL (file://, s3://bucket/prefix); for a flextrain run, RUN_DIR/ckpt"
     p = sub.add_parser("steps", help="list committed steps",
@@ -369,13 +472,21 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_reshard)
     add_convert_parsers(sub)  # import-dcp, export-dcp, export-safetensors
     args = parser.parse_args(argv)
-    if getattr(args, "world", 1) is not None and getattr(args, "world", 1) < 1:
-        parser.error("--world must be >= 1")
-    try:
-        return args.fn(args)
-    except CheckpointError as e:
-        print(f"flexckpt: {e}", file=sys.stderr)
-        return 2
+    with _one_line_log() as log:
+        try:
+            _check_arguments(args)
+            rc = args.fn(args)
+        except CheckpointError as e:
+            print(f"flexckpt: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # a folder that cannot be read or written: like bad input
+            print(f"flexckpt: {args.cmd}: {e}", file=sys.stderr)
+            return 2
+        except BaseException:  # not the library's own error: what it logged may explain it
+            log.show()
+            raise
+    log.show()
+    return rc
 
 
 if __name__ == "__main__":

@@ -270,20 +270,7 @@ def _verify(data: memoryview, want: str, where: str) -> None:
         raise ChecksumError(f"{where}: checksum {got} does not match the manifest's {want}; the file is damaged")
 
 
-# -- per-rank values: JSON, or a small CPU tensor ------------------------------------------------
-def encode_per_rank(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        return {
-            "$tensor": {
-                "dtype": dtype_name(t.dtype),
-                "shape": list(t.shape),
-                "data": base64.b64encode(_byte_view(t).tobytes() if t.numel() else b"").decode(),
-            }
-        }
-    return value
-
-
+# -- per-rank values: JSON, or a small CPU tensor (written by writer.encode_per_rank) -------------
 def decode_per_rank(value: Any, name: str) -> Any:
     if isinstance(value, dict) and set(value) == {"$tensor"}:
         spec = value["$tensor"]

@@ -2,14 +2,17 @@
 checksum what is stored, and write the rank's data file, then its chunk table."""
 from __future__ import annotations
 
-from typing import Iterator
+import base64
+from typing import Any, Iterator
 
 import numpy as np
 import orjson
+import torch
 
 from flexckpt.checksum import checksum
 from flexckpt.chunktable import ChunkTable
 from flexckpt.codec import Compression, compress
+from flexckpt.dtypes import dtype_name
 from flexckpt.manifest import StoredChunk
 from flexckpt.plan import Chunk
 from flexckpt.storage import DIRECT_ALIGN, Storage
@@ -52,6 +55,21 @@ def write_data_file(
 
     storage.write_stream(rel, parts(), fsync=fsync)
     return stored
+
+
+def encode_per_rank(value: Any) -> Any:
+    """A per-rank value as JSON: itself, or a small tensor as dtype, shape and base64 bytes
+    (``load.decode_per_rank`` reads it back)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        return {
+            "$tensor": {
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "data": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode(),
+            }
+        }
+    return value
 
 
 def values_bytes(per_rank: dict[str, bytes]) -> bytes:

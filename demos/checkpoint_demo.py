@@ -1,6 +1,8 @@
 """Demo: save a sharded training state from 2 processes, restore it on 1 and on 4.
 
-    python3 dev.py demo [--dir PATH] [--mb 8]
+    python3 dev.py demo-checkpoint [--dir PATH] [--mb 8]
+
+A demo of the flexckpt library, not part of it (it lives outside the package).
 
 Each tensor gets a layout (Replicate, Shard(0), Owned, BlockShard); every rank saves its
 own pieces with no collective; rank 0 commits the manifest; then a single process and a

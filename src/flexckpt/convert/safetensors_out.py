@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexckpt.errors import CheckpointError
-from flexckpt.tensor_stream import (
+from flexckpt.convert.tensor_stream import (
     DEFAULT_BUDGET, batches, check_new_folder, name_path, open_source, progress_bar, read_tensors,
 )
 

@@ -33,7 +33,7 @@ import torch
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.errors import CheckpointError
 from flexckpt.structure import walk
-from flexckpt.tensor_stream import (
+from flexckpt.convert.tensor_stream import (
     DEFAULT_BUDGET, batches, check_new_folder, name_path, open_source, progress_bar, put, read_tensors,
 )
 from flexshard import Owned, ShardedTensor

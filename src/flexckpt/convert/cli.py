@@ -5,11 +5,14 @@ import argparse
 import sys
 from typing import Any
 
+from flexckpt.convert.tensor_stream import DEFAULT_BUDGET
 from flexckpt.errors import CheckpointError
-from flexckpt.tensor_stream import DEFAULT_BUDGET
 
 TRUST = ("DCP's .metadata is a Python pickle and its non-tensor values are torch.load-ed with "
          "weights_only=False: import only checkpoints you trust. (flexckpt's own load path never unpickles.)")
+NO_CHECKSUMS = ("DCP stores no checksums: a damaged byte in a DCP data file imports without an error, and the "
+                "imported checkpoint's checksums then vouch for the damaged bytes. Check the source (for example "
+                "against file hashes taken when it was written) before importing.")
 
 
 def _one_line_os_errors(fn: Any) -> Any:
@@ -28,7 +31,7 @@ def _mib(n: float) -> str:
 
 
 def cmd_import_dcp(args: argparse.Namespace) -> int:
-    from flexckpt.convert_dcp import import_dcp
+    from flexckpt.convert.dcp import import_dcp
 
     r = import_dcp(args.dcp_dir, args.url, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
     print(f"imported {r.tensors} tensors ({_mib(r.nbytes)}) from {args.dcp_dir} as step {r.step} "
@@ -39,7 +42,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_export_dcp(args: argparse.Namespace) -> int:
-    from flexckpt.convert_dcp import export_dcp
+    from flexckpt.convert.dcp import export_dcp
 
     r = export_dcp(args.url, args.dcp_dir, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
     print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) to {args.dcp_dir}")
@@ -49,7 +52,7 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_export_safetensors(args: argparse.Namespace) -> int:
-    from flexckpt.safetensors_out import export_safetensors
+    from flexckpt.convert.safetensors_out import export_safetensors
 
     r = export_safetensors(args.url, args.out_dir, args.step, select=args.select, strip_prefix=args.strip_prefix,
                            dtype=args.dtype, max_shard_size=args.max_shard_size, budget=args.budget_mib << 20,
@@ -78,7 +81,7 @@ def add_parsers(sub: Any) -> None:
              help="a torch.distributed.checkpoint folder as a flexckpt checkpoint",
              description="Write a checkpoint saved by torch.distributed.checkpoint.save (any world size, FSDP2 or "
              "plain) as one flexckpt step that loads at any world size. The step is --step, else a top-level plain "
-             "'step' value of the checkpoint, else 0. " + TRUST)
+             "'step' value of the checkpoint, else 0. " + TRUST + " " + NO_CHECKSUMS)
     _command(sub, "export-dcp", cmd_export_dcp, "url", "dcp_dir",
              help="a flexckpt checkpoint as a torch.distributed.checkpoint folder",
              description="Write one committed step (the newest unless --step) as a DCP checkpoint that "
