@@ -159,3 +159,44 @@ def test_a_save_marks_the_training_stream_and_the_staging_thread_copies(tmp_path
     staged = [e for e in fake.log if e[0] in ("new_stream", "copy")]
     assert staged[0][0] == "new_stream" and staged[0][1] != me  # the staging thread's side stream
     assert [e for e in fake.log if e[0] == "copy"][0][1:] == ("side", 1, True)
+
+
+# --- flextrain: the device chosen in one place ------------------------------------------------
+
+from flextrain.config import ConfigError, differences, fingerprint, load_config  # noqa: E402
+from flextrain.device import autocast, backend_for, choose_device, resolve_autocast, to_device  # noqa: E402
+
+
+def test_the_device_defaults_to_cuda_when_present_on_the_local_rank(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert choose_device("auto", cuda_available=lambda: True) == torch.device("cuda", 3)
+    assert choose_device("cuda", cuda_available=lambda: True) == torch.device("cuda", 3)
+    assert choose_device("cpu", cuda_available=lambda: True) == torch.device("cpu")
+    assert choose_device("auto", cuda_available=lambda: False) == torch.device("cpu")
+    with pytest.raises(ValueError, match="device='cuda' but torch sees no CUDA device; use --set device=cpu"):
+        choose_device("cuda", cuda_available=lambda: False)
+    assert backend_for(torch.device("cuda", 0)) == "nccl" and backend_for(torch.device("cpu")) == "gloo"
+
+
+def test_autocast_is_bf16_on_cuda_by_default_and_changes_the_fingerprint_device_does_not():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert (resolve_autocast("auto", cuda), resolve_autocast("auto", cpu), resolve_autocast("bf16", cpu)) == ("bf16", "none", "bf16")
+    gpu_run = load_config(sets=["device=cuda", "autocast=bf16"]).to_dict()
+    cpu_run = load_config(sets=["device=cpu", "autocast=none"]).to_dict()
+    same_numbers = load_config(sets=["device=cpu", "autocast=bf16"]).to_dict()
+    assert differences(gpu_run, cpu_run) == ["autocast: saved 'bf16', now 'none'"]
+    assert differences(gpu_run, same_numbers) == [] and fingerprint(gpu_run) == fingerprint(same_numbers)
+    older = {k: v for k, v in cpu_run.items() if k != "autocast"}  # a run from before autocast: fp32
+    assert differences(older, cpu_run) == []
+    with pytest.raises(ConfigError, match="device='gpu' must be 'auto', 'cuda' or 'cpu'"):
+        load_config(sets=["device=gpu"])
+
+
+def test_batches_stay_put_on_the_cpu_and_autocast_runs_the_forward_in_bf16():
+    batch = {"input_ids": torch.arange(4)}
+    assert to_device(batch, torch.device("cpu")) is batch
+    a = torch.randn(4, 4)
+    with autocast("bf16", torch.device("cpu")):
+        assert (a @ a).dtype == torch.bfloat16
+    with autocast("none", torch.device("cpu")):
+        assert (a @ a).dtype == torch.float32

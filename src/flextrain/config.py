@@ -73,6 +73,8 @@ class TrainConfig:
     keep_last: int = 3            # performance
     eval_every: int = 50
     log_every: int = 1
+    device: str = "auto"          # performance: "cuda", "cpu" or "auto" (CUDA when present); flextrain.device
+    autocast: str = "auto"        # "bf16", "none" or "auto" (bf16 on CUDA); resolved at start, fingerprinted
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -102,6 +104,9 @@ class TrainConfig:
             raise ConfigError(f"optim.decay={o.decay!r} must be 'cosine' or 'linear'")
         if o.placement not in ("owned", "fsdp"):
             raise ConfigError(f"optim.placement={o.placement!r} must be 'owned' or 'fsdp'")
+        if self.device not in ("auto", "cuda", "cpu") or self.autocast not in ("auto", "bf16", "none"):
+            raise ConfigError(f"device={self.device!r} must be 'auto', 'cuda' or 'cpu' and autocast={self.autocast!r} "
+                              f"'auto', 'bf16' or 'none'")
         if o.compute_copy not in ("full", "mxfp8"):
             raise ConfigError(f"optim.compute_copy={o.compute_copy!r} must be 'full' or 'mxfp8'")
         return self
@@ -143,6 +148,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Fields that change which numbers a run computes: they must match on resume.
 SEMANTIC = {
     "seed": None,
+    "autocast": None,
     "model": None,
     "data": ("sources", "shares", "tokenizer", "max_length", "packing", "shuffle_buffer", "lanes", "global_batch",
              "heldout_fraction", "eval_batches", "loader"),
@@ -153,7 +159,7 @@ SEMANTIC = {
 def semantic_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section, keys in SEMANTIC.items():
-        value = cfg.get(section)
+        value = cfg.get(section, "none" if section == "autocast" else None)  # runs before autocast were fp32
         if keys is None:
             out[section] = value
         else:

@@ -28,23 +28,21 @@ from zephon_state import Pipeline, global_batch_digest
 
 from flextrain.config import TrainConfig, differences, fingerprint
 from flextrain.data import build_pipeline, heldout_pipeline
+from flextrain.device import autocast, backend_for, choose_device, prepare, resolve_autocast, to_device
 from flextrain.model import Transformer, token_loss_sum
 from flextrain.preempt import Preemption
 from flextrain.schedule import lr_scale
 from flextrain.usual_loader import UsualLoader
-
-DEVICE = torch.device("cpu")  # the one place the device is chosen (ShardedOptimizer is CPU-only today)
-
 
 class ResumeRefused(RuntimeError):
     """The checkpoint was written by a run whose numbers this configuration would change, or
     ``--resume`` found no checkpoint to resume from."""
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(backend: str = "gloo") -> tuple[int, int]:
     """(rank, world): torchrun's environment, else one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -100,7 +98,7 @@ def check_resumable(saved_config: str, cfg: TrainConfig) -> None:
             "the checkpoint was written by a run with other numbers; these fields differ:\n  "
             + "\n  ".join(diffs)
             + "\nset them back (e.g. --set data.max_length=...), or start a new run in another --run-dir. "
-            "Performance settings (ranks, data.micro_batch, optim.placement, ckpt_every, data.workers) may change."
+            "Performance settings (ranks, device, data.micro_batch, optim.placement, ckpt_every, data.workers) may change."
         )
 
 
@@ -123,7 +121,10 @@ def p99(xs: list[float]) -> float:
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: bool | None = None, quiet: bool = False) -> None:
         self.cfg = cfg.validate()
-        self.rank, self.world = init_distributed()
+        self.device = choose_device(cfg.device)  # flextrain.device decides; the rest follows it
+        cfg.autocast = resolve_autocast(cfg.autocast, self.device)  # before anything is fingerprinted
+        prepare(self.device)
+        self.rank, self.world = init_distributed(backend_for(self.device))
         cfg.check_world(self.world)
         self.quiet = quiet or self.rank != 0
         self.run_dir = Path(cfg.run_dir).resolve()
@@ -135,8 +136,9 @@ class Trainer:
             self.timings["process_start_s"] = time.time() - float(launched)
         t = time.perf_counter()
         torch.manual_seed(cfg.seed)
-        self.model = Transformer(cfg.model).to(DEVICE)
-        self.model.init_weights(cfg.seed)
+        self.model = Transformer(cfg.model)
+        self.model.init_weights(cfg.seed)  # on the CPU (its generator), the same bits on every device
+        self.model.to(self.device)
         self.opt = build_optimizer(self.model, cfg)
         if cfg.optim.compute_copy == "mxfp8":
             self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
@@ -206,11 +208,13 @@ class Trainer:
         for _ in range(self.cfg.data.eval_batches):
             while True:
                 b = next(self.heldout)
-                loss, n = token_loss_sum(self.model, b.to_training(DEVICE))
+                with autocast(self.cfg.autocast, self.device):
+                    loss, n = token_loss_sum(self.model, to_device(b.to_training(), self.device))
                 total += torch.tensor([loss.item(), n], dtype=torch.float64)
                 if b.last_in_step:
                     break
         if self.world > 1:
+            total = total.to(self.device)
             dist.all_reduce(total)
         return float(total[0] / total[1])
 
@@ -236,11 +240,13 @@ class Trainer:
                 data_wait = time.perf_counter() - t0
                 if self.step == (self.resumed_from or 0):
                     self.timings.setdefault("first_batch_s", data_wait)
-                count = torch.tensor([float(sum(int((b.labels != -100).sum()) for b in micro)), flag], dtype=torch.float64)
+                count = torch.tensor([float(sum(int((b.labels != -100).sum()) for b in micro)), flag],
+                                     dtype=torch.float64, device=self.device)
                 work = dist.all_reduce(count, async_op=True) if self.world > 1 else None
                 loss_sum = 0.0
                 for b in micro:
-                    loss, _ = token_loss_sum(self.model, b.to_training(DEVICE))
+                    with autocast(cfg.autocast, self.device):
+                        loss, _ = token_loss_sum(self.model, to_device(b.to_training(), self.device))
                     loss.backward()
                     loss_sum += loss.item()
                 if work is not None:
@@ -307,8 +313,9 @@ class Trainer:
         if self.world == 1:
             return combine(mine), loss_sum
         payload = np.frombuffer(b"".join(mine) + np.float64(loss_sum).tobytes(), dtype=np.uint8).copy()
-        out = [torch.empty(len(payload), dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(out, torch.from_numpy(payload))
+        out = [torch.empty(len(payload), dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+        dist.all_gather(out, torch.from_numpy(payload).to(self.device))
+        out = [t.cpu() for t in out]
         digests: list[bytes] = []
         total = 0.0
         for t in out:  # ranks in order: lanes in lane order
