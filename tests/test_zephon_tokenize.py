@@ -93,6 +93,7 @@ def test_accumulator_hands_out_documents_in_input_order_when_a_later_chunk_finis
     finished = []
     pool = TokenizerPool(4)
     acc = Accumulator(SourceReader(plan, 0, 0, 1, 0, 0), SlowFirstCall(), pool, chunk_bytes=1, readahead_bytes=10_000)
+    acc.start_readahead()
     got = [acc.next_document() for _ in range(8)]
     pool.close()
     order = [plan.order(0, 0)[i] for i in range(8)]
