@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,10 +85,12 @@ def adopt_checkpoint_state(opt: ShardedOptimizer, state: dict) -> None:
 
 
 def saved_trainer_values(ckpt: Checkpointer, step: int | None = None) -> tuple[int, dict]:
-    """The ``trainer/`` plain values of a checkpoint (no tensor is read)."""
-    probe = {"trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "", "calibration": ""}}
+    """The ``trainer/`` plain values of a checkpoint and its lane cursors (``lanes``); no
+    tensor is read."""
+    probe = {"trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "", "calibration": ""},
+             "data": ByLane({})}
     got = ckpt.load(probe, step=step, strict=False, fallback=step is None)
-    return got, probe["trainer"]
+    return got, {**probe["trainer"], "lanes": probe["data"].values}
 
 
 def check_resumable(saved_config: str, cfg: TrainConfig) -> None:
@@ -134,15 +137,6 @@ class Trainer:
         launched = os.environ.get("FLEXTRAIN_LAUNCH_TIME")  # set by a benchmark: wall clock at launch
         if launched:
             self.timings["process_start_s"] = time.time() - float(launched)
-        t = time.perf_counter()
-        torch.manual_seed(cfg.seed)
-        self.model = Transformer(cfg.model)
-        self.model.init_weights(cfg.seed)  # on the CPU (its generator), the same bits on every device
-        self.model.to(self.device)
-        self.opt = build_optimizer(self.model, cfg)
-        if cfg.optim.compute_copy == "mxfp8":
-            self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
-        self.timings["model_build_s"] = time.perf_counter() - t
         self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last)
         t = time.perf_counter()
         saved = None
@@ -153,27 +147,56 @@ class Trainer:
             raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}; "
                                 "drop --resume to start a new run there")
         self.timings["checkpoint_probe_s"] = time.perf_counter() - t
+        # the pipeline is built, restored and started on a thread while the model builds and
+        # the tensors load: a restart waits only for what is left of it (pipeline_build_s)
+        starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
+        data = starter.submit(self._start_pipeline, saved)
+        starter.shutdown(wait=False)
         t = time.perf_counter()
-        if cfg.data.loader == "usual":
-            self.pipeline = UsualLoader(cfg.data, cfg.seed, self.rank, self.world)
-        else:
-            calibration = json.loads(saved["calibration"]) if saved and saved["calibration"] else None
-            self.pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=calibration)
-            self.pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(cfg.model)
+        self.model.init_weights(cfg.seed)  # on the CPU (its generator), the same bits on every device
+        self.model.to(self.device)
+        self.opt = build_optimizer(self.model, cfg)
+        if cfg.optim.compute_copy == "mxfp8":
+            self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
+        self.timings["model_build_s"] = time.perf_counter() - t
+        self.step = 0
+        self.resumed_from: int | None = None
+        t = time.perf_counter()
+        data_state = self._resume() if saved is not None else None
+        self.timings["checkpoint_load_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.pipeline, started_from = data.result()
+        if data_state is not None and data_state != started_from:  # the full load fell back to an older step
+            self.pipeline.load_state_dict(data_state)
         self._calibration = self.pipeline.calibration() if isinstance(self.pipeline, Pipeline) else None
         self.heldout = heldout_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=self._calibration)
         self._heldout_start: dict | None = None
         self.timings["pipeline_build_s"] = time.perf_counter() - t
-        self.step = 0
-        self.resumed_from: int | None = None
-        t = time.perf_counter()
-        if saved is not None:
-            self._resume()
-        self.timings["checkpoint_load_s"] = time.perf_counter() - t
         self.metrics = Metrics(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
 
+    def _start_pipeline(self, saved: dict | None) -> tuple[Any, dict | None]:
+        """The training pipeline, restored to the probed checkpoint's data state and started."""
+        cfg = self.cfg
+        if cfg.data.loader == "usual":
+            pipeline = UsualLoader(cfg.data, cfg.seed, self.rank, self.world)
+        else:
+            calibration = json.loads(saved["calibration"]) if saved and saved["calibration"] else None
+            pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=calibration)
+            pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
+        if saved is None:
+            return pipeline, None
+        data_state = json.loads(saved["data_state"])
+        data_state["lanes"] = saved["lanes"]
+        pipeline.load_state_dict(data_state)
+        if isinstance(pipeline, Pipeline):
+            pipeline.start()
+        return pipeline, data_state
+
     # ---- resume ---------------------------------------------------------------------------
-    def _resume(self) -> None:
+    def _resume(self) -> dict:
+        """Load the checkpoint's tensors and values; returns its data state (the pipeline's)."""
         newest = self.ckpt.latest_step()
         state = checkpoint_state(self.opt, 0, self.cfg, {"lanes": {}})
         got = self.ckpt.load(state, fallback=True)
@@ -183,7 +206,6 @@ class Trainer:
         adopt_checkpoint_state(self.opt, state)
         data_state = json.loads(state["trainer"]["data_state"])
         data_state["lanes"] = state["data"].values
-        self.pipeline.load_state_dict(data_state)
         self.step = self.resumed_from = int(state["trainer"]["step"])
         stats = self.ckpt.last_load_stats
         record = {"step": got, "world": self.world, "rank": self.rank,
@@ -191,6 +213,7 @@ class Trainer:
         (self.run_dir / f"resume-w{self.world}-r{self.rank}.json").write_text(json.dumps(record))
         self._say(f"flextrain: resumed step {got} on {self.world} ranks; rank {self.rank} read "
                   f"{record['bytes_read']} bytes", all_ranks=True)
+        return data_state
 
     def _say(self, msg: str, all_ranks: bool = False) -> None:
         if all_ranks or self.rank == 0:
