@@ -70,13 +70,15 @@ class Accumulator:
         self.top_up()
 
     def top_up(self) -> None:
-        """Keep at least ``readahead_bytes`` of text submitted and not yet handed out."""
-        while self._ahead < self.readahead_bytes or not self._pending:
+        """Keep at least ``readahead_bytes`` of text (and one chunk) submitted and not yet
+        handed out; nothing ahead before :meth:`start_readahead`."""
+        while self.readahead_bytes and (self._ahead < self.readahead_bytes or not self._pending):
             self._submit_chunk()
 
     def next_document(self) -> TokenizedDocument:
         if not self._ready:
-            self.top_up()
+            if not self._pending:
+                self._submit_chunk()
             future, where, nbytes = self._pending.popleft()
             self._ahead -= nbytes
             self.top_up()
