@@ -12,8 +12,8 @@ Parts:
 - ``roundtrip``: a flexckpt save of CUDA tensors (fp32, bf16, fp8, int64, a ShardedTensor,
   a DTensor on a one-rank NCCL mesh) staged through the side stream, loaded back into CUDA
   tensors: bit-exact. Also ShardedOptimizer on CUDA over NCCL (full and MXFP8 gathers).
-- ``flextrain``: ``tiny`` on the GPU for 20 steps; a second run killed (SIGKILL) after step
-  12 and resumed from its step-10 checkpoint; steps 11-20 must log the very same losses
+- ``flextrain``: ``tiny`` on the GPU for 20 steps; a second run killed (SIGKILL) after about
+  11 steps and resumed from its newest checkpoint; every later step must log the very same losses
   and global batches as the uninterrupted run.
 - ``staging``: device-to-host staging GB/s (flexckpt's StreamCopies into a reused pinned
   buffer) against one plain ``copy_`` of the same bytes into pinned memory (the limit).
@@ -441,11 +441,14 @@ def part_flextrain(device: torch.device, small: bool = False) -> Iterator[dict]:
         run_s = time.perf_counter() - t0
         proc = subprocess.Popen(train_command(1, cut, sets), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         log = cut / "metrics.jsonl"
-        while not (log.exists() and len(log.read_text().splitlines()) >= 12) and proc.poll() is None:
-            time.sleep(0.02)
+        while not (log.exists() and len(log.read_text().splitlines()) >= 11) and proc.poll() is None:
+            time.sleep(0.005)
+        ended = proc.poll() is not None
         proc.kill()
         proc.wait()
         killed_at = len(log.read_text().splitlines())
+        if ended:
+            raise RuntimeError(f"the run to kill ended by itself (exit {proc.returncode}) after {killed_at} steps")
         subprocess.run(train_command(1, cut, sets), env=env(), check=True, capture_output=True, timeout=60)
         a, b = metrics(whole), metrics(cut)
         resumed = json.loads(next(cut.glob("resume-w1-r0.json")).read_text())["step"]
