@@ -46,7 +46,7 @@ sys.path[:0] = [str(REPO / "src")]
 
 import torch  # noqa: E402
 
-TIMEOUTS = {"roundtrip": 40, "mxfp8": 20, "staging": 30, "flextrain": 70, "wait": 75}  # 235 s at most
+TIMEOUTS = {"roundtrip": 30, "mxfp8": 20, "staging": 30, "flextrain": 60, "wait": 90}  # 230 s at most
 GB = 1e9
 
 
@@ -387,10 +387,10 @@ def trainer_waits(saver: Any, state: dict, device: torch.device, steps: int, eve
 
 def part_wait(device: torch.device, small: bool = False, libs: tuple = ("flexckpt", "dcp", "tc")) -> Iterator[dict]:
     total = (8 << 20) if small else (2 << 30)
-    steps, every = (6, 3) if small else (18, 3)
+    steps, every = (6, 3) if small else (12, 3)
     a = torch.randn(4096, 4096, device=device) if not small else torch.randn(64, 64)
 
-    def work() -> None:  # about 0.1 s of matrix products on an H200 (a few ms on the CPU, small)
+    def work() -> None:  # a step: fp32 matrix products, about 0.3 s on an H200 (a few ms on the CPU, small)
         for _ in range(1 if small else 150):
             torch.mm(a, a)
         sync(device)
@@ -434,10 +434,13 @@ def part_flextrain(device: torch.device, small: bool = False) -> Iterator[dict]:
     from flextrain.launch import env, metrics, train_command
 
     sets = ["steps=20", "ckpt_every=5", "eval_every=100", f"device={device.type}", "data.workers=2"]
+    if small:  # the CPU check of this part's logic
+        sets += ["data.max_length=64", "data.global_batch=8"]
+    limit = 60 if device.type == "cuda" else 600
     with tempfile.TemporaryDirectory() as tmp:
         whole, cut = Path(tmp) / "whole", Path(tmp) / "cut"
         t0 = time.perf_counter()
-        subprocess.run(train_command(1, whole, sets), env=env(), check=True, capture_output=True, timeout=60)
+        subprocess.run(train_command(1, whole, sets), env=env(), check=True, capture_output=True, timeout=limit)
         run_s = time.perf_counter() - t0
         proc = subprocess.Popen(train_command(1, cut, sets), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         log = cut / "metrics.jsonl"
@@ -449,7 +452,7 @@ def part_flextrain(device: torch.device, small: bool = False) -> Iterator[dict]:
         killed_at = len(log.read_text().splitlines())
         if ended:
             raise RuntimeError(f"the run to kill ended by itself (exit {proc.returncode}) after {killed_at} steps")
-        subprocess.run(train_command(1, cut, sets), env=env(), check=True, capture_output=True, timeout=60)
+        subprocess.run(train_command(1, cut, sets), env=env(), check=True, capture_output=True, timeout=limit)
         a, b = metrics(whole), metrics(cut)
         resumed = json.loads(next(cut.glob("resume-w1-r0.json")).read_text())["step"]
         later = range(resumed + 1, 21)

@@ -34,7 +34,6 @@ def test_each_part_has_its_own_timeout_and_rows_land_as_they_come(tmp_path, monk
     assert [(r["part"], r["what"], r["value"]) for r in rows] == [
         ("fast", "x", 1), ("fast", "status", "done"), ("slow", "x", 1), ("slow", "status", "timed out after 1 s")]
     assert "| slow | status | timed out after 1 s |" in (tmp_path / "gpu_check.md").read_text()
-    assert sum(gpu_check.TIMEOUTS.values()) < 240 if gpu_check.TIMEOUTS != {"fast": 20, "slow": 1} else True
 
 
 def test_the_default_timeouts_fit_in_four_minutes():
