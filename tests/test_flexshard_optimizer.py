@@ -202,6 +202,16 @@ def _optimizer_checks(rank, world, saved):
             "ns_flops": opt.ns_flops,
             "wire": opt.stats.bytes_sent,
         }
+    if world > 1:  # the NCCL path's all-gather (the backend's own), run on gloo
+        import flexshard.collectives as collectives
+        plain = collectives.native_all_gather
+        collectives.native_all_gather = lambda group=None: True
+        try:
+            params, opt = build(CONFIG_A, "owned")
+            _run_steps(opt, params, 1, STEPS, _feed_reduced)
+        finally:
+            collectives.native_all_gather = plain
+        out["owned/native-gather"] = {"params": {n: p.detach().clone() for n, p in params.items()}}
     # MXFP8 compute copy: masters stay exact, parameters are their MXFP8 image
     mx_shapes = {n: s for n, s in SHAPES.items() if n != "gain"}
     params = {n: t.clone().requires_grad_() for n, t in initial_params(shapes=mx_shapes).items()}
@@ -294,6 +304,14 @@ def assert_params_match(got, want, where):
 
 
 # --- equivalence --------------------------------------------------------------------------------
+
+def test_backends_own_all_gather_nccls_path_gives_the_same_bits(world, references):
+    if world == 1:
+        pytest.skip("no gather at world 1")
+    want, _ = references["A"]
+    for rank, res in enumerate(launch(world)):
+        assert_params_match(res["owned/native-gather"]["params"], want, f"native gather rank {rank}/{world}")
+
 
 @pytest.mark.parametrize("label, ref", [("owned/reduced", "A"), ("fsdp/reduced", "B")])
 def test_five_steps_are_bit_identical_to_torch_muon_and_adamw(world, references, label, ref):

@@ -195,3 +195,13 @@ def test_load_state_dict_rejects_a_missing_lane_or_a_malformed_cursor():
     with _pipeline(0, 2) as p:
         with pytest.raises(StateError, match=r"cursor of lane 0 is invalid: 'sources\[1\].index' must be an int in \[0, 2\*\*53\), got -1"):
             p.load_state_dict(broken)
+
+
+def test_start_produces_in_the_background_and_a_later_load_starts_over_from_the_state():
+    with _pipeline() as a, _pipeline() as b:
+        _steps([a], 1)
+        state = _union([a])
+        after = _steps([a], 1)
+        b.start()  # producing from the beginning ...
+        b.load_state_dict(state)  # ... until the state says where to stand
+        assert all(np.array_equal(x, y) for x, y in zip(_steps([b], 1), after))

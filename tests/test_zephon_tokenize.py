@@ -93,6 +93,7 @@ def test_accumulator_hands_out_documents_in_input_order_when_a_later_chunk_finis
     finished = []
     pool = TokenizerPool(4)
     acc = Accumulator(SourceReader(plan, 0, 0, 1, 0, 0), SlowFirstCall(), pool, chunk_bytes=1, readahead_bytes=10_000)
+    acc.start_readahead()
     got = [acc.next_document() for _ in range(8)]
     pool.close()
     order = [plan.order(0, 0)[i] for i in range(8)]
@@ -100,3 +101,34 @@ def test_accumulator_hands_out_documents_in_input_order_when_a_later_chunk_finis
     for doc, i in zip(got, order):
         assert doc.tokens.tolist() == gpt2.encode([texts[i]])[0].tolist()
     assert [d.index for d in got] == list(range(8))
+
+
+def test_accumulator_tokenizes_only_what_is_asked_for_until_its_readahead_starts():
+    from concurrent.futures import Future
+
+    from zephon_state import InMemory
+    from zephon_state.accumulator import Accumulator
+    from zephon_state.deal import SourceReader
+    from zephon_state.mix import exact_shares
+    from zephon_state.plan import Plan
+    from zephon_state.source import IoOptions
+
+    texts = [f"document {i} " + "text " * i for i in range(40)]
+    plan = Plan(("m",), (InMemory(texts).load("text", IoOptions(), "raise"),), exact_shares([1.0]), (0.25,), 0, 0)
+    submitted = []
+
+    class InlinePool:
+        def submit(self, fn, batch):
+            submitted.append(len(batch))
+            future = Future()
+            future.set_result(fn(batch))
+            return future
+
+    acc = Accumulator(SourceReader(plan, 0, 0, 1, 0, 0), load_tokenizer("gpt2"), InlinePool(), chunk_bytes=1,
+                      readahead_bytes=100)
+    acc.next_document()
+    acc.next_document()
+    assert submitted == [1, 1]  # a replay: the documents asked for, nothing ahead
+    acc.start_readahead()
+    ahead = len(submitted) - 2
+    assert ahead >= 2 and acc._ahead >= 100  # now at least readahead_bytes are submitted ahead

@@ -65,7 +65,7 @@ from flexckpt.manifest import (
     values_name,
 )
 from flexckpt.plan import RankPlan, WritePlan, make_write_plan
-from flexckpt.staging import BufferPool, StagingBuffer, copy_into
+from flexckpt.staging import BufferPool, StagingBuffer, copies_for, staging_device
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import Walk, encode_plain, fingerprint, walk
 from flexckpt.writer import encode_per_rank, table_bytes, values_bytes, write_data_file
@@ -151,7 +151,7 @@ class _PlanEntry:
     structure_bytes: bytes
     order: list[int]  # walk indices of this rank's pieces, in stream order
     shapes: list[tuple]
-    cuda: bool
+    device: torch.device  # staged from: the CPU or this rank's accelerator
     per_rank_keys: list[str] = field(default_factory=list)
     parts: list = field(default_factory=list)  # per piece: None (all of it) or (start, stop) of the local flat piece
     published: bool = False  # the structure went out in a record (the first save with it)
@@ -167,7 +167,7 @@ class _Job:
     plain: dict[str, Any]
     lanes: dict[str, bytes]
     per_rank: dict[str, bytes]
-    cuda: Any
+    ready: Any  # the copies' mark on the training stream (None on a CPU)
     attempt: str = ""
     chunks: list = field(default_factory=list)
     line: list = field(default_factory=list)  # [fingerprint, table checksum, table bytes, stored bytes]
@@ -286,7 +286,7 @@ class Checkpointer:
         self._threads: list[threading.Thread] = []
         self._handles: list[SaveHandle] = []
         self._closed = False
-        self._cuda_stream = None
+        self._copies: dict[torch.device, Any] = {}  # staging copies by device (copies_for)
         self._lock = threading.Lock()
         ref = weakref.ref(self)
         self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout))
@@ -372,18 +372,15 @@ class Checkpointer:
         attempt = attempt_id(self.run_id, self.session, n)
         waiter = None if self.is_coordinator else functools.partial(self._wait_for_commit, attempt=attempt)
         handle = SaveHandle(step, waiter, attempt)
-        cuda = None
-        if entry.cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-            if self._cuda_stream is None:
-                self._cuda_stream = torch.cuda.Stream()
-            cuda = (self._cuda_stream, ready)
+        copies = self._copies.get(entry.device)
+        if copies is None:
+            copies = self._copies[entry.device] = copies_for(entry.device)
+        ready = copies.ready()  # an event on the training stream; the copies run on the staging thread
         self._ensure_threads()
         t_wait = time.perf_counter()
         buffer = self._pool.acquire()  # waits while max_in_flight saves are staged but not written
         handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
-        job = _Job(step, handle, entry, buffer, srcs, plain, lanes, per_rank, cuda, attempt)
+        job = _Job(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
         self._stage_q.put(job)
@@ -415,7 +412,7 @@ class Checkpointer:
             order=order,
             shapes=[tuple(w.tensors[i].shape) if part is None else (part[1] - part[0],) for i, part in zip(order, parts)],
             parts=parts,
-            cuda=any(w.tensors[i].device.type == "cuda" for i in order),
+            device=staging_device({w.tensors[i].device for i in order}),
             per_rank_keys=sorted(w.per_rank),
         )
         self._plan_key, self._plan_entry = w.key, entry
@@ -442,9 +439,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         try:
             e = job.entry
-            job.buffer.ensure(e.rank_plan.nbytes, pin=e.cuda)
+            job.buffer.ensure(e.rank_plan.nbytes, pin=e.device.type == "cuda")
             dsts = job.buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
-            copy_into(dsts, job.srcs, job.cuda)
+            self._copies[e.device].copy(dsts, job.srcs, job.ready)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             self._pool.release(job.buffer)
             self._report_failure(job, exc, "staging")

@@ -4,7 +4,8 @@ pieces into it.
 A buffer is allocated (and its pages touched) once, then reused save after save; the
 destination views for a write plan are built once per (buffer, plan). The copy itself is
 one ``torch._foreach_copy_`` call, so its Python cost does not grow with the tensor count.
-Tensors on a GPU are copied into pinned memory with non-blocking copies on a side stream.
+Tensors on a GPU are copied into pinned memory with non-blocking copies on a side stream
+(:class:`StreamCopies`); the choice is made in one place, :func:`copies_for`.
 """
 from __future__ import annotations
 
@@ -89,23 +90,88 @@ class BufferPool:
                 buf._views = {}
 
 
-def copy_into(
-    dsts: list[torch.Tensor],
-    srcs: list[torch.Tensor],
-    cuda: "tuple[torch.cuda.Stream, torch.cuda.Event] | None" = None,
-) -> None:
-    """Copy every source into its view; returns when the bytes are in host memory.
-    ``cuda`` is (side stream, event recorded on the trainer's stream at save time)."""
-    if not srcs:
-        return
-    if cuda is None:
-        torch._foreach_copy_(dsts, srcs)
-        return
-    stream, ready = cuda
-    with torch.cuda.stream(stream):
-        stream.wait_event(ready)
-        for d, s in zip(dsts, srcs):
-            d.copy_(s, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-    done.synchronize()
+class HostCopies:
+    """Staging of CPU tensors: one ``_foreach_copy_`` on the staging thread."""
+
+    device = torch.device("cpu")
+
+    def ready(self) -> None:
+        """Called by ``save()`` on the training thread: nothing to mark on a CPU."""
+        return None
+
+    def copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], ready: object = None) -> None:
+        if srcs:
+            torch._foreach_copy_(dsts, srcs)
+
+
+class CudaStreams:
+    """The few ``torch.cuda`` calls :class:`StreamCopies` makes (a test passes a fake with
+    the same methods, so the ordering logic runs without a GPU)."""
+
+    def current_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        return torch.cuda.Stream(device=device)
+
+    def new_event(self) -> "torch.cuda.Event":
+        return torch.cuda.Event()
+
+    def use(self, stream: "torch.cuda.Stream") -> "torch.cuda.StreamContext":
+        return torch.cuda.stream(stream)
+
+
+class StreamCopies:
+    """Device-to-host staging on a side stream of ``device``. ``save()`` calls
+    :meth:`ready` on the training thread: an event on the training stream, after the
+    work that produced the state (nothing is copied there). The staging thread calls
+    :meth:`copy`: the side stream waits for that event, copies every piece with
+    ``non_blocking=True`` into the (pinned) staging views, records ``done`` and the
+    thread waits for it; ``wait_staged()`` returns after that. The sources stay
+    referenced until then, so the caching allocator cannot hand their memory out while
+    the side stream still reads it (no ``record_stream`` needed)."""
+
+    def __init__(self, device: torch.device, streams: CudaStreams | None = None) -> None:
+        self.device = device
+        self.streams = streams or CudaStreams()
+        self._side = None
+
+    def ready(self) -> object:
+        event = self.streams.new_event()
+        event.record(self.streams.current_stream(self.device))
+        return event
+
+    def copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], ready: object) -> None:
+        if not srcs:
+            return
+        if self._side is None:
+            self._side = self.streams.new_stream(self.device)
+        side = self._side
+        with self.streams.use(side):
+            side.wait_event(ready)
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            done = self.streams.new_event()
+            done.record(side)
+        done.synchronize()
+
+
+def staging_device(devices: "set[torch.device]") -> torch.device:
+    """The one device a rank's pieces are staged from: the CPU, or its accelerator (CPU
+    pieces beside it are copied on the same stream, synchronously)."""
+    others = sorted({d for d in devices if d.type != "cpu"}, key=str)
+    if len(others) > 1:
+        raise ValueError(
+            f"this rank's state spans devices {[str(d) for d in others]}; a rank checkpoints from one "
+            f"accelerator: move the tensors to one device (or to the CPU) before save()"
+        )
+    return others[0] if others else torch.device("cpu")
+
+
+def copies_for(device: torch.device) -> "HostCopies | StreamCopies":
+    """How staging copies from ``device`` (the one place that decides)."""
+    return HostCopies() if device.type == "cpu" else StreamCopies(device)
+
+
+def copy_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy every CPU source into its view (the host path of :class:`HostCopies`)."""
+    HostCopies().copy(dsts, srcs)

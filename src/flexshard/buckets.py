@@ -72,7 +72,7 @@ class BucketPlan:
             raise ValueError(f"expected {self.entries} pieces, got {len(pieces)}")
         dtype = pieces[0].dtype if pieces else torch.float32
         if out is None:
-            out = torch.empty(self.padded, dtype=dtype)
+            out = torch.empty(self.padded, dtype=dtype, device=pieces[0].device if pieces else None)
         for i, piece in enumerate(pieces):
             r = self.slot(rank, i)
             if piece.numel() != len(r):

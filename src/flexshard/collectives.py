@@ -1,6 +1,8 @@
-"""Wire-level collectives over ``torch.distributed`` that gloo can run: every payload
-travels as equal-sized buffers (gloo takes no unequal sizes and no float8 dtypes), and
-every call records the bytes this rank puts on the wire, padding included.
+"""Wire-level collectives over ``torch.distributed`` that gloo and NCCL both run: every
+payload travels as equal-sized buffers (gloo takes no unequal sizes and no float8 dtypes;
+the ``uint8`` views cost nothing on NCCL, and its all-to-all needs equal splits too), and
+every call records the bytes this rank puts on the wire, padding included. Buffers live on
+the device of the tensors passed in (CPU for gloo, the rank's GPU for NCCL).
 
 Byte model (checked against the bytes gloo writes to its sockets in the tests):
 - all-gather of ``P``-byte buffers, run as an all-to-all: a rank sends ``(W - 1) * P``;
@@ -19,6 +21,10 @@ import torch.distributed as dist
 
 from flexshard.buckets import BucketPlan
 from flexshard.world import current_world
+
+
+# torch 2.13 renames all_gather_into_tensor (deprecated there); torch 2.11 has only that name
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def process_bytes_written() -> int | None:
@@ -86,14 +92,19 @@ def all_gather_bucket(
     if mine.numel() != plan.padded:
         raise ValueError(f"bucket has {mine.numel()} elements, the plan pads to {plan.padded}")
     if out is None:
-        out = torch.empty((world, plan.padded), dtype=mine.dtype)
+        out = torch.empty((world, plan.padded), dtype=mine.dtype, device=mine.device)
     elif tuple(out.shape) != (world, plan.padded) or out.dtype != mine.dtype:
         raise ValueError(f"out must be {(world, plan.padded)} {mine.dtype}, got {tuple(out.shape)} {out.dtype}")
     if world == 1:
         out[0].copy_(mine.reshape(-1))
         return out
+    if native_all_gather(group):
+        _ALL_GATHER_SINGLE(as_bytes(out), as_bytes(mine), group=group)
+        item = mine.element_size()
+        _record(stats, "all_gather", (world - 1) * plan.padded * item, (world - 1) * plan.padding(rank) * item)
+        return out
     if scratch is None:
-        scratch = torch.empty((world, plan.padded), dtype=mine.dtype)
+        scratch = torch.empty((world, plan.padded), dtype=mine.dtype, device=mine.device)
     elif tuple(scratch.shape) != (world, plan.padded) or scratch.dtype != mine.dtype:
         raise ValueError(f"scratch must be {(world, plan.padded)} {mine.dtype}, got {tuple(scratch.shape)} {scratch.dtype}")
     mine = mine.reshape(-1)
@@ -123,7 +134,7 @@ def reduce_scatter_bucket(
     if tuple(send.shape) != (world, plan.padded):
         raise ValueError(f"send buffer must be {(world, plan.padded)}, got {tuple(send.shape)}")
     if out is None:
-        out = torch.empty(plan.padded, dtype=send.dtype)
+        out = torch.empty(plan.padded, dtype=send.dtype, device=send.device)
     if world == 1:
         return out.copy_(send[0])
     send = send.contiguous()
@@ -169,6 +180,13 @@ def binomial_children(relative_rank: int, world_size: int) -> int:
             count += 1
         k += 1
     return count
+
+
+def native_all_gather(group: "dist.ProcessGroup | None" = None) -> bool:
+    """Whether the all-gather runs as the backend's own (NCCL: a ring on the device, no
+    ``W`` copies of the bucket into a scratch buffer) rather than as an all-to-all (gloo,
+    where the all-to-all is two to three times faster than its ring)."""
+    return dist.get_backend(group) == "nccl"
 
 
 def _check_plan(plan: BucketPlan, world: int) -> None:

@@ -77,8 +77,10 @@ def broadcast_owned(
     block_size: int = 32,
     group: Group = None,
     stats: WireStats | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor | MXBlocks:
-    """An ``Owned`` tensor on every rank: the owner passes it, the others pass None.
+    """An ``Owned`` tensor on every rank: the owner passes it, the others pass None (and
+    receive on ``device``: the default device, CPU unless set; a GPU for NCCL).
     With ``blocks`` the owner sends MXFP8 (bytes and scales) and every rank gets MXBlocks."""
     rank, world = current_world(group)
     shape = normalize_shape(global_shape)
@@ -87,10 +89,10 @@ def broadcast_owned(
                          f"{None if tensor is None else tuple(tensor.shape)}")
     if blocks is None:
         nbytes = numel(shape) * torch.empty((), dtype=dtype).element_size()
-        buf = as_bytes(tensor.to(dtype)).clone() if rank == owner else torch.empty(nbytes, dtype=torch.uint8)
+        buf = as_bytes(tensor.to(dtype)).clone() if rank == owner else torch.empty(nbytes, dtype=torch.uint8, device=device)
         return broadcast_bytes(buf, owner, group, stats).view(dtype).view(shape)
     nbytes = wire_bytes(shape, blocks, block_size)
-    buf = pack_mx(quantize(tensor, block_size, blocks)) if rank == owner else torch.empty(nbytes, dtype=torch.uint8)
+    buf = pack_mx(quantize(tensor, block_size, blocks)) if rank == owner else torch.empty(nbytes, dtype=torch.uint8, device=device)
     broadcast_bytes(buf, owner, group, stats)
     return _split_mx(buf, shape, blocks, block_size)
 

@@ -35,6 +35,17 @@ E8M0_NAN = 0xFF
 E4M3_NAN = 0x7F
 _CHUNK_ELEMENTS = 1 << 16  # fp32 elements scaled per slab and thread (256 KiB)
 _E4M3_TO_FP32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_E4M3_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _e4m3_table(device: torch.device) -> torch.Tensor:
+    """The 256-entry E4M3 -> fp32 table on ``device`` (copied there once)."""
+    if device.type == "cpu":
+        return _E4M3_TO_FP32
+    table = _E4M3_TABLES.get(device)
+    if table is None:
+        table = _E4M3_TABLES[device] = _E4M3_TO_FP32.to(device)
+    return table
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,7 +90,7 @@ def quantize(x: torch.Tensor, block_size: int = 32, blocks: Blocks = "row") -> M
     # 2^-exponent built from its bits: biased exponent 127 - exponent lies in [8, 254],
     # a normal fp32 power of two, so the multiply below is exact unless it underflows.
     inverse_scale = _expand(((E8M0_BIAS - exponent) << 23).view(torch.float32), blocks)
-    out = torch.empty(padded.shape, dtype=torch.float8_e4m3fn)
+    out = torch.empty(padded.shape, dtype=torch.float8_e4m3fn, device=x.device)
     out_blocked = _blocked_view(out, blocks, block_size)
     # Scale, clamp and cast a slab at a time: the fp32 temporary stays small (and in cache)
     # instead of a fresh tensor the size of the input.
@@ -92,7 +103,7 @@ def quantize(x: torch.Tensor, block_size: int = 32, blocks: Blocks = "row") -> M
     data = data if data.is_contiguous() else data.contiguous()
     scale = (exponent + E8M0_BIAS).to(torch.uint8)
     bad = ~torch.isfinite(amax)
-    if bool(bad.any()):
+    if x.device.type != "cpu" or bool(bad.any()):  # on a device: no host sync, always mask
         scale = scale.masked_fill_(bad, E8M0_NAN)
         bad_elements = _unpad(_expand(bad, blocks).expand(blocked.shape).reshape(
             _padded_shape(shape, blocks, block_size)), shape)
@@ -115,12 +126,13 @@ def dequantize(mx: MXBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor
         )
     biased = scale.to(torch.int32)
     # byte 0 is 2^-127, an fp32 subnormal: bit pattern 1 << 22; 0xFF is NaN.
-    factor = torch.where(biased == 0, torch.tensor(1 << 22, dtype=torch.int32), biased << 23).view(torch.float32)
+    factor = torch.where(biased == 0, torch.tensor(1 << 22, dtype=torch.int32, device=biased.device), biased << 23).view(torch.float32)
     factor = factor.masked_fill(biased == E8M0_NAN, float("nan"))
     shape = tuple(data.shape)
     padded = _pad_to_blocks(data.view(torch.uint8), blocks, block_size)
     src = _blocked_view(padded, blocks, block_size)
-    out = torch.empty(padded.shape, dtype=torch.float32)
+    out = torch.empty(padded.shape, dtype=torch.float32, device=data.device)
+    table = _e4m3_table(data.device)
     dst = _blocked_view(out, blocks, block_size)
     factor = _expand(factor, blocks)
     step = _slab_rows(src)
@@ -128,7 +140,7 @@ def dequantize(mx: MXBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor
         rows = slice(first, first + step)
         # a 256-entry table lookup: torch's float8 -> fp32 cast runs element by element
         codes = src[rows].reshape(-1).to(torch.int32)
-        values = torch.index_select(_E4M3_TO_FP32, 0, codes).view(dst[rows].shape)
+        values = torch.index_select(table, 0, codes).view(dst[rows].shape)
         torch.mul(values, factor[rows], out=dst[rows])
     result = _unpad(out, shape)
     return (result if result.is_contiguous() else result.contiguous()).to(dtype)
@@ -205,6 +217,8 @@ def _slab_rows(blocked: torch.Tensor) -> int:
     (each slab is one parallel region: fewer, larger ones when there are more threads)."""
     if blocked.shape[0] == 0:
         return 1
+    if blocked.device.type != "cpu":  # a GPU kernel is one launch over the whole tensor
+        return blocked.shape[0]
     return max(1, _CHUNK_ELEMENTS * torch.get_num_threads() // max(1, blocked[0].numel()))
 
 

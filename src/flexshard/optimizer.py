@@ -121,6 +121,9 @@ class ShardedOptimizer:
         _check_params(named)
         self.muon, self.adamw, self.sharding, self.group = muon, adamw, sharding, group
         self.rank, self.world_size = current_world(group)
+        self.device = named[0][1].device  # masters, state and buffers live with the parameters
+        if dist.is_available() and dist.is_initialized():
+            check_backend_device(dist.get_backend(group), self.device)
         muon_names = _muon_names(named, muon_params)
         self.ns_costs = _ns_costs({n: tuple(p.shape) for n, p in named}, muon_names, muon)
         self.owners = assign_owners(self.ns_costs, self.world_size) if sharding.placement == "owned" else {}
@@ -130,7 +133,7 @@ class ShardedOptimizer:
         self.ns_flops = 0  # Newton-Schulz FLOPs this rank has run
         self.mx_params: dict[str, MXBlocks] = {}
         self._plan = BucketPlan.for_layouts([(e.shape, e.layout) for e in self.entries], self.world_size)
-        self._grad_bucket = torch.zeros(self._plan.padded, dtype=torch.float32)
+        self._grad_bucket = torch.zeros(self._plan.padded, dtype=torch.float32, device=self.device)
         for i, e in enumerate(self.entries):
             r = self._plan.slot(self.rank, i)
             e.grad = self._grad_bucket[r.start : r.stop].view(e.master.local.shape)
@@ -150,7 +153,7 @@ class ShardedOptimizer:
         names = ("momentum_buffer",) if kind == "muon" else ("exp_avg", "exp_avg_sq")
         state = {}
         for s in names:
-            st = ShardedTensor.empty(tuple(param.shape), layout, torch.float32, "cpu", r, w)
+            st = ShardedTensor.empty(tuple(param.shape), layout, torch.float32, param.device, r, w)
             st.local.zero_()
             state[s] = st
         return _Entry(name, param, kind, layout, master, state)
@@ -288,7 +291,8 @@ class ShardedOptimizer:
         if self._buffers is not None:
             return self._buffers
         shape = (self.world_size, self._plan.padded)
-        buffers = (torch.empty(shape, dtype=torch.float32), torch.empty(shape, dtype=torch.float32))
+        buffers = (torch.empty(shape, dtype=torch.float32, device=self.device),
+                   torch.empty(shape, dtype=torch.float32, device=self.device))
         if self.sharding.persistent_buffers:
             self._buffers = buffers
         return buffers
@@ -430,5 +434,18 @@ def _check_params(named: list[tuple[str, torch.Tensor]]) -> None:
             raise TypeError(f"parameter {n!r} is {p.dtype}; only floating-point parameters can be optimized")
         if not p.is_contiguous():
             raise ValueError(f"parameter {n!r} is not contiguous; the parameter gather writes it as a flat view")
-        if p.device.type != "cpu":
-            raise ValueError(f"parameter {n!r} is on {p.device}; this optimizer runs on CPU tensors for now")
+    devices = {p.device for _, p in named}
+    if len(devices) != 1:
+        raise ValueError(f"all parameters must be on one device (buckets are flat buffers there), got {sorted(map(str, devices))}")
+
+
+def check_backend_device(backend: str, device: torch.device) -> None:
+    """Refuse a process-group backend that cannot move tensors of ``device``: NCCL moves
+    GPU tensors, gloo CPU ones."""
+    want = {"nccl": "cuda", "gloo": "cpu"}.get(str(backend))
+    if want is not None and device.type != want:
+        raise ValueError(
+            f"parameters are on {device} but the process group's backend is {backend}, which moves "
+            f"{want} tensors: init the group with backend={'nccl' if device.type == 'cuda' else 'gloo'!r} "
+            f"or move the model to {want}"
+        )

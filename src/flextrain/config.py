@@ -74,6 +74,8 @@ class TrainConfig:
     keep_last: int = 3            # performance
     eval_every: int = 50
     log_every: int = 1
+    device: str = "auto"          # performance: "cuda", "cpu" or "auto" (CUDA when present); flextrain.device
+    autocast: str = "auto"        # "bf16", "none" or "auto" (bf16 on CUDA); resolved at start, fingerprinted
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -223,6 +225,8 @@ RULES: dict[str, Any] = {
     "optim.min_lr_ratio": _real(0, 1),
     "optim.placement": _one_of("owned", "fsdp"),
     "optim.compute_copy": _one_of("full", "mxfp8"),
+    "device": _one_of("auto", "cuda", "cpu"),  # performance: flextrain.device
+    "autocast": _one_of("auto", "bf16", "none"),  # resolved at start, fingerprinted
 }
 
 
@@ -234,6 +238,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Fields that change which numbers a run computes: they must match on resume.
 SEMANTIC = {
     "seed": None,
+    "autocast": None,
     "model": None,
     "data": ("sources", "shares", "tokenizer", "max_length", "packing", "shuffle_buffer", "lanes", "global_batch",
              "heldout_fraction", "eval_batches", "loader"),
@@ -244,7 +249,7 @@ SEMANTIC = {
 def semantic_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section, keys in SEMANTIC.items():
-        value = cfg.get(section)
+        value = cfg.get(section, "none" if section == "autocast" else None)  # runs before autocast were fp32
         if keys is None:
             out[section] = value
         else:

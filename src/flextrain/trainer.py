@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,11 @@ from zephon_state import Pipeline, global_batch_digest
 
 from flextrain.config import TrainConfig, differences, fingerprint
 from flextrain.data import build_pipeline, check_inputs, heldout_pipeline
+from flextrain.device import autocast, backend_for, choose_device, prepare, resolve_autocast, to_device
 from flextrain.model import Transformer, token_loss_sum
 from flextrain.preempt import Preemption, StartupStopped
 from flextrain.schedule import lr_scale
 from flextrain.usual_loader import UsualLoader
-
-DEVICE = torch.device("cpu")  # the one place the device is chosen (ShardedOptimizer is CPU-only today)
-
 
 class ResumeRefused(RuntimeError):
     """The checkpoint was written by a run whose numbers this configuration would change, or
@@ -48,10 +47,10 @@ class TrainingDiverged(RuntimeError):
     before its checkpoint."""
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(backend: str = "gloo") -> tuple[int, int]:
     """(rank, world): torchrun's environment, else one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -93,10 +92,12 @@ def adopt_checkpoint_state(opt: ShardedOptimizer, state: dict) -> None:
 
 
 def saved_trainer_values(ckpt: Checkpointer, step: int | None = None) -> tuple[int, dict]:
-    """The ``trainer/`` plain values of a checkpoint (no tensor is read)."""
-    probe = {"trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "", "calibration": ""}}
+    """The ``trainer/`` plain values of a checkpoint and its lane cursors (``lanes``); no
+    tensor is read."""
+    probe = {"trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "", "calibration": ""},
+             "data": ByLane({})}
     got = ckpt.load(probe, step=step, strict=False, fallback=step is None)
-    return got, probe["trainer"]
+    return got, {**probe["trainer"], "lanes": probe["data"].values}
 
 
 def check_resumable(saved_config: str, cfg: TrainConfig) -> None:
@@ -107,7 +108,7 @@ def check_resumable(saved_config: str, cfg: TrainConfig) -> None:
             "the checkpoint was written by a run with other numbers; these fields differ:\n  "
             + "\n  ".join(diffs)
             + "\nset them back (e.g. --set data.max_length=...), or start a new run in another --run-dir. "
-            "Performance settings (ranks, data.micro_batch, optim.placement, ckpt_every, data.workers) may change."
+            "Performance settings (ranks, device, data.micro_batch, optim.placement, ckpt_every, data.workers) may change."
         )
 
 
@@ -133,7 +134,10 @@ class Trainer:
         self.cfg = cfg.validate()
         check_inputs(cfg.data, cfg.model.vocab_size)
         self.preempt = preempt  # installed by the CLI at start; train() installs one otherwise
-        self.rank, self.world = init_distributed()
+        self.device = choose_device(cfg.device)  # flextrain.device decides; the rest follows it
+        cfg.autocast = resolve_autocast(cfg.autocast, self.device)  # before anything is fingerprinted
+        prepare(self.device)
+        self.rank, self.world = init_distributed(backend_for(self.device))
         cfg.check_world(self.world)
         self._stop_if_signalled()
         self.quiet = quiet or self.rank != 0
@@ -144,15 +148,6 @@ class Trainer:
         launched = os.environ.get("FLEXTRAIN_LAUNCH_TIME")  # set by a benchmark: wall clock at launch
         if launched:
             self.timings["process_start_s"] = time.time() - float(launched)
-        t = time.perf_counter()
-        torch.manual_seed(cfg.seed)
-        self.model = Transformer(cfg.model).to(DEVICE)
-        self.model.init_weights(cfg.seed)
-        self.opt = build_optimizer(self.model, cfg)
-        if cfg.optim.compute_copy == "mxfp8":
-            self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
-        self.timings["model_build_s"] = time.perf_counter() - t
-        self._stop_if_signalled()
         self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last)
         t = time.perf_counter()
         saved = None
@@ -163,29 +158,58 @@ class Trainer:
             raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}; "
                                 "drop --resume to start a new run there")
         self.timings["checkpoint_probe_s"] = time.perf_counter() - t
+        # the pipeline is built, restored and started on a thread while the model builds and
+        # the tensors load: a restart waits only for what is left of it (pipeline_build_s)
+        starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
+        data = starter.submit(self._start_pipeline, saved)
+        starter.shutdown(wait=False)
         t = time.perf_counter()
-        if cfg.data.loader == "usual":
-            self.pipeline = UsualLoader(cfg.data, cfg.seed, self.rank, self.world)
-        else:
-            calibration = json.loads(saved["calibration"]) if saved and saved["calibration"] else None
-            self.pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=calibration)
-            self.pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(cfg.model)
+        self.model.init_weights(cfg.seed)  # on the CPU (its generator), the same bits on every device
+        self.model.to(self.device)
+        self.opt = build_optimizer(self.model, cfg)
+        if cfg.optim.compute_copy == "mxfp8":
+            self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
+        self.timings["model_build_s"] = time.perf_counter() - t
+        self.step = 0
+        self.resumed_from: int | None = None
+        t = time.perf_counter()
+        data_state = self._resume() if saved is not None else None
+        self.timings["checkpoint_load_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.pipeline, started_from = data.result()
+        if data_state is not None and data_state != started_from:  # the full load fell back to an older step
+            self.pipeline.load_state_dict(data_state)
         self._calibration = self.pipeline.calibration() if isinstance(self.pipeline, Pipeline) else None
         self.heldout = heldout_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=self._calibration)
         self.heldout.fingerprint()  # its split and batch geometry too: an evaluation cannot fail on them later
         self._heldout_start: dict | None = None
         self.timings["pipeline_build_s"] = time.perf_counter() - t
         self._stop_if_signalled()
-        self.step = 0
-        self.resumed_from: int | None = None
-        t = time.perf_counter()
-        if saved is not None:
-            self._resume()
-        self.timings["checkpoint_load_s"] = time.perf_counter() - t
         self.metrics = Metrics(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
 
+    def _start_pipeline(self, saved: dict | None) -> tuple[Any, dict | None]:
+        """The training pipeline, restored to the probed checkpoint's data state and started."""
+        cfg = self.cfg
+        if cfg.data.loader == "usual":
+            pipeline = UsualLoader(cfg.data, cfg.seed, self.rank, self.world)
+        else:
+            calibration = json.loads(saved["calibration"]) if saved and saved["calibration"] else None
+            pipeline = build_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=calibration)
+            pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
+        if saved is None:
+            return pipeline, None
+        data_state = json.loads(saved["data_state"])
+        data_state["lanes"] = saved["lanes"]
+        pipeline.load_state_dict(data_state)
+        if isinstance(pipeline, Pipeline):
+            pipeline.start()
+        return pipeline, data_state
+
     # ---- resume ---------------------------------------------------------------------------
-    def _resume(self) -> None:
+    def _resume(self) -> dict:
+        """Load the checkpoint's tensors and values; returns its data state (the pipeline's)."""
         newest = self.ckpt.latest_step()
         state = checkpoint_state(self.opt, 0, self.cfg, {"lanes": {}})
         got = self.ckpt.load(state, fallback=True)
@@ -195,7 +219,6 @@ class Trainer:
         adopt_checkpoint_state(self.opt, state)
         data_state = json.loads(state["trainer"]["data_state"])
         data_state["lanes"] = state["data"].values
-        self.pipeline.load_state_dict(data_state)
         self.step = self.resumed_from = int(state["trainer"]["step"])
         stats = self.ckpt.last_load_stats
         record = {"step": got, "world": self.world, "rank": self.rank,
@@ -203,12 +226,13 @@ class Trainer:
         (self.run_dir / f"resume-w{self.world}-r{self.rank}.json").write_text(json.dumps(record))
         self._say(f"flextrain: resumed step {got} on {self.world} ranks; rank {self.rank} read "
                   f"{record['bytes_read']} bytes", all_ranks=True)
+        return data_state
 
     def _stop_if_signalled(self, agree: bool = False) -> None:
         """A signal during start-up stops the run before its first step. One rank stops on
         its own flag at once; ranks stop only together, on ``agree`` (one all-reduce when
         start-up ends), as a rank stopping alone would leave the others waiting."""
-        flag = torch.tensor([float(self.preempt is not None and self.preempt.requested)])
+        flag = torch.tensor([float(self.preempt is not None and self.preempt.requested)], device=self.device)
         if agree and self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         elif self.world > 1:
@@ -238,11 +262,13 @@ class Trainer:
         for _ in range(self.cfg.data.eval_batches):
             while True:
                 b = next(self.heldout)
-                loss, n = token_loss_sum(self.model, b.to_training(DEVICE))
+                with autocast(self.cfg.autocast, self.device):
+                    loss, n = token_loss_sum(self.model, to_device(b.to_training(), self.device))
                 total += torch.tensor([loss.item(), n], dtype=torch.float64)
                 if b.last_in_step:
                     break
         if self.world > 1:
+            total = total.to(self.device)
             dist.all_reduce(total)
         return float(total[0] / total[1])
 
@@ -271,11 +297,13 @@ class Trainer:
                 data_wait = time.perf_counter() - t0
                 if self.step == (self.resumed_from or 0):
                     self.timings.setdefault("first_batch_s", data_wait)
-                count = torch.tensor([float(sum(int((b.labels != -100).sum()) for b in micro)), flag], dtype=torch.float64)
+                count = torch.tensor([float(sum(int((b.labels != -100).sum()) for b in micro)), flag],
+                                     dtype=torch.float64, device=self.device)
                 work = dist.all_reduce(count, async_op=True) if self.world > 1 else None
                 loss_sum = 0.0
                 for b in micro:
-                    loss, _ = token_loss_sum(self.model, b.to_training(DEVICE))
+                    with autocast(cfg.autocast, self.device):
+                        loss, _ = token_loss_sum(self.model, to_device(b.to_training(), self.device))
                     loss.backward()
                     loss_sum += loss.item()
                 if work is not None:
@@ -354,8 +382,9 @@ class Trainer:
             return combine(mine), loss_sum, weights_ok
         tail = np.array([loss_sum, float(weights_ok)], dtype=np.float64).tobytes()
         payload = np.frombuffer(b"".join(mine) + tail, dtype=np.uint8).copy()
-        out = [torch.empty(len(payload), dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(out, torch.from_numpy(payload))
+        out = [torch.empty(len(payload), dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+        dist.all_gather(out, torch.from_numpy(payload).to(self.device))
+        out = [t.cpu() for t in out]
         digests: list[bytes] = []
         total, ok = 0.0, True
         for t in out:  # ranks in order: lanes in lane order

@@ -41,7 +41,8 @@ class Accumulator:
         readahead_bytes: int,
     ) -> None:
         self.reader, self.tokenizer, self.pool = reader, tokenizer, pool
-        self.chunk_bytes, self.readahead_bytes = chunk_bytes, readahead_bytes
+        self.chunk_bytes, self.readahead_bytes = chunk_bytes, 0
+        self._readahead_bytes = readahead_bytes  # held back until start_readahead()
         docs = reader.plan.documents[reader.source]
         self._texts, self._nbytes = docs.texts, docs.nbytes
         self._pending: deque[tuple[Future, list[tuple[int, int]], int]] = deque()
@@ -60,14 +61,24 @@ class Accumulator:
         self._pending.append((self.pool.submit(self.tokenizer.encode, texts), where, nbytes))
         self._ahead += nbytes
 
+    def start_readahead(self) -> None:
+        """Tokenize ``readahead_bytes`` ahead from now on, starting at once. A lane calls it
+        once its first window is built: before that, the single queue of the pool would
+        tokenize this lane's next window ahead of the other lanes' first ones (on a restore
+        that doubles the text tokenized before the first batch)."""
+        self.readahead_bytes = self._readahead_bytes
+        self.top_up()
+
     def top_up(self) -> None:
-        """Keep at least ``readahead_bytes`` of text submitted and not yet handed out."""
-        while self._ahead < self.readahead_bytes or not self._pending:
+        """Keep at least ``readahead_bytes`` of text (and one chunk) submitted and not yet
+        handed out; nothing ahead before :meth:`start_readahead`."""
+        while self.readahead_bytes and (self._ahead < self.readahead_bytes or not self._pending):
             self._submit_chunk()
 
     def next_document(self) -> TokenizedDocument:
         if not self._ready:
-            self.top_up()
+            if not self._pending:
+                self._submit_chunk()
             future, where, nbytes = self._pending.popleft()
             self._ahead -= nbytes
             self.top_up()

@@ -169,6 +169,10 @@ class Lane:
             k -= n
         return Rows.concat(parts), cursors
 
+    def start_readahead(self) -> None:
+        for stream in self.streams:
+            stream.acc.start_readahead()
+
     def cancel(self) -> None:
         for stream in self.streams:
             stream.acc.cancel()

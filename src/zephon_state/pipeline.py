@@ -265,13 +265,20 @@ class Pipeline:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def __next__(self) -> Batch:
+    def start(self) -> "Pipeline":
+        """Start producing in the background now (the first ``next()`` otherwise does): a
+        restart then tokenizes its lanes' windows while the model and checkpoint load. A
+        later ``load_state_dict`` stops it and starts over from the state."""
         prepared = self._prepare()
         if self._resources.producer is None:
             assert self._resume is not None
             self._resources.producer = Producer(
                 prepared.setup, prepared.topology, self._consumed, self._resume, self.config.options.prefetch
             )
+        return self
+
+    def __next__(self) -> Batch:
+        self.start()
         batch = self._resources.producer.get()
         self._consumed.update(batch.lane_cursors)
         return batch

@@ -106,7 +106,11 @@ class Producer:
                 self._lanes.append(Lane(lane, self.setup, self._cursors[lane]))
             step, takes, first = self.resume.step, self.resume.rows, self.resume.microbatch
             while not self._stop.is_set():
-                for batch in self._step(step, takes, first):
+                batches = self._step(step, takes, first)
+                if step == self.resume.step:  # every lane's first window is built: tokenize ahead now
+                    for lane in self._lanes:
+                        lane.start_readahead()
+                for batch in batches:
                     if not self._put(batch):
                         return
                 step, takes, first = step + 1, (self.topology.per_lane,) * len(self._lanes), 0
