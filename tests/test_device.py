@@ -188,7 +188,7 @@ def test_autocast_is_bf16_on_cuda_by_default_and_changes_the_fingerprint_device_
     assert differences(gpu_run, same_numbers) == [] and fingerprint(gpu_run) == fingerprint(same_numbers)
     older = {k: v for k, v in cpu_run.items() if k != "autocast"}  # a run from before autocast: fp32
     assert differences(older, cpu_run) == []
-    with pytest.raises(ConfigError, match="device='gpu' must be 'auto', 'cuda' or 'cpu'"):
+    with pytest.raises(ConfigError, match="device='gpu' is not allowed: it must be one of 'auto', 'cuda', 'cpu'"):
         load_config(sets=["device=gpu"])
 
 
