@@ -55,6 +55,7 @@ from flexckpt.load import LoadStats, PendingLoad, encode_per_rank
 from flexckpt.manifest import (
     GROUP,
     attempt_id,
+    attempt_run_id,
     check_run_id,
     committed_name,
     data_name,
@@ -300,7 +301,8 @@ class Checkpointer:
         """Files of saves that failed or were cut short before this launch (see
         :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again."""
         try:
-            removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since)
+            removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since,
+                                       f"{self.run_id}.{self.session}")
         except Exception:  # noqa: BLE001 - housekeeping; saves report their own failures
             log.exception("flexckpt: reclaiming unfinished saves under %s failed", self.storage.url)
             return
@@ -523,11 +525,12 @@ class Checkpointer:
             )
             job.handle.timings["gather_s"] = time.perf_counter() - t0
             check_fingerprints(entries, job.step, e.fingerprint, e.structure, structures)
-            other = other_live_job(self.storage, job.step, job.attempt, self._since)
+            other = other_live_job(self.storage, job.attempt, self._since)
             if other is not None:
                 raise SaveError(
-                    f"step {job.step}: another job is saving into {self.storage.url} (its attempt folder {other} was "
-                    f"written after this job started); give each job its own URL"
+                    f"step {job.step}: another job is saving into {self.storage.url}: run "
+                    f"{attempt_run_id(other.rsplit('/', 1)[1])!r} wrote {other} after this job started; nothing of it "
+                    f"was deleted and this step is not committed; give each job its own URL"
                 )
             manifest = build_manifest(
                 step=job.step, run_id=self.run_id, attempt=job.attempt, plan=e.plan, fingerprint=e.fingerprint,
@@ -544,7 +547,7 @@ class Checkpointer:
         job.handle.timings["commit_s"] = time.perf_counter() - t0
         job.handle._done.set()  # committed: retention below is housekeeping, not part of the save
         try:
-            apply_retention(self.storage, self.keep_last, job.step, job.attempt, self._since)
+            apply_retention(self.storage, self.keep_last, job.step, job.attempt, self._since, self.commit_timeout)
         except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
             log.exception("retention after step %d failed", job.step)
 
