@@ -277,3 +277,58 @@ def test_retention_removes_only_this_runs_failed_saves_and_stale_folders(tmp_pat
         "step-000000000003/me.00000001.2", "step-000000000004/other.00000002.1"]
     assert (root / "step-000000000001" / "manifest.json").exists()  # another job's, committed since: kept
     assert not (root / "step-000000000002").exists()  # this job's, beyond keep_last: gone
+
+
+@pytest.mark.parametrize("order", [(10, 9), (9, 10)], ids=["larger step first", "smaller step first"])
+def test_two_saves_in_flight_in_either_order_both_commit_and_load(tmp_path, order):
+    # issue 14 defect 6: step 10's retention took step 9's folder (in flight) for a leftover
+    # and deleted it while it was written: step 9 failed with a bare ENOENT (5 of 5 trials)
+    cps = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job", keep_last=1, commit_timeout=30)
+           for r in range(W)]
+    hs = [cp.save(step, state(r, step)) for step in order for r, cp in enumerate(cps)]
+    assert [h.result(timeout=30) for h in hs] == [s for s in order for _ in range(W)]
+    cps[0].wait()
+    # keep_last=1 never removes the step its commit just wrote: 9 committed after 10 stays
+    # until the next commit
+    assert cps[0].steps() == ([9, 10] if order == (10, 9) else [10])
+    for cp in cps:
+        cp.close()
+    assert load_value(tmp_path, 10) == {10.0}
+    if order == (10, 9):
+        assert load_value(tmp_path, 9) == {9.0}
+    cps = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job2", keep_last=1) for r in range(W)]
+    save_all(cps, 11, 11)
+    cps[0].wait()
+    assert cps[0].steps() == [11]
+    for cp in cps:
+        cp.close()
+
+
+def test_two_threads_saving_interleaved_steps_all_commit(tmp_path):
+    # issue 14 defect 6: 26-30 of 60 saves failed with two threads
+    import threading
+
+    ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=2, commit_timeout=30)
+    errors, done = [], []
+
+    def saver(steps):
+        for s in steps:
+            try:
+                done.append(ck.save(s, {"w": torch.full((256,), float(s)), "step": s}).result(timeout=30))
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(f"step {s}: {e}")
+
+    threads = [threading.Thread(target=saver, args=(range(first, 41, 2),)) for first in (2, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    ck.wait()
+    assert len(ck._threads) == 3  # one stager, writer and committer: two first saves at once started two sets
+    assert errors == [] and sorted(done) == list(range(1, 41))
+    steps = ck.steps()
+    assert 40 in steps and len(steps) <= 3, steps
+    for s in steps:
+        target = {"w": torch.zeros(256), "step": 0}
+        assert ck.load(target, step=s) == s and target["step"] == s and torch.equal(target["w"], torch.full((256,), float(s)))
+    ck.close()

@@ -356,6 +356,10 @@ class Checkpointer:
         Call ``handle.wait_staged()`` before changing the state (the optimizer step).
         Storage failures are reported by the handle and the log, never raised here; a
         state that cannot be checkpointed at all (an unsupported type) raises at once.
+        Several saves may be in flight, in any step order and from several threads: they
+        commit in the order of the save() calls, retention never removes a save in flight
+        (a smaller step saved while a larger one commits), and keep_last never removes the
+        step a commit just wrote (a step older than the newest goes at the next commit).
         """
         t0 = time.perf_counter()
         if self._closed:
@@ -424,8 +428,11 @@ class Checkpointer:
         return entry
 
     def _ensure_threads(self) -> None:
-        if self._threads:
-            return
+        with self._lock:  # two threads' first saves must start one set of threads, not two
+            if not self._threads:
+                self._start_threads()
+
+    def _start_threads(self) -> None:
         ref = weakref.ref(self)
         loops = [("stage", self._stage_q, self._write_q), ("write", self._write_q, self._commit_q)]
         if self.is_leader:
