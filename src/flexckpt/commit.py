@@ -389,8 +389,6 @@ def remove_leftovers(storage: Storage, step: int, attempt: str, stale_after: flo
     folder = step_dir(step)
     run_id = attempt_run_id(attempt)
     for name in storage.list_names(folder):
-        if name.startswith("."):
-            continue
         rel = f"{folder}/{name}"
         owner = attempt_run_id(name)
         failed = owner == run_id and storage.exists(f"{folder}/{failed_name(name)}")
