@@ -29,14 +29,15 @@ from typing import Any
 KILLABLE = ("makedirs", "write_stream", "write_direct", "put_atomic", "remove", "remove_tree")
 N_ELEMENTS = 12_000  # small: no OpenMP parallel region ever runs in a forked child
 KEEP_LAST = 2
-WORLD = {"steady": 1, "direct": 1, "resave": 1, "two_ranks": 2}  # ranks per scenario
+WORLD = {"steady": 1, "direct": 1, "resave": 1, "two_ranks": 2, "interleaved": 1}  # ranks per scenario
 
 
 @dataclass(frozen=True)
 class Trial:
     """``scenario``: "steady" (steps 1-6), "direct" (the same with O_DIRECT and no
     compression), "resave" (steps 1-4, roll back to 3, save 4 and 5 again with new values)
-    or "two_ranks" (steps 1-6 at world 2, tensors sharded; checked and resumed at world 1).
+    or "two_ranks" (steps 1-6 at world 2, tensors sharded; checked and resumed at world 1)
+    or "interleaved" (steps 2, 1, 4, 3, 6, 5, two saves in flight at a time, the larger first).
     Kill rank ``rank`` at the ``n``-th call of ``method`` (``when`` "before", "during" or
     "after"), or, with ``method`` None, every rank ``delay`` seconds after the start
     (``method`` "": never)."""
@@ -102,6 +103,8 @@ def _saves(scenario: str) -> list[tuple[int, int, int | None]]:
     """(step, version, roll back to this step first or None) in order."""
     if scenario == "resave":
         return [(1, 0, None), (2, 0, None), (3, 0, None), (4, 0, None), (4, 1, 3), (5, 1, None)]
+    if scenario == "interleaved":
+        return [(s, 0, None) for pair in ((2, 1), (4, 3), (6, 5)) for s in pair]
     return [(s, 0, None) for s in range(1, 7)]
 
 
@@ -143,13 +146,19 @@ def _child(root: str, trial: Trial, log_path: str, rank: int) -> None:
         install_kill_hook(trial.method, trial.n, trial.when)
     with open(log_path, "a") as log:
         ck = _checkpointer(root, trial.scenario, rank, world)
-        for step, version, rollback in _saves(trial.scenario):
-            if rollback is not None:
-                ck.load(_empty(False), step=rollback)
-            ck.save(step, state_for(step, version, rank, world, sharded=world > 1)).result(timeout=60)
-            if rank == 0:
-                log.write(f"{step} {version}\n")  # this step is committed: rank 0 was told so
-                log.flush()
+        in_flight = 2 if trial.scenario == "interleaved" else 1  # saves started before waiting
+        saves = _saves(trial.scenario)
+        for i in range(0, len(saves), in_flight):
+            handles = []
+            for step, version, rollback in saves[i : i + in_flight]:
+                if rollback is not None:
+                    ck.load(_empty(False), step=rollback)
+                handles.append((step, version, ck.save(step, state_for(step, version, rank, world, sharded=world > 1))))
+            for step, version, h in handles:
+                h.result(timeout=60)
+                if rank == 0:
+                    log.write(f"{step} {version}\n")  # this step is committed: rank 0 was told so
+                    log.flush()
         ck.close()
 
 
@@ -265,6 +274,14 @@ def two_rank_trials() -> list[Trial]:
         out += [Trial("two_ranks", "put_atomic", n, when, rank=0) for when in ("before", "after")]
     out += [Trial("two_ranks", "remove_tree", 1, "after", rank=0), Trial("two_ranks", "remove", 2, "before", rank=0)]
     return out
+
+
+def interleaved_trials() -> list[Trial]:
+    """Two saves in flight, the larger step first (issue 14 defect 6): the smaller step's data
+    write and table while the larger commits, the manifests, and the retention deletes."""
+    return [Trial("interleaved", "write_stream", 2, "during"), Trial("interleaved", "put_atomic", 4, "before"),
+            Trial("interleaved", "put_atomic", 8, "after"), Trial("interleaved", "remove", 1, "before"),
+            Trial("interleaved", "remove_tree", 1, "after"), Trial("interleaved", "remove_tree", 2, "after")]
 
 
 def random_trials(scenario: str, count: int, seed: int) -> list[Trial]:

@@ -30,6 +30,7 @@ from flexckpt import ByLane, Checkpointer, CheckpointError, PerRank
 from flexckpt.checksum import checksum
 from flexckpt import cli, storage as storage_module
 from flexckpt.commit import read_manifest
+from flexckpt.manifest import seal, unseal
 from flexckpt.storage import Storage
 from flexshard import BlockShard, HybridShard, Owned, Replicate, Shard, ShardedTensor
 
@@ -199,7 +200,25 @@ def _vouch(manifest: bytes, table_rel: str, table: bytes) -> bytes:
     doc = orjson.loads(manifest)
     rank = int(table_rel.rsplit("/r", 1)[1].split(".")[0])
     doc["ranks"][rank][:2] = [checksum(table), len(table)]
-    return orjson.dumps(doc)
+    return reseal(orjson.dumps(doc))
+
+
+SEAL_HEAD = b'{"manifest_checksum":"'
+
+
+def reseal(data: bytes) -> bytes:
+    """An edited manifest with its checksum recomputed, as an attacker would, so that the
+    edit reaches the validator. Bytes that no longer start with a well-formed checksum field
+    (the edit hit it) stay as they are: those test the checksum's own checks."""
+    head = len(SEAL_HEAD) + 16
+    if not data.startswith(SEAL_HEAD) or data[head : head + 2] != b'",':
+        return data
+    try:
+        unseal(data)
+        return data  # still intact (an edit that changed nothing)
+    except CheckpointError:
+        pass
+    return seal(b"{" + data[head + 2 :])
 
 
 def mutate(files: dict[str, bytes], draw) -> tuple[str, dict[str, bytes | None]]:
@@ -210,9 +229,13 @@ def mutate(files: dict[str, bytes], draw) -> tuple[str, dict[str, bytes | None]]
     kinds = ["json", "json", "json", "bytes", "data", "none"] + (["table", "table", "table"] if tables else [])
     kind = draw(st.sampled_from(kinds))
     if kind == "json":
-        return kind, {manifest_rel: _json_edit(files[manifest_rel], draw)}
+        edited = _json_edit(files[manifest_rel], draw)
+        field = len(SEAL_HEAD) + 18  # the checksum field, intact: the edit is elsewhere
+        if tables and draw(st.integers(0, 9)) == 0 and edited != files[manifest_rel] and edited[:field] == files[manifest_rel][:field]:
+            return "unsealed", {manifest_rel: edited}  # an edit the checksum must catch
+        return kind, {manifest_rel: reseal(edited)}
     if kind == "bytes":
-        return kind, {manifest_rel: _byte_edit(files[manifest_rel], draw)}
+        return kind, {manifest_rel: reseal(_byte_edit(files[manifest_rel], draw))}
     if kind == "table":
         rel = draw(st.sampled_from(tables))
         table = _table_edit(files[rel], draw)
@@ -299,8 +322,12 @@ def drive(root: Path, name: str, kind: str, world: int, rank: int, counts: dict)
     storage = Storage(str(root))
     try:
         manifest = read_manifest(storage, STEP)
-    except CheckpointError:
+    except CheckpointError as e:
         manifest = None
+        if kind == "unsealed" and "manifest_checksum" in str(e):
+            counts["checksum_caught"] = counts.get("checksum_caught", 0) + 1
+    if kind == "unsealed" and manifest is not None:
+        raise AssertionError(f"{name}: a manifest edited without its checksum recomputed was accepted")
     if manifest is not None:
         counts["parsed"] += 1
         if _cli("plan", str(root), world=world) == 0:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kill_trials import chosen_trials, random_trials, two_rank_trials
+from kill_trials import chosen_trials, interleaved_trials, random_trials, two_rank_trials
 
 HARNESS = Path(__file__).resolve().parent / "kill_trials.py"
 
@@ -30,13 +30,13 @@ def _run(tmp_path, trials, timeout):
 
 @pytest.mark.timeout(240)
 def test_sigkill_at_chosen_storage_calls_and_at_random_times_loses_nothing_committed(tmp_path):
-    trials = (chosen_trials("steady") + chosen_trials("direct") + two_rank_trials()
-              + random_trials("steady", 20, seed=1) + random_trials("direct", 10, seed=2)
+    trials = (chosen_trials("steady") + chosen_trials("direct") + two_rank_trials() + interleaved_trials()
+              + random_trials("steady", 14, seed=1) + random_trials("direct", 10, seed=2)
               + random_trials("two_ranks", 10, seed=3))
     summary, results = _run(tmp_path, trials, timeout=220)
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
-    assert summary["trials"] == len(trials) >= 50
+    assert summary["trials"] == len(trials) == 97  # with the 21 below: 118
     assert summary["killed"] >= len(trials) - 12  # random times fall inside the run, nearly all
     # every chosen point was reached (its child died by its hook, not by finishing)
     for r in results:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from flexckpt import ByLane, Checkpointer, LoadError, ManifestError, PerRank
 from flexckpt.checksum import checksum
 from flexckpt.commit import read_manifest
-from flexckpt.manifest import MANIFEST, step_dir, values_name
+from flexckpt.manifest import MANIFEST, SEAL_FIELD, seal, step_dir, values_name
 from flexshard import Shard, ShardedTensor
 from flexshard.spawn import run_workers
 
@@ -46,9 +46,10 @@ def _edit_manifest(root, step, edit):
     path = os.path.join(root, step_dir(step), MANIFEST)
     with open(path, "rb") as f:
         doc = orjson.loads(f.read())
+    sealed = doc.pop(SEAL_FIELD, None) is not None
     edit(doc)
     with open(path, "wb") as f:
-        f.write(orjson.dumps(doc))
+        f.write(seal(orjson.dumps(doc)) if sealed else orjson.dumps(doc))  # the checksum recomputed, as an attacker would
 
 
 def _damage_per_rank_value(root, step, rank):

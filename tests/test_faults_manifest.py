@@ -21,7 +21,7 @@ from flexckpt import ByLane, Checkpointer, CheckpointError, ManifestError
 from flexckpt.cli import main as cli
 from flexckpt.commit import read_manifest
 from flexckpt.errors import MissingFile, TooLarge, TruncatedFile
-from flexckpt.manifest import MAX_MANIFEST_BYTES
+from flexckpt.manifest import MAX_MANIFEST_BYTES, SEAL_FIELD, seal, unseal
 from flexckpt.storage import Storage
 
 DATA = Path(__file__).resolve().parent / "data" / "v1"
@@ -46,8 +46,11 @@ def _v2(tmp_path):
 def _edit(root, edit):
     (path,) = glob.glob(f"{root}/step-*/manifest.json")
     doc = orjson.loads(Path(path).read_bytes())
+    sealed = doc.pop(SEAL_FIELD, None) is not None
     edit(doc)
-    Path(path).write_bytes(orjson.dumps(doc).replace(b'"DEEP"', DEEP))
+    data = orjson.dumps(doc).replace(b'"DEEP"', DEEP)
+    # the checksum recomputed, as an attacker would: the validator below must still catch it
+    Path(path).write_bytes(seal(data) if sealed else data)
 
 
 def _run(*argv):
@@ -172,3 +175,39 @@ def test_fuzzed_manifests_tables_and_data_give_success_or_flexckpts_errors_withi
     assert counts["parsed"] >= 0.25 * FUZZ_CASES and counts["planned"] >= 0.25 * FUZZ_CASES, counts
     assert counts["loaded"] >= 0.05 * FUZZ_CASES and counts["unmutated_exact"] >= 1, counts
     assert set(counts["by_kind"]) >= {"json", "bytes", "table", "data", "data-missing", "none"}, counts
+
+
+@pytest.mark.parametrize("edit", [(b'"k":3', b'"k":7'), (b'"shape":[300]', b'"shape":[200]'), (b'"doc":1', b'"doc":4')],
+                         ids=["plain value", "shape", "lane cursor"])
+def test_a_digit_edited_within_range_fails_the_manifest_checksum(tmp_path, edit):
+    # before the checksum: "k": 7 loaded as 7, and a cursor edited the same way replayed other data
+    root = _v2(tmp_path)
+    (path,) = glob.glob(f"{root}/step-*/manifest.json")
+    data = Path(path).read_bytes()
+    assert data.count(edit[0]) == 1
+    edited = data.replace(*edit)
+    assert read_manifest(Storage(str(root)), 3).sealed and unseal(data)[1]
+    Path(path).write_bytes(edited)
+    with pytest.raises(ManifestError, match="manifest is damaged or was edited"):
+        read_manifest(Storage(str(root)), 3)
+    with Checkpointer(str(root), run_id="reader") as ck:
+        with pytest.raises(ManifestError, match="its checksum is [0-9a-f]{16}, the manifest_checksum it records is"):
+            ck.load({"w": torch.zeros(300), "lanes": ByLane(), "k": 0})
+    rc, out = _run("verify", root)
+    assert rc == 1 and "DAMAGED manifest" in out and "manifest_checksum" in out, out
+
+
+def test_verify_reports_the_manifest_checksum_and_an_older_manifest_without_one_still_loads(tmp_path):
+    rc, out = _run("verify", _v2(tmp_path))
+    assert rc == 0 and "manifest checksum ok, ok" in out, out
+    root = _v1(tmp_path)
+    rc, out = _run("verify", root)
+    assert rc == 0 and "manifest has no checksum" in out, out
+    assert not read_manifest(Storage(str(root)), 3).sealed
+    # a checksum moved out of first place (the document was rewritten) is refused, not ignored
+    (path,) = glob.glob(f"{root}/step-*/manifest.json")
+    doc = orjson.loads(Path(path).read_bytes())
+    doc["manifest_checksum"] = "0" * 16
+    Path(path).write_bytes(orjson.dumps(doc))
+    with pytest.raises(ManifestError, match="manifest_checksum is not the document's first field"):
+        read_manifest(Storage(str(root)), 3)

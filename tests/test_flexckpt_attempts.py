@@ -7,10 +7,13 @@ import sys
 import textwrap
 import time
 
+import orjson
 import pytest
 import torch
 
 from flexckpt import Checkpointer, SaveError
+from flexckpt.commit import read_manifest
+from flexckpt.manifest import seal, unseal
 from flexckpt.storage import Storage
 from flexshard import Shard, ShardedTensor
 
@@ -200,3 +203,132 @@ def test_a_requeued_job_with_the_same_torchrun_id_never_uses_the_earlier_launchs
     second = run_workers(_requeued_launch, 2, str(tmp_path), [0], timeout=120, env=env)
     assert second[0].startswith("failed") and "missing" in second[0], second
     assert Checkpointer(str(tmp_path)).steps() == []
+
+
+def _data_files(root, step):
+    return sorted(p.relative_to(root).as_posix() for p in (root / f"step-{step:012d}").glob("*/r*.data"))
+
+
+def test_two_live_jobs_at_different_steps_fail_loudly_and_delete_nothing_of_each_other(tmp_path):
+    # issue 14 defect 1: job a commits step 20 and saves 21 while job b (another run id) is
+    # half-way through step 10. Before: a's retention deleted b's step-10 folder, both of b's
+    # result() calls succeeded, step 10 did not load (MissingFile), and b's keep_last=1 then
+    # deleted b's own step 10 because a's steps were higher
+    a = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job-a", keep_last=1, commit_timeout=30)
+    a.save(20, {"w": torch.ones(64), "step": 20}).result(timeout=30)
+    b = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job-b", keep_last=1, commit_timeout=30)
+         for r in range(W)]
+    h0 = b[0].save(10, state(0, 10))
+    deadline = time.monotonic() + 30
+    while len(_data_files(tmp_path, 10)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    b_files = _data_files(tmp_path, 10)
+    assert len(b_files) == 1  # rank 0 of job b wrote its data; it waits for rank 1's record
+    with pytest.raises(SaveError, match=r"another job is saving into .*run 'job-b' wrote step-000000000010/job-b\."):
+        a.save(21, {"w": torch.ones(64), "step": 21}).result(timeout=30)
+    a.wait()
+    assert _data_files(tmp_path, 10) == b_files  # nothing of job b was deleted
+    h1 = b[1].save(10, state(1, 10))
+    # job a wrote step 21's folder after job b started: b's commit fails loudly too
+    with pytest.raises(SaveError, match=r"run 'job-a' wrote step-000000000021/job-a\."):
+        h0.result(timeout=30)
+    with pytest.raises(SaveError, match="failed on another rank"):
+        h1.result(timeout=30)
+    assert Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="reader").steps() == [20]
+    for cp in [a] + b:
+        cp.close()
+
+
+def test_retention_removes_only_this_runs_failed_saves_and_stale_folders(tmp_path):
+    from flexckpt.commit import apply_retention
+
+    root = tmp_path
+    with Checkpointer(str(root), rank=0, world_size=1, run_id="me", commit_timeout=60) as ck:
+        for step in (1, 2, 5):
+            ck.save(step, {"w": torch.ones(8), "step": step}).result(timeout=30)
+        ck.wait()
+        since = ck._since
+        attempt = ck._handles[-1].attempt
+    planted = {  # step 3 and 4 are uncommitted, older than the newest commit (5)
+        "step-000000000003/me.00000001.1": ("failed", 0),  # this run's failed save: goes
+        "step-000000000003/me.00000001.2": ("", 0),  # this run's save in flight: stays
+        "step-000000000004/other.00000002.1": ("", 0),  # another job's save in flight: stays
+        "step-000000000004/other.00000003.1": ("", 120),  # untouched for over commit_timeout: goes
+    }
+    for rel, (marker, age) in planted.items():
+        folder = root / rel
+        folder.mkdir(parents=True)
+        (folder / "r00000.data").write_bytes(b"\1" * 64)
+        if marker:
+            (folder / marker).write_bytes(b"rank 0 failed")
+        if age:
+            for p in (*folder.iterdir(), folder):
+                os.utime(p, (time.time() - age, time.time() - age))
+    # another job committed step 1 again after this job started; keep_last=1 must keep it
+    path = root / "step-000000000001" / "manifest.json"
+    doc = orjson.loads(unseal(path.read_bytes())[0])
+    doc["run_id"], doc["attempt"] = "zz", "zz." + doc["attempt"].split(".", 1)[1]
+    os.rename(root / "step-000000000001" / doc["attempt"].replace("zz.", "me.", 1), root / "step-000000000001" / doc["attempt"])
+    path.write_bytes(seal(orjson.dumps(doc)))
+    assert read_manifest(Storage(str(root)), 1).run_id == "zz"
+    apply_retention(Storage(str(root)), 1, 5, attempt, since, 60.0)
+    left = sorted(p.relative_to(root).as_posix() for p in root.glob("step-*/*.*.*"))
+    assert [p for p in left if not p.startswith(("step-000000000001", "step-000000000005"))] == [
+        "step-000000000003/me.00000001.2", "step-000000000004/other.00000002.1"]
+    assert (root / "step-000000000001" / "manifest.json").exists()  # another job's, committed since: kept
+    assert not (root / "step-000000000002").exists()  # this job's, beyond keep_last: gone
+
+
+@pytest.mark.parametrize("order", [(10, 9), (9, 10)], ids=["larger step first", "smaller step first"])
+def test_two_saves_in_flight_in_either_order_both_commit_and_load(tmp_path, order):
+    # issue 14 defect 6: step 10's retention took step 9's folder (in flight) for a leftover
+    # and deleted it while it was written: step 9 failed with a bare ENOENT (5 of 5 trials)
+    cps = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job", keep_last=1, commit_timeout=30)
+           for r in range(W)]
+    hs = [cp.save(step, state(r, step)) for step in order for r, cp in enumerate(cps)]
+    assert [h.result(timeout=30) for h in hs] == [s for s in order for _ in range(W)]
+    cps[0].wait()
+    # keep_last=1 never removes the step its commit just wrote: 9 committed after 10 stays
+    # until the next commit
+    assert cps[0].steps() == ([9, 10] if order == (10, 9) else [10])
+    for cp in cps:
+        cp.close()
+    assert load_value(tmp_path, 10) == {10.0}
+    if order == (10, 9):
+        assert load_value(tmp_path, 9) == {9.0}
+    cps = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job2", keep_last=1) for r in range(W)]
+    save_all(cps, 11, 11)
+    cps[0].wait()
+    assert cps[0].steps() == [11]
+    for cp in cps:
+        cp.close()
+
+
+def test_two_threads_saving_interleaved_steps_all_commit(tmp_path):
+    # issue 14 defect 6: 26-30 of 60 saves failed with two threads
+    import threading
+
+    ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=2, commit_timeout=30)
+    errors, done = [], []
+
+    def saver(steps):
+        for s in steps:
+            try:
+                done.append(ck.save(s, {"w": torch.full((256,), float(s)), "step": s}).result(timeout=30))
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(f"step {s}: {e}")
+
+    threads = [threading.Thread(target=saver, args=(range(first, 41, 2),)) for first in (2, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    ck.wait()
+    assert len(ck._threads) == 3  # one stager, writer and committer: two first saves at once started two sets
+    assert errors == [] and sorted(done) == list(range(1, 41))
+    steps = ck.steps()
+    assert 40 in steps and len(steps) <= 3, steps
+    for s in steps:
+        target = {"w": torch.zeros(256), "step": 0}
+        assert ck.load(target, step=s) == s and target["step"] == s and torch.equal(target["w"], torch.full((256,), float(s)))
+    ck.close()

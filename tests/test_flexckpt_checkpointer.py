@@ -264,9 +264,12 @@ def test_retention_keeps_the_newest_and_deletes_the_manifest_first(tmp_path, mon
 def test_incomplete_checkpoints_are_never_loaded_and_are_cleaned_up(tmp_path):
     with Checkpointer(str(tmp_path)) as ckpt:
         ckpt.save(1, {"w": torch.ones(4)}).result()
-        # a crash mid-save: data and a record but no manifest, at a newer step
+        # a crash mid-save: data and a record but no manifest, at a newer step, untouched
+        # for longer than commit_timeout (a fresh one may be another live job's save)
         os.makedirs(tmp_path / step_dir(2))
         (tmp_path / step_dir(2) / "x-r00000.data").write_bytes(b"\0" * 16)
+        old = time.time() - ckpt.commit_timeout - 60
+        os.utime(tmp_path / step_dir(2) / "x-r00000.data", (old, old))
         assert ckpt.latest_step() == 1 and ckpt.steps() == [1]
         target = {"w": torch.zeros(4)}
         assert ckpt.load(target) == 1

@@ -160,3 +160,28 @@ def test_converters_refuse_bad_input_with_one_line_and_no_complete_looking_outpu
     rc, text = _cli(["export-dcp", f"{root}/flex", str(tmp_path / "half-dcp"), "--budget-mib", "0"])
     assert rc == 2 and text == f"flexckpt: writing {tmp_path / 'half-dcp'} failed: OSError: disk full (test)\n", text
     assert not os.path.exists(tmp_path / "half-dcp" / ".metadata")
+
+
+@pytest.mark.timeout(120)
+def test_import_dcp_of_several_batches_into_a_url_with_a_newer_step_completes(tmp_path):
+    # issue 14 defect 2: the last batch's Checkpointer (rank 0, which commits) started after
+    # the earlier batches were written, and its start-up reclamation deleted their folder:
+    # the import waited out commit_timeout (600 s), then failed "record of ranks [1, 2] missing"
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    tensors = {k: torch.arange(64, dtype=torch.float32) + i for i, k in enumerate("abc")}
+    dcp.save({**tensors, "step": 3}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    url = str(tmp_path / "ckpt")
+    with Checkpointer(url, run_id="train") as ck:
+        ck.save(10, {"w": torch.ones(4), "step": 10}).result(timeout=30)
+    t0 = time.monotonic()
+    rc, out = _cli(["import-dcp", str(tmp_path / "dcp"), url, "--budget-mib", "0"])
+    assert rc == 0, out
+    assert time.monotonic() - t0 < 60  # a few seconds; before: commit_timeout
+    with Checkpointer(url, run_id="reader") as ck:
+        assert ck.steps() == [3, 10]
+        target = {k: torch.zeros(64) for k in tensors} | {"step": 0}
+        assert ck.load(target, step=3) == 3
+    assert all(torch.equal(target[k], v) for k, v in tensors.items()) and target["step"] == 3

@@ -55,6 +55,7 @@ from flexckpt.load import LoadStats, PendingLoad
 from flexckpt.manifest import (
     GROUP,
     attempt_id,
+    attempt_run_id,
     check_run_id,
     committed_name,
     data_name,
@@ -300,7 +301,8 @@ class Checkpointer:
         """Files of saves that failed or were cut short before this launch (see
         :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again."""
         try:
-            removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since)
+            removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since,
+                                       f"{self.run_id}.{self.session}")
         except Exception:  # noqa: BLE001 - housekeeping; saves report their own failures
             log.exception("flexckpt: reclaiming unfinished saves under %s failed", self.storage.url)
             return
@@ -354,6 +356,10 @@ class Checkpointer:
         Call ``handle.wait_staged()`` before changing the state (the optimizer step).
         Storage failures are reported by the handle and the log, never raised here; a
         state that cannot be checkpointed at all (an unsupported type) raises at once.
+        Several saves may be in flight, in any step order and from several threads: they
+        commit in the order of the save() calls, retention never removes a save in flight
+        (a smaller step saved while a larger one commits), and keep_last never removes the
+        step a commit just wrote (a step older than the newest goes at the next commit).
         """
         t0 = time.perf_counter()
         if self._closed:
@@ -419,8 +425,11 @@ class Checkpointer:
         return entry
 
     def _ensure_threads(self) -> None:
-        if self._threads:
-            return
+        with self._lock:  # two threads' first saves must start one set of threads, not two
+            if not self._threads:
+                self._start_threads()
+
+    def _start_threads(self) -> None:
         ref = weakref.ref(self)
         loops = [("stage", self._stage_q, self._write_q), ("write", self._write_q, self._commit_q)]
         if self.is_leader:
@@ -520,11 +529,12 @@ class Checkpointer:
             )
             job.handle.timings["gather_s"] = time.perf_counter() - t0
             check_fingerprints(entries, job.step, e.fingerprint, e.structure, structures)
-            other = other_live_job(self.storage, job.step, job.attempt, self._since)
+            other = other_live_job(self.storage, job.attempt, self._since)
             if other is not None:
                 raise SaveError(
-                    f"step {job.step}: another job is saving into {self.storage.url} (its attempt folder {other} was "
-                    f"written after this job started); give each job its own URL"
+                    f"step {job.step}: another job is saving into {self.storage.url}: run "
+                    f"{attempt_run_id(other.rsplit('/', 1)[1])!r} wrote {other} after this job started; nothing of it "
+                    f"was deleted and this step is not committed; give each job its own URL"
                 )
             manifest = build_manifest(
                 step=job.step, run_id=self.run_id, attempt=job.attempt, plan=e.plan, fingerprint=e.fingerprint,
@@ -541,7 +551,7 @@ class Checkpointer:
         job.handle.timings["commit_s"] = time.perf_counter() - t0
         job.handle._done.set()  # committed: retention below is housekeeping, not part of the save
         try:
-            apply_retention(self.storage, self.keep_last, job.step, job.attempt, self._since)
+            apply_retention(self.storage, self.keep_last, job.step, job.attempt, self._since, self.commit_timeout)
         except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
             log.exception("retention after step %d failed", job.step)
 

@@ -185,7 +185,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         errors.append(str(e))
                     total += c.length
         status = "ok" if not errors else f"DAMAGED ({len(errors)} problem{'s' if len(errors) > 1 else ''})"
-        print(f"step {s}: {len(m.files)} files, {_mib(total)} read, {status}")
+        sealed = "manifest checksum ok" if m.sealed else "manifest has no checksum (written before flexckpt sealed them)"
+        print(f"step {s}: {len(m.files)} files, {_mib(total)} read, {sealed}, {status}")
         for e in errors[:20]:
             print(f"  {e}")
         bad += bool(errors)

@@ -14,6 +14,7 @@ records. With W <= GROUP rank 0 reads the records itself.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -257,19 +258,26 @@ def _written_since(storage: Storage, rel: str, since: float) -> bool:
     return age is not None and time.time() - age >= since
 
 
-def other_live_job(storage: Storage, step: int, attempt: str, since: float) -> str | None:
-    """An attempt folder in this step of another job launch (another run id, or the same
+def _launch(name: str) -> str:
+    """``RUN.SESSION`` of an attempt folder's name: one job launch."""
+    return name.rsplit(".", 1)[0]
+
+
+def other_live_job(storage: Storage, attempt: str, since: float) -> str | None:
+    """An attempt folder, in any step, of another job launch (another run id, or the same
     run id launched again) written to after ``since`` (when this job started): two jobs
-    are saving into one URL. (A job that ended before this one started, e.g. the one this
-    job was requeued from, is not live: its step may be saved again.)"""
-    folder = step_dir(step)
-    session = attempt.rsplit(".", 1)[0]
-    for name in storage.list_names(folder):
-        owner = attempt_run_id(name)
-        if owner is None or name.rsplit(".", 1)[0] == session:
+    are saving into one URL, whatever their step numbers. (A job that ended before this
+    one started, e.g. the one this job was requeued from, is not live: its steps may be
+    saved again.) One listing per step folder, and one age per other launch's folder."""
+    ours = _launch(attempt)
+    for step_name in storage.list_names(""):
+        if parse_step_dir(step_name) is None:
             continue
-        if _written_since(storage, f"{folder}/{name}", since):
-            return name
+        for name in storage.list_names(step_name):
+            if attempt_run_id(name) is None or _launch(name) == ours:
+                continue
+            if _written_since(storage, f"{step_name}/{name}", since):
+                return f"{step_name}/{name}"
     return None
 
 
@@ -333,23 +341,75 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     return manifest
 
 
-def apply_retention(storage: Storage, keep_last: int | None, newest: int, attempt: str, since: float) -> None:
-    """Delete committed checkpoints beyond the newest ``keep_last`` (manifest first, then
-    data), incomplete folders older than the newest commit, and the newest step's attempt
-    folders that its manifest does not name (see :func:`remove_other_attempts`)."""
+def apply_retention(
+    storage: Storage, keep_last: int | None, newest: int, attempt: str, since: float, stale_after: float,
+) -> None:
+    """After the commit of step ``newest`` by ``attempt``: delete committed checkpoints
+    beyond the newest ``keep_last`` (manifest first, then data), never the step just
+    committed and never another job launch's step committed after ``since`` (when this job
+    started: a live job's); then the leftovers of uncommitted saves in older steps (see
+    :func:`remove_leftovers`), and the just-committed step's attempt folders that its
+    manifest does not name (see :func:`remove_other_attempts`)."""
     steps = committed_steps(storage)
-    doomed = steps[:-keep_last] if keep_last else []
+    doomed = [s for s in (steps[:-keep_last] if keep_last else []) if s != newest]
     for s in doomed:
+        if _committed_by_live_job(storage, s, attempt, since):
+            log.warning("retention: kept step %d, committed by another job after this one started", s)
+            continue
         storage.remove(f"{step_dir(s)}/{MANIFEST}")
         storage.remove_tree(step_dir(s))
         log.info("retention: removed step %d", s)
+    if keep_last and newest in steps[:-keep_last]:
+        log.warning("retention: step %d is not among the newest keep_last=%d steps (newer: %s); it goes at the next "
+                    "commit", newest, keep_last, [s for s in steps if s > newest][:10])
     committed = set(steps)
     for name in storage.list_names(""):
         s = parse_step_dir(name)
         if s is not None and s < newest and s not in committed:
-            storage.remove_tree(name)
-            log.info("removed incomplete checkpoint folder %s", name)
+            remove_leftovers(storage, s, attempt, stale_after)
     remove_other_attempts(storage, newest, attempt, since)
+
+
+def _committed_by_live_job(storage: Storage, step: int, attempt: str, since: float) -> bool:
+    if not _written_since(storage, f"{step_dir(step)}/{MANIFEST}", since):
+        return False
+    try:
+        manifest = read_manifest(storage, step)
+    except (OSError, ValueError):
+        return True  # unreadable, and written since this job started: not this job's to judge
+    return manifest.attempt is None or _launch(manifest.attempt) != _launch(attempt)
+
+
+def remove_leftovers(storage: Storage, step: int, attempt: str, stale_after: float) -> None:
+    """In the folder of uncommitted ``step`` (older than the step just committed): attempt
+    folders of this run id whose save failed (they hold its failure marker), and anything
+    untouched for ``stale_after`` seconds (commit_timeout). Never a save in flight, of this
+    job (a smaller step saved while a larger one commits) or of another: the folder goes
+    when it is empty."""
+    folder = step_dir(step)
+    run_id = attempt_run_id(attempt)
+    for name in storage.list_names(folder):
+        rel = f"{folder}/{name}"
+        owner = attempt_run_id(name)
+        failed = owner == run_id and storage.exists(f"{folder}/{failed_name(name)}")
+        age = storage.age(rel)
+        if failed or (age is not None and age >= stale_after):
+            if owner is not None:
+                storage.remove_tree(rel)
+            else:
+                storage.remove(rel)
+            log.info("removed the leftovers of an unfinished save: %s", rel)
+    _remove_if_empty(storage, folder)
+
+
+def _remove_if_empty(storage: Storage, folder: str) -> None:
+    """A local folder, if empty (rmdir: a save that creates a folder in it meanwhile keeps
+    it). On an object store a prefix with no objects does not exist."""
+    if storage.local:
+        try:
+            os.rmdir(storage.path(folder))
+        except OSError:
+            pass
 
 
 def remove_other_attempts(storage: Storage, step: int, attempt: str, since: float) -> None:
@@ -389,13 +449,15 @@ def reclaim_failed(storage: Storage, step: int, attempt: str, rank: int | None) 
         storage.remove(rel)
 
 
-def reclaim_at_start(storage: Storage, run_id: str, stale_after: float, since: float) -> list[str]:
+def reclaim_at_start(storage: Storage, run_id: str, stale_after: float, since: float, launch: str = "") -> list[str]:
     """At start-up (the coordinator): remove attempt folders that no manifest names and no
     live save can still need, i.e. those of an earlier launch of this run id in steps older
     than the newest commit, and any (of any job) untouched for ``stale_after`` seconds
     (commit_timeout). Never a folder written since ``since`` (when this job started: another
-    live job's), never the attempt a step's manifest names, never version-1 files. Step
-    folders left empty and without a manifest go too. Returns what was removed."""
+    live job's), never one of this launch (``launch``, ``RUN.SESSION``: the batches of one
+    import are ranks that start one after another, each a Checkpointer of its own), never
+    the attempt a step's manifest names, never version-1 files. Step folders left empty and
+    without a manifest go too. Returns what was removed."""
     removed: list[str] = []
     steps = sorted(s for s in (parse_step_dir(n) for n in storage.list_names("")) if s is not None)
     committed = set(committed_steps(storage))
@@ -411,7 +473,7 @@ def reclaim_at_start(storage: Storage, run_id: str, stale_after: float, since: f
                 continue
         for name in names:
             owner = attempt_run_id(name)
-            if owner is None or name == keep:
+            if owner is None or name == keep or _launch(name) == launch:
                 continue
             age = storage.age(f"{folder}/{name}")
             if age is None or now - age >= since:

@@ -16,6 +16,7 @@ leave the checkpoint's folder.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import reprlib
@@ -366,6 +367,7 @@ class Manifest:
     rules: PlanRules | None = None
     codec: str = "none"
     ranks: tuple[RankEntry, ...] = ()
+    sealed: bool = False  # read back with a verified manifest checksum (False: written without one)
 
     def rank_values(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s per-rank values (version 2: read from its table file)."""
@@ -380,6 +382,9 @@ class Manifest:
         return self.files.bytes_read if isinstance(self.files, TableFiles) else 0
 
     def to_bytes(self) -> bytes:
+        return seal(self._body())
+
+    def _body(self) -> bytes:
         if self.version == 2:
             return orjson.dumps({
                 "format": FORMAT,
@@ -471,10 +476,52 @@ def parse_json(data: bytes, where: str) -> dict:
     return doc
 
 
+# -- the manifest's own checksum ----------------------------------------------------------------
+SEAL_FIELD = "manifest_checksum"
+_SEAL = b'{"' + SEAL_FIELD.encode() + b'":"'
+_SEAL_HEX = re.compile(rb"[0-9a-f]{16}")
+
+
+def seal(body: bytes) -> bytes:
+    """The manifest as written: ``body`` (a JSON object as orjson writes it) with the
+    checksum of exactly those bytes as its first field. Load verifies it before parsing,
+    so a flipped byte anywhere (a plain value, a shape, a lane cursor) fails the load, as a
+    flipped byte of a data file does."""
+    if not body.startswith(b"{") or body.startswith(b"{}"):
+        raise ValueError("a manifest body is a non-empty JSON object")
+    return _SEAL + checksum(body).encode() + b'",' + body[1:]
+
+
+def unseal(data: bytes, where: str = "manifest") -> tuple[bytes, bool]:
+    """The document without its checksum field, and whether it had one (checked; a
+    manifest written before flexckpt sealed them has none and is returned as it is)."""
+    if not data.startswith(_SEAL):
+        return data, False
+    end = len(_SEAL) + 16
+    want = data[len(_SEAL) : end]
+    if not _SEAL_HEX.fullmatch(want) or data[end : end + 2] != b'",':
+        raise _fail(where, f"{SEAL_FIELD} must be 16 hex digits followed by the other fields")
+    body = b"{" + data[end + 2 :]
+    got = checksum(body)
+    if got.encode() != want:
+        raise _fail(where, f"its checksum is {got}, the {SEAL_FIELD} it records is {want.decode()}: the manifest is "
+                           f"damaged or was edited")
+    return body, True
+
+
 def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
+    """A manifest read back: its checksum (if it has one) verified, then every field."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise _fail(where, f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    body, sealed = unseal(data, where)
+    manifest = _parse_document(body, where)
+    return dataclasses.replace(manifest, sealed=True) if sealed else manifest
+
+
+def _parse_document(data: bytes, where: str) -> Manifest:
     doc = parse_json(data, where)
+    if SEAL_FIELD in doc:
+        raise _fail(where, f"{SEAL_FIELD} is not the document's first field (the manifest was rewritten)")
     if doc.get("format") != FORMAT:
         raise _fail(where, f"format is {_show(doc.get('format'))}, expected {_show(FORMAT)}")
     version = doc.get("version")
