@@ -122,6 +122,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  per-lane {k}: {len(lanes)} lanes ({', '.join(sorted(lanes, key=_lane_key)[:8])}{' ...' if len(lanes) > 8 else ''})")
     for k in sorted(m.per_rank):
         print(f"  per-rank {k}: {m.world_size} values (restored only at world size {m.world_size})")
+    for k, (_offset, length, _check) in sorted(m.keyed.items()):
+        print(f"  bytes {k}: {length} bytes (addressed by key)")
     if args.tensors:
         print(f"  {'tensor':40s} {'dtype':9s} {'shape':18s} {'layout':28s} pieces")
         for name, t in sorted(m.tensors.items()):
@@ -277,6 +279,9 @@ def cmd_reshard(args: argparse.Namespace) -> int:
                 _put(state, name, None)
             for name in m.lanes:  # lanes are not tied to ranks: all of them go to rank 0
                 _put(state, name, ByLane())
+            if r == 0:  # nor are bytes values (addressed by key)
+                for name in m.keyed:
+                    _put(state, name, b"")
             if same_world:
                 for name in m.per_rank:
                     _put(state, name, PerRank(None))
