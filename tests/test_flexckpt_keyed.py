@@ -284,3 +284,22 @@ def test_check_names_a_dtensors_mesh_and_placements(tmp_path):
     assert (name, name2) == ("layers/0/wq", "loader/odd")
     assert "'layers/0/wq'" in str(exc) and "DeviceMesh(" in str(exc) and "('fsdp', 'tp')" in str(exc)
     assert "Partial" in str(exc)
+
+
+def test_the_cli_shows_verifies_and_reshards_bytes_values(tmp_path, capsys):
+    from flexckpt.cli import main
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    assert _save(src, 4, lambda r: _state(r, 4, tp=2)) == [1] * 4
+    assert main(["inspect", str(src)]) == 0
+    assert "bytes data/dp_rank_1: " in capsys.readouterr().out
+    assert main(["reshard", str(src), str(dst), "--world", "2"]) == 0
+    for rank in range(2):  # every key moved, once, and loads by key at the new world
+        target = _state(rank, 2, tp=1, position=lambda d: -1)
+        assert _load(dst, rank, 2, target) == 1 and target["data"].position == 100 + rank
+    assert main(["verify", str(dst)]) == 0
+    keyed = dst / step_dir(1) / keyed_name(read_manifest(Storage(str(dst)), 1).attempt)
+    keyed.write_bytes(keyed.read_bytes()[:-1] + b"?")
+    capsys.readouterr()
+    assert main(["verify", str(dst)]) == 1
+    assert "bytes values: " in capsys.readouterr().out

@@ -33,6 +33,7 @@ from flexckpt.convert_cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError
+from flexckpt.load import read_bytes_values
 from flexckpt.manifest import Manifest, step_dir
 from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
@@ -157,6 +158,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     m.rank_values(r)
                 except (OSError, CheckpointError) as e:
                     errors.append(f"per-rank values of rank {r}: {e}")
+            try:
+                read_bytes_values(storage, m, sorted(m.keyed))
+            except (OSError, CheckpointError) as e:
+                errors.append(f"bytes values: {e}")
         for name in sorted(m.files):
             try:
                 f = m.files[name]

@@ -245,24 +245,12 @@ class PendingLoad:
         self.stats.metadata_bytes = self.manifest.metadata_bytes_read
 
     def _read_keyed(self) -> dict[str, bytes]:
-        """The bytes values this rank holds keys of, each read alone from the save's
-        ``keyed.values`` file and checked against its checksum; never unpickled."""
-        if not self.keyed:
-            return {}
-        m = self.manifest
-        rel = f"{step_dir(m.step)}/{keyed_name(m.attempt)}"  # type: ignore[arg-type]
-        out = {}
-        with self.storage.open_reader(rel) as reader:
-            for name in self.keyed:
-                offset, length, want = m.keyed[name]
-                buf = bytearray(length)  # at most MAX_BYTES_VALUE: the manifest's parser checked
-                if length:
-                    reader.read_into(offset, memoryview(buf))
-                _verify(memoryview(buf), want, f"{rel} bytes [{offset}, {offset + length}) (bytes value {name!r})")
-                out[name] = bytes(buf)
-                slot = self.walk.keyed_slots[name]
-                if isinstance(slot.container, tuple) and slot.container[slot.key] != out[name]:
-                    raise StructureMismatch(f"cannot load bytes value {name!r} into a tuple; use a list")
+        """The bytes values this rank holds keys of (see :func:`read_bytes_values`)."""
+        out = read_bytes_values(self.storage, self.manifest, self.keyed)
+        for name, value in out.items():
+            slot = self.walk.keyed_slots[name]
+            if isinstance(slot.container, tuple) and slot.container[slot.key] != value:
+                raise StructureMismatch(f"cannot load bytes value {name!r} into a tuple; use a list")
         return out
 
     def _decode_values(self) -> dict[str, Any]:
@@ -307,6 +295,25 @@ class PendingLoad:
             target.restored = True
         for _name, obj, sd in reversed(w.statefuls):
             obj.load_state_dict(sd)
+
+
+def read_bytes_values(storage: Storage, manifest: Manifest, names: list[str]) -> dict[str, bytes]:
+    """Bytes values by key, each read alone from the save's ``keyed.values`` file and
+    checked against the manifest's checksum; returned as the bytes they are (never
+    unpickled or parsed)."""
+    if not names:
+        return {}
+    rel = f"{step_dir(manifest.step)}/{keyed_name(manifest.attempt)}"  # type: ignore[arg-type]
+    out = {}
+    with storage.open_reader(rel) as reader:
+        for name in names:
+            offset, length, want = manifest.keyed[name]
+            buf = bytearray(length)  # at most MAX_BYTES_VALUE: the manifest's parser checked
+            if length:
+                reader.read_into(offset, memoryview(buf))
+            _verify(memoryview(buf), want, f"{rel} bytes [{offset}, {offset + length}) (bytes value {name!r})")
+            out[name] = bytes(buf)
+    return out
 
 
 def _verify(data: memoryview, want: str, where: str) -> None:
