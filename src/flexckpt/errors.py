@@ -46,7 +46,8 @@ class UnsupportedState(CheckpointError, TypeError, ValueError):
     def __init__(self, problems: list[tuple[str, BaseException]]) -> None:
         self.problems = list(problems)
         if len(self.problems) == 1:
-            message = str(self.problems[0][1])
+            name, exc = self.problems[0]
+            message = str(exc) if name in str(exc) else f"{name}: {exc}"
         else:
             lines = "".join(f"\n  - {name}: {exc}" for name, exc in self.problems)
             message = f"{len(self.problems)} leaves of the state cannot be checkpointed:{lines}"
