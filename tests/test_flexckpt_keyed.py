@@ -173,6 +173,10 @@ def test_per_rank_values_at_another_world_size_stop_the_load_instead_of_a_warnin
     assert _load(tmp_path, 0, 1, target, exclude=("rng",)) == 1
     assert target["rng"].value == "mine" and not target["rng"].restored
     assert torch.equal(target["w"].local, W)
+    target["rng"].restored = True  # from an earlier load: strict=False skips it and says it was not restored
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="load") as ck:
+        assert ck.load(target, strict=False) == 1 and ck.last_load_stats.skipped == ["rng"]
+    assert target["rng"].value == "mine" and not target["rng"].restored
     same = {"w": ShardedTensor.empty((6, 4), Shard(0), rank=1, world_size=2), "rng": PerRank(None)}
     assert _load(tmp_path, 1, 2, same) == 1 and same["rng"].value == 1 and same["rng"].restored
 

@@ -106,6 +106,7 @@ class PendingLoad:
         self.plain = _check_keys("plain values", set(w.plain), kept(manifest.plain), step, strict)
         self.lanes = _check_keys("per-lane values", set(w.lanes), kept(manifest.lanes), step, strict)
         self.per_rank = _check_keys("per-rank values", set(w.per_rank), kept(manifest.per_rank), step, strict)
+        self._per_rank_skipped: set[str] = set()  # strict=False at another world size: marked not restored
         if self.per_rank and manifest.world_size != world_size:
             names = sorted(self.per_rank)
             if strict:
@@ -115,7 +116,7 @@ class PendingLoad:
                     f"step and rank and pass exclude=({names[0]!r},) to load without them"
                 )
             self.stats.skipped += names
-            self.per_rank = set()
+            self._per_rank_skipped, self.per_rank = self.per_rank, set()
         # bytes values: each rank asks for the keys it holds; the others' keys are not its concern
         missing = sorted(set(w.keyed) - set(manifest.keyed))
         if missing and strict:
@@ -293,6 +294,8 @@ class PendingLoad:
             target = w.per_rank[name]
             target.value = self._decoded[name]
             target.restored = True
+        for name in self._per_rank_skipped:
+            w.per_rank[name].restored = False
         for _name, obj, sd in reversed(w.statefuls):
             obj.load_state_dict(sd)
 
