@@ -228,7 +228,7 @@ def mutate(files: dict[str, bytes], draw) -> tuple[str, dict[str, bytes | None]]
     datas = sorted(k for k in files if k.endswith(".data"))
     values = sorted(k for k in files if k.endswith(".values"))
     kinds = ["json", "json", "json", "bytes", "data", "none"] + (["table", "table", "table"] if tables else [])
-    kinds += ["values", "values"] if values else []
+    kinds += ["values"] if values else []
     kind = draw(st.sampled_from(kinds))
     if kind == "json":
         return kind, {manifest_rel: _json_edit(files[manifest_rel], draw)}
