@@ -1,5 +1,5 @@
 """The manifest fuzzer (issue 11): mutate real small checkpoints (format versions 1 and 2,
-and version 2's chunk tables and data files) and drive every reader over them: parse, the
+and version 2's chunk tables, data files and values files: per-rank and bytes values) and drive every reader over them: parse, the
 ``flexckpt plan`` path, a load at another world size, ``verify``, ``inspect`` and ``steps``.
 Every outcome must be success or one of flexckpt's own errors, under a memory cap
 (RLIMIT_AS) and a time bound per case.
@@ -64,7 +64,12 @@ def _v2_state(rank: int, world: int) -> dict:
         "meta": {"step": STEP, "pair": [1, "x"], "lr": 0.5},
         "lanes": ByLane({str(rank): {"doc": 10 + rank, "off": [rank, 7]}}),
         "rng": PerRank(torch.arange(4, dtype=torch.int32) + rank),
+        "dl": {f"dp_rank_{rank}": _blob(rank), "shared": _blob(9)},  # bytes values, by key
     }
+
+
+def _blob(i: int) -> bytes:
+    return bytes(range(i, i + 40)) * 3
 
 
 def _v2_target(rank: int, world: int) -> dict:
@@ -75,6 +80,7 @@ def _v2_target(rank: int, world: int) -> dict:
         "meta": {"step": 0, "pair": [0, ""], "lr": 0.0},
         "lanes": ByLane(),
         "rng": PerRank(None),
+        "dl": {f"dp_rank_{rank % 2}": b"", "shared": b""},
     }
 
 
@@ -221,12 +227,27 @@ def reseal(data: bytes) -> bytes:
     return seal(b"{" + data[head + 2 :])
 
 
+def _vouch_values(manifest: bytes, rel: str, data: bytes) -> bytes:
+    """The manifest, saying the (edited) values file is the one it committed: a rank's
+    per-rank values file by its line, the bytes values file key by key."""
+    doc = orjson.loads(manifest)
+    if rel.endswith("keyed.values"):
+        for entry in doc["keyed"].values():
+            entry[2] = checksum(data[entry[0] : entry[0] + entry[1]])
+    else:
+        rank = int(rel.rsplit("/r", 1)[1].split(".")[0])
+        doc["ranks"][rank][3:5] = [checksum(data), len(data)]
+    return orjson.dumps(doc)
+
+
 def mutate(files: dict[str, bytes], draw) -> tuple[str, dict[str, bytes | None]]:
     """(what was done, the files to change: new bytes or None to delete)."""
     manifest_rel = next(k for k in files if k.endswith("manifest.json"))
     tables = sorted(k for k in files if k.endswith(".table"))
     datas = sorted(k for k in files if k.endswith(".data"))
+    values = sorted(k for k in files if k.endswith(".values"))
     kinds = ["json", "json", "json", "bytes", "data", "none"] + (["table", "table", "table"] if tables else [])
+    kinds += ["values"] if values else []
     kind = draw(st.sampled_from(kinds))
     if kind == "json":
         edited = _json_edit(files[manifest_rel], draw)
@@ -242,6 +263,15 @@ def mutate(files: dict[str, bytes], draw) -> tuple[str, dict[str, bytes | None]]
         out: dict[str, bytes | None] = {rel: table}
         if draw(st.integers(0, 4)):  # mostly vouched for: past the manifest's checksum
             out[manifest_rel] = _vouch(files[manifest_rel], rel, table)
+        return kind, out
+    if kind == "values":
+        rel = draw(st.sampled_from(values))
+        if draw(st.integers(0, 5)) == 0:
+            return "values-missing", {rel: None}
+        data = _byte_edit(files[rel], draw)
+        out = {rel: data}
+        if draw(st.integers(0, 2)):  # mostly vouched for: past the manifest's checksums
+            out[manifest_rel] = _vouch_values(files[manifest_rel], rel, data)
         return kind, out
     if kind == "data":
         rel = draw(st.sampled_from(datas))
@@ -342,6 +372,8 @@ def drive(root: Path, name: str, kind: str, world: int, rank: int, counts: dict)
                     want = ShardedTensor.from_global(_global(n), t.layout, rank, world).local
                     if not torch.equal(t.local, want):
                         raise AssertionError(f"{name}: unmutated tensor {n} loads differently at world {world}")
+                if target["dl"] != {f"dp_rank_{rank % 2}": _blob(rank % 2), "shared": _blob(9)}:
+                    raise AssertionError(f"{name}: unmutated bytes values load differently at world {world}")
                 counts["unmutated_exact"] += 1
         except CheckpointError:
             counts["load_errors"] += 1

@@ -418,23 +418,32 @@ def test_records_of_an_earlier_job_cannot_complete_a_checkpoint(tmp_path):
     r0.close(), r1.close()
 
 
-def test_lane_values_are_merged_across_ranks_and_lanes_may_not_repeat(tmp_path):
+def test_lane_values_are_merged_across_ranks_and_a_repeated_lane_must_be_equal(tmp_path):
     r0 = Checkpointer(str(tmp_path), rank=0, world_size=2, run_id="job", commit_timeout=20)
     r1 = Checkpointer(str(tmp_path), rank=1, world_size=2, run_id="job", commit_timeout=20)
     h0 = r0.save(1, {"data": ByLane({"0": 10, "1": 11}), "rng": PerRank(0)})
     h1 = r1.save(1, {"data": ByLane({"2": 12, "3": 13}), "rng": PerRank(1)})
     assert h0.result(timeout=30) == 1 and h1.result(timeout=30) == 1
-    h0 = r0.save(2, {"data": ByLane({"0": 10}), "rng": PerRank(0)})
-    h1 = r1.save(2, {"data": ByLane({"0": 10}), "rng": PerRank(1)})
-    with pytest.raises(SaveError, match="lane '0' of 'data' was saved twice"):
+    # a lane hosted by both ranks (TP peers of one replica): equal copies are stored once
+    h0 = r0.save(2, {"data": ByLane({"0": {"doc": 5, "at": [1, 2]}}), "rng": PerRank(0)})
+    h1 = r1.save(2, {"data": ByLane({"0": {"at": [1, 2], "doc": 5}}), "rng": PerRank(1)})
+    assert h0.result(timeout=30) == 2 and h1.result(timeout=30) == 2
+    h0 = r0.save(3, {"data": ByLane({"0": 10}), "rng": PerRank(0)})
+    h1 = r1.save(3, {"data": ByLane({"0": 11}), "rng": PerRank(1)})
+    with pytest.raises(SaveError, match="lane '0' of 'data' was saved by several ranks with different values"):
         h0.result(timeout=30)
     r0.close(), r1.close()
-    # one rank now hosts every lane; per-rank values do not carry over to another world size
     with Checkpointer(str(tmp_path)) as solo:
         target = {"data": ByLane(), "rng": PerRank("untouched")}
-        assert solo.load(target) == 1
+        # per-rank values do not carry over to another world size: the load says so, and
+        # goes on only without them
+        with pytest.raises(StructureMismatch, match=r"per-rank values \['rng'\] .* world size 2 .* exclude=\('rng',\)"):
+            solo.load(target, step=1)
+        assert solo.load(target, step=1, exclude=("rng",)) == 1
         assert target["data"].values == {"0": 10, "1": 11, "2": 12, "3": 13}
         assert target["rng"].value == "untouched" and not target["rng"].restored
+        assert solo.load(target, step=2, exclude=("rng",)) == 2
+        assert target["data"].values == {"0": {"doc": 5, "at": [1, 2]}}
 
 
 def test_memory_urls_refuse_multi_rank_jobs():

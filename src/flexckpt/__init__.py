@@ -20,6 +20,7 @@ from flexckpt.errors import (
     StructureMismatch,
     TooLarge,
     TruncatedFile,
+    UnsupportedState,
 )
 from flexckpt.values import ByLane, PerRank
 
@@ -37,4 +38,5 @@ __all__ = [
     "StructureMismatch",
     "TooLarge",
     "TruncatedFile",
+    "UnsupportedState",
 ]

@@ -41,6 +41,7 @@ from flexckpt.commit import (
     committed_steps,
     failure_message,
     gather,
+    keyed_entries,
     lead_group,
     mark_failed,
     other_live_job,
@@ -48,6 +49,7 @@ from flexckpt.commit import (
     reclaim_at_start,
     reclaim_failed,
     record_doc,
+    write_keyed,
 )
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError, SaveError
@@ -68,7 +70,7 @@ from flexckpt.manifest import (
 from flexckpt.plan import RankPlan, WritePlan, make_write_plan
 from flexckpt.staging import BufferPool, StagingBuffer, copies_for, staging_device
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
-from flexckpt.structure import Walk, encode_plain, fingerprint, walk
+from flexckpt.structure import Walk, encode_plain, excluder, fingerprint, walk
 from flexckpt.writer import encode_per_rank, table_bytes, values_bytes, write_data_file
 from flexshard import current_world
 
@@ -170,6 +172,7 @@ class _Job:
     per_rank: dict[str, bytes]
     ready: Any  # the copies' mark on the training stream (None on a CPU)
     attempt: str = ""
+    keyed: dict[str, bytes] = field(default_factory=dict)  # this rank's bytes values, by key
     chunks: list = field(default_factory=list)
     line: list = field(default_factory=list)  # [fingerprint, table checksum, table bytes, stored bytes]
 
@@ -355,7 +358,8 @@ class Checkpointer:
 
         Call ``handle.wait_staged()`` before changing the state (the optimizer step).
         Storage failures are reported by the handle and the log, never raised here; a
-        state that cannot be checkpointed at all (an unsupported type) raises at once.
+        state that cannot be checkpointed at all raises at once, on this thread, before
+        anything is written: ``UnsupportedState`` listing every such leaf (see :meth:`check`).
         Several saves may be in flight, in any step order and from several threads: they
         commit in the order of the save() calls, retention never removes a save in flight
         (a smaller step saved while a larger one commits), and keep_last never removes the
@@ -386,7 +390,7 @@ class Checkpointer:
         t_wait = time.perf_counter()
         buffer = self._pool.acquire()  # waits while max_in_flight saves are staged but not written
         handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
-        job = _Job(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt)
+        job = _Job(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt, keyed=dict(w.keyed))
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
         self._stage_q.put(job)
@@ -513,7 +517,8 @@ class Checkpointer:
         structure = e.structure_bytes if not e.published and self.world_size <= GROUP else None
         e.published = True
         return record_doc(run_id=self.run_id, attempt=job.attempt, step=job.step, world_size=self.world_size,
-                          entries={self.rank: job.line}, lanes=job.lanes, structure=structure)
+                          entries={self.rank: job.line}, lanes=job.lanes, structure=structure,
+                          keyed=keyed_entries(self.rank, job.keyed))
 
     def _commit_one(self, job: _Job) -> None:
         if not self.is_coordinator:
@@ -522,10 +527,11 @@ class Checkpointer:
         try:
             e = job.entry
             structures: dict[str, dict] = {}
+            keyed: dict[str, list] = {}
             entries, lanes = gather(
                 self.storage, step=job.step, run_id=self.run_id, attempt=job.attempt, world_size=self.world_size,
                 own=self._record(job), timeout=self.commit_timeout, max_delay=self.poll_interval,
-                structures=structures,
+                structures=structures, keyed=keyed,
             )
             job.handle.timings["gather_s"] = time.perf_counter() - t0
             check_fingerprints(entries, job.step, e.fingerprint, e.structure, structures)
@@ -539,7 +545,7 @@ class Checkpointer:
             manifest = build_manifest(
                 step=job.step, run_id=self.run_id, attempt=job.attempt, plan=e.plan, fingerprint=e.fingerprint,
                 codec=self.compression.codec, entries=entries, plain=job.plain, lanes=lanes,
-                per_rank_keys=e.per_rank_keys,
+                per_rank_keys=e.per_rank_keys, keyed=write_keyed(self.storage, job.step, job.attempt, keyed, self.fsync),
             )
             commit(self.storage, manifest, self.fsync)
             now = committed_attempt(self.storage, job.step)
@@ -655,8 +661,18 @@ class Checkpointer:
                             f"{self.storage.url}; committed: {self.steps()}")
         return read_contents(self.storage, chosen)
 
+    # -- checking --------------------------------------------------------------------------------
+    def check(self, state: dict) -> None:
+        """Raise ``UnsupportedState`` listing every leaf of ``state`` that cannot be
+        checkpointed (its name, its type, for a DTensor its mesh and placements, and the
+        fix), all in one error. Call it at the start of training, before the first step:
+        it walks the state exactly as ``save`` does (the same code decides), writes
+        nothing and makes no collective."""
+        walk(state, self.rank, self.world_size)
+
     # -- loading -------------------------------------------------------------------------------
-    def load(self, state: dict, step: int | None = None, *, strict: bool = True, fallback: bool = False) -> int:
+    def load(self, state: dict, step: int | None = None, *, strict: bool = True, fallback: bool = False,
+             exclude: tuple[str, ...] = ()) -> int:
         """Restore ``state`` in place from the newest committed step (or ``step``).
 
         Works at any world size: each rank reads only the byte ranges its pieces need.
@@ -667,9 +683,18 @@ class Checkpointer:
         validated before the ranks agree on success, and plain, per-lane and per-rank values
         are set only after they agreed: a failed load leaves them unchanged on every rank,
         but target tensors (read in place) may have been partly overwritten.
+
+        ``exclude`` takes leaves out of the load by name pattern (``fnmatch``; a pattern
+        that matches a container takes all below it): ``exclude=("data/*",)`` or
+        ``("data",)``. They keep what the state holds, and the checkpoint need not have
+        them; a stateful object whose own name is excluded is not loaded at all. Without
+        it, a key the state holds and the checkpoint lacks stops the load naming the key,
+        whatever its kind: a tensor, a plain, per-lane or ``bytes`` value, or a per-rank
+        value at another world size (``strict=False`` skips all such keys at once).
         """
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
+        excluder(exclude)  # a malformed pattern list raises here, on every rank alike
         self.wait()
         w = walk(state, self.rank, self.world_size)
         chosen = self._agree_step(step, before=None)
@@ -678,7 +703,7 @@ class Checkpointer:
             pending = None
             try:
                 manifest = read_manifest(self.storage, chosen)
-                pending = PendingLoad(self.storage, manifest, w, self.rank, self.world_size, strict)
+                pending = PendingLoad(self.storage, manifest, w, self.rank, self.world_size, strict, exclude)
                 pending.read(self.read_threads)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 error = exc

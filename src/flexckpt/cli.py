@@ -36,6 +36,7 @@ from flexckpt.convert.cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError
+from flexckpt.load import read_bytes_values
 from flexckpt.manifest import MAX_WORLD, Manifest, step_dir
 from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
@@ -125,6 +126,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  per-lane {k}: {len(lanes)} lanes ({', '.join(sorted(lanes, key=_lane_key)[:8])}{' ...' if len(lanes) > 8 else ''})")
     for k in sorted(m.per_rank):
         print(f"  per-rank {k}: {m.world_size} values (restored only at world size {m.world_size})")
+    for k, (_offset, length, _check) in sorted(m.keyed.items()):
+        print(f"  bytes {k}: {length} bytes (addressed by key)")
     if args.tensors:
         print(f"  {'tensor':40s} {'dtype':9s} {'shape':18s} {'layout':28s} pieces")
         for name, t in sorted(m.tensors.items()):
@@ -160,6 +163,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     m.rank_values(r)
                 except (OSError, CheckpointError) as e:
                     errors.append(f"per-rank values of rank {r}: {e}")
+            try:
+                read_bytes_values(storage, m, sorted(m.keyed))
+            except (OSError, CheckpointError) as e:
+                errors.append(f"bytes values: {e}")
         for name in sorted(m.files):
             try:
                 f = m.files[name]
@@ -294,6 +301,9 @@ def cmd_reshard(args: argparse.Namespace) -> int:
                 _put(state, name, None)
             for name in m.lanes:  # lanes are not tied to ranks: all of them go to rank 0
                 _put(state, name, ByLane())
+            if r == 0:  # nor are bytes values (addressed by key)
+                for name in m.keyed:
+                    _put(state, name, b"")
             if same_world:
                 for name in m.per_rank:
                     _put(state, name, PerRank(None))

@@ -13,6 +13,8 @@ records. With W <= GROUP rank 0 reads the records itself.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import os
 import time
@@ -21,6 +23,7 @@ from typing import Any, Callable
 
 import orjson
 
+from flexckpt.checksum import checksum
 from flexckpt.errors import ManifestError, SaveError
 from flexckpt.manifest import (
     GROUP,
@@ -36,6 +39,7 @@ from flexckpt.manifest import (
     data_name,
     failed_name,
     group_name,
+    keyed_name,
     parse_manifest,
     parse_record,
     parse_step_dir,
@@ -58,13 +62,14 @@ READ_CONCURRENCY = 64  # records read in parallel (an object store serves these 
 # -- records -----------------------------------------------------------------------------------
 def record_doc(
     *, run_id: str, attempt: str, step: int, world_size: int, entries: dict[int, list], lanes: dict[str, Any],
-    structure: bytes | None = None,
+    structure: bytes | None = None, keyed: dict[str, list] | None = None,
 ) -> bytes:
     """A record: one rank's line (``entries[rank] = [fingerprint, table checksum, table
     bytes, stored bytes, values checksum, values bytes]``) and lanes, or a group's, merged by its leader. Lane values may
     be already-encoded JSON (bytes), spliced in without re-encoding. ``structure`` (a
     rank's first save with a structure, in a world of at most GROUP ranks) lets rank 0 name
-    the keys that differ if the fingerprints do."""
+    the keys that differ if the fingerprints do. ``keyed`` holds the bytes values by key:
+    ``[lowest rank holding it, base64 of the bytes]`` (see :func:`keyed_entries`)."""
     extra = {"structure": orjson.Fragment(structure)} if structure is not None else {}
     return orjson.dumps({**extra,
         "format": RECORD_FORMAT,
@@ -75,7 +80,13 @@ def record_doc(
         "world_size": world_size,
         "ranks": {str(r): e for r, e in entries.items()},
         "lanes": {k: orjson.Fragment(v) if isinstance(v, bytes) else v for k, v in lanes.items()},
+        "keyed": keyed or {},
     })
+
+
+def keyed_entries(rank: int, values: dict[str, bytes]) -> dict[str, list]:
+    """A rank's bytes values as its record carries them: ``key -> [rank, base64]``."""
+    return {k: [rank, base64.b64encode(v).decode("ascii")] for k, v in values.items()}
 
 
 def wait_for(
@@ -124,12 +135,17 @@ def wait_for(
 
 def merge_records(
     docs: list[dict], *, step: int, run_id: str, attempt: str, world_size: int,
-    structures: dict[str, dict] | None = None,
+    structures: dict[str, dict] | None = None, keyed: dict[str, list] | None = None,
 ) -> tuple[dict[int, list], dict[str, dict]]:
-    """Rank lines and lanes of several records, checked to belong to this attempt; a lane
-    saved by two ranks is an error. Structures that records carry go to ``structures``."""
+    """Rank lines and lanes of several records, checked to belong to this attempt.
+    Structures that records carry go to ``structures``, bytes values to ``keyed``.
+
+    A lane or a bytes value saved by several ranks (the TP/PP peers of one data-parallel
+    replica all hold it) is kept once: its copies must be equal, else the save fails naming
+    the key."""
     entries: dict[int, list] = {}
     lanes: dict[str, dict] = {}
+    keyed = {} if keyed is None else keyed
     for doc in docs:
         if structures is not None and isinstance(doc.get("structure"), dict) and len(doc["ranks"]) == 1:
             structures[str(next(iter(doc["ranks"].values()))[0])] = doc["structure"]
@@ -147,13 +163,35 @@ def merge_records(
                 raise SaveError(f"step {step}: lanes of {path!r} are not keyed by lane")
             merged = lanes.setdefault(path, {})
             for lane, v in mapping.items():
-                if lane in merged:
+                if lane in merged and _canonical(merged[lane]) != _canonical(v):
                     raise SaveError(
-                        f"step {step}: lane {lane!r} of {path!r} was saved twice; each lane must be hosted by "
-                        f"exactly one rank"
+                        f"step {step}: lane {lane!r} of {path!r} was saved by several ranks with different values; "
+                        f"a lane hosted by several ranks (peers of one replica) must hold the same value on each"
                     )
                 merged[lane] = v
+        raw = doc.get("keyed", {})
+        if not isinstance(raw, dict):
+            raise SaveError(f"step {step}: a record's bytes values are not keyed by name")
+        for key, v in raw.items():
+            if not (isinstance(v, list) and len(v) == 2 and type(v[0]) is int and isinstance(v[1], str)):
+                raise SaveError(f"step {step}: the record entry of bytes value {key!r} is malformed")
+            have = keyed.get(key)
+            if have is None:
+                keyed[key] = v
+            elif have[1] != v[1]:  # base64 is canonical: equal text, equal bytes
+                a, b = sorted((have[0], v[0]))
+                raise SaveError(
+                    f"step {step}: bytes value {key!r} was saved by ranks {a} and {b} with different contents; a key "
+                    f"saved by several ranks (peers of one data-parallel replica) must hold the same bytes on each, "
+                    f"so give each rank's value a key of its own (e.g. by data-parallel rank)"
+                )
+            elif v[0] < have[0]:
+                keyed[key] = v
     return entries, lanes
+
+
+def _canonical(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
 def lead_group(
@@ -168,16 +206,20 @@ def lead_group(
     found = wait_for(storage, folder, names, timeout, max_delay, "record of rank",
                      failed=lambda: failure_message(storage, step, attempt))
     docs = [parse_record(own, "own record")] + [found[r] for r in sorted(found)]
+    keyed: dict[str, list] = {}
     entries, lanes = merge_records(docs, step=step, run_id=run_id, attempt=attempt, world_size=world_size,
-                                   structures=structures)
-    return record_doc(run_id=run_id, attempt=attempt, step=step, world_size=world_size, entries=entries, lanes=lanes)
+                                   structures=structures, keyed=keyed)
+    return record_doc(run_id=run_id, attempt=attempt, step=step, world_size=world_size, entries=entries, lanes=lanes,
+                      keyed=keyed)
 
 
 def gather(
     storage: Storage, *, step: int, run_id: str, attempt: str, world_size: int, own: bytes,
     timeout: float, max_delay: float, structures: dict[str, dict] | None = None,
+    keyed: dict[str, list] | None = None,
 ) -> tuple[dict[int, list], dict[str, dict]]:
-    """Rank 0's part: its group's records, then every other group's record."""
+    """Rank 0's part: its group's records, then every other group's record (bytes values,
+    each once, to ``keyed``)."""
     group0 = lead_group(storage, step=step, run_id=run_id, attempt=attempt, world_size=world_size, rank=0,
                         own=own, timeout=timeout, max_delay=max_delay, structures=structures)
     groups = range(1, -(-world_size // GROUP))
@@ -188,7 +230,8 @@ def gather(
         found = wait_for(storage, folder, names, timeout, max_delay, "record of group",
                          failed=lambda: failure_message(storage, step, attempt))
         docs += [found[g] for g in sorted(found)]
-    entries, lanes = merge_records(docs, step=step, run_id=run_id, attempt=attempt, world_size=world_size)
+    entries, lanes = merge_records(docs, step=step, run_id=run_id, attempt=attempt, world_size=world_size,
+                                   keyed=keyed)
     missing = sorted(set(range(world_size)) - set(entries))
     if missing:
         raise SaveError(f"step {step}: no record of ranks {missing[:20]}")
@@ -240,6 +283,7 @@ def build_manifest(
     plain: dict[str, Any],
     lanes: dict[str, dict],
     per_rank_keys: list[str],
+    keyed: dict[str, tuple[int, int, str]] | None = None,
 ) -> Manifest:
     ranks = []
     for r in range(plan.world_size):
@@ -248,8 +292,28 @@ def build_manifest(
     tensors = {s.name: SavedTensor(s.name, s.dtype, s.shape, s.layout) for s in plan.specs}
     return Manifest(
         step, run_id, plan.world_size, time.time(), fingerprint, {}, tensors, plain, lanes,
-        {k: None for k in per_rank_keys}, 2, attempt, plan.rules, codec, tuple(ranks),
+        {k: None for k in per_rank_keys}, 2, attempt, plan.rules, codec, tuple(ranks), keyed or {},
     )
+
+
+def write_keyed(storage: Storage, step: int, attempt: str, keyed: dict[str, list], fsync: bool) -> dict:
+    """Rank 0, before the commit: the bytes values, each once, one after the other in key
+    order in the attempt's ``keyed.values`` file; returns the manifest's index of it,
+    ``key -> (offset, length, xxh3-64)``."""
+    index: dict[str, tuple[int, int, str]] = {}
+    parts = []
+    pos = 0
+    for key in sorted(keyed):
+        try:
+            data = base64.b64decode(keyed[key][1], validate=True)
+        except (binascii.Error, ValueError):
+            raise SaveError(f"step {step}: the record of rank {keyed[key][0]} holds bytes value {key!r} malformed") from None
+        index[key] = (pos, len(data), checksum(data))
+        parts.append(data)
+        pos += len(data)
+    if index:
+        storage.put_atomic(f"{step_dir(step)}/{keyed_name(attempt)}", b"".join(parts), fsync=fsync)
+    return index
 
 
 # -- the commit --------------------------------------------------------------------------------

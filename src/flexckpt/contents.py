@@ -3,7 +3,7 @@
 values, and the names of per-lane and per-rank values. Nothing about files or chunks."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ class Contents:
     plain: dict[str, Any]  # decoded plain values
     lanes: list[str]  # names of ByLane values
     per_rank: list[str]  # names of PerRank values
+    keyed: list[str] = field(default_factory=list)  # names of bytes values (addressed by key)
 
 
 def read_contents(storage: Storage, step: int) -> Contents:
@@ -47,4 +48,5 @@ def read_contents(storage: Storage, step: int) -> Contents:
         plain={n: decode_plain(v) for n, v in sorted(m.plain.items())},
         lanes=sorted(m.lanes),
         per_rank=sorted(m.per_rank),
+        keyed=sorted(m.keyed),
     )

@@ -36,3 +36,19 @@ class TruncatedFile(LoadError, EOFError):
 
 class TooLarge(CheckpointError, ValueError):
     """A metadata file is bigger than flexckpt reads for that kind of file."""
+
+
+class UnsupportedState(CheckpointError, TypeError, ValueError):
+    """Leaves of a state that cannot be checkpointed, all of them in one error (raised by
+    ``Checkpointer.check``, and by ``save``/``load`` on the calling thread). ``problems``
+    holds ``(leaf name, the exception its conversion raised)`` for each."""
+
+    def __init__(self, problems: list[tuple[str, BaseException]]) -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            name, exc = self.problems[0]
+            message = str(exc) if name in str(exc) else f"{name}: {exc}"
+        else:
+            lines = "".join(f"\n  - {name}: {exc}" for name, exc in self.problems)
+            message = f"{len(self.problems)} leaves of the state cannot be checkpointed:{lines}"
+        super().__init__(message)

@@ -2,6 +2,9 @@
 other: match the target's structure to the manifest, fetch only the chunks that hold the
 target's pieces (straight into the target tensor when a chunk lands whole in it), verify
 every chunk's checksum, then hand back the values to apply once every rank has succeeded.
+
+``exclude`` patterns (see :func:`flexckpt.structure.excluder`) take leaves out of the load
+on both sides: the state keeps what it holds, and the checkpoint need not have them.
 """
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ from flexckpt.checksum import checksum, checksum_parts
 from flexckpt.codec import decompress_into
 from flexckpt.dtypes import dtype_from_name, dtype_name
 from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
-from flexckpt.manifest import Manifest, step_dir
+from flexckpt.manifest import Manifest, keyed_name, step_dir
 from flexckpt.readplan import Fetch, coalesce, plan_reads
 from flexckpt.stall import bounded
 from flexckpt.storage import RangeReader, Storage
-from flexckpt.structure import Walk, decode_plain
+from flexckpt.structure import Walk, decode_plain, excluder
 from flexshard import FlatRange
 
 log = logging.getLogger("flexckpt")
@@ -54,7 +57,8 @@ def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict:
     if strict and missing:
         raise StructureMismatch(
             f"checkpoint step {step} has no {kind} {missing[:10]}{' ...' if len(missing) > 10 else ''} that the "
-            f"state to load into has; pass strict=False to load the rest and leave these unchanged"
+            f"state to load into has; pass exclude=({missing[0]!r},) (name patterns) to load without them, or "
+            f"strict=False to load the rest, leaving these unchanged"
         )
     if strict and unexpected:
         raise StructureMismatch(
@@ -68,7 +72,11 @@ class PendingLoad:
     """Tensors are read and verified by :meth:`read`; values are applied by :meth:`apply`
     only after every rank has read successfully."""
 
-    def __init__(self, storage: Storage, manifest: Manifest, w: Walk, rank: int, world_size: int, strict: bool) -> None:
+    def __init__(self, storage: Storage, manifest: Manifest, w: Walk, rank: int, world_size: int, strict: bool,
+                 exclude: tuple[str, ...] = ()) -> None:
+        gone = excluder(exclude)
+        w = w.without(exclude)
+        kept = (lambda names: set(names)) if gone is None else (lambda names: {n for n in names if not gone(n)})
         self.storage = storage
         self.manifest = manifest
         self.walk = w
@@ -78,7 +86,7 @@ class PendingLoad:
         self.stats = LoadStats()
         step = manifest.step
         names = {s.name: i for i, s in enumerate(w.specs)}
-        keep = _check_keys("tensors", set(names), set(manifest.tensors), step, strict)
+        keep = _check_keys("tensors", set(names), kept(manifest.tensors), step, strict)
         self.stats.skipped = sorted(set(names) - keep)
         self.targets: list[tuple[int, FlatRange]] = []  # (walk index, wanted range)
         for name in sorted(keep):
@@ -95,9 +103,30 @@ class PendingLoad:
                 raise StructureMismatch(f"tensor {name!r}: target piece has {local.numel()} elements, its layout gives {len(rng)}")
             if len(rng):
                 self.targets.append((i, rng))
-        self.plain = _check_keys("plain values", set(w.plain), set(manifest.plain), step, strict)
-        self.lanes = _check_keys("per-lane values", set(w.lanes), set(manifest.lanes), step, strict)
-        self.per_rank = _check_keys("per-rank values", set(w.per_rank), set(manifest.per_rank), step, strict)
+        self.plain = _check_keys("plain values", set(w.plain), kept(manifest.plain), step, strict)
+        self.lanes = _check_keys("per-lane values", set(w.lanes), kept(manifest.lanes), step, strict)
+        self.per_rank = _check_keys("per-rank values", set(w.per_rank), kept(manifest.per_rank), step, strict)
+        self._per_rank_skipped: set[str] = set()  # strict=False at another world size: marked not restored
+        if self.per_rank and manifest.world_size != world_size:
+            names = sorted(self.per_rank)
+            if strict:
+                raise StructureMismatch(
+                    f"per-rank values {names[:10]} of checkpoint step {step} belong to the ranks of world size "
+                    f"{manifest.world_size} and cannot be restored at world size {world_size}; derive them from seed, "
+                    f"step and rank and pass exclude=({names[0]!r},) to load without them"
+                )
+            self.stats.skipped += names
+            self._per_rank_skipped, self.per_rank = self.per_rank, set()
+        # bytes values: each rank asks for the keys it holds; the others' keys are not its concern
+        missing = sorted(set(w.keyed) - set(manifest.keyed))
+        if missing and strict:
+            raise StructureMismatch(
+                f"checkpoint step {step} has no bytes value {missing[:10]}{' ...' if len(missing) > 10 else ''} that "
+                f"rank {rank} of {world_size} holds: no rank saved it. To load without it (the state keeps what it "
+                f"holds), pass exclude=({missing[0]!r},) (name patterns, e.g. 'data/*')"
+            )
+        self.stats.skipped += missing
+        self.keyed = sorted(set(w.keyed) & set(manifest.keyed))
 
     def read(self, threads: int) -> None:
         reads = plan_reads(self.manifest, [(self.manifest.tensors[self.walk.specs[i].name], rng) for i, rng in self.targets])
@@ -189,6 +218,7 @@ class PendingLoad:
         if missing:
             raise ManifestError(f"checkpoint step {self.manifest.step} has no per-rank values {missing} for rank {self.rank}")
         self._values = self._decode_values()
+        self._keyed = self._read_keyed()
         fetches = coalesce(reads, FETCH_BYTES)
         stall = self.storage.stall_timeout
 
@@ -211,9 +241,18 @@ class PendingLoad:
         self.stats.fetches = len(fetches)
         self.stats.direct_chunks = sum(whole)
         self.stats.chunks = len(reads)
-        self.stats.bytes_read = sum(cr.chunk.length for cr in reads)
+        self.stats.bytes_read = sum(cr.chunk.length for cr in reads) + sum(len(v) for v in self._keyed.values())
         self.stats.tensors = len(self.targets)
         self.stats.metadata_bytes = self.manifest.metadata_bytes_read
+
+    def _read_keyed(self) -> dict[str, bytes]:
+        """The bytes values this rank holds keys of (see :func:`read_bytes_values`)."""
+        out = read_bytes_values(self.storage, self.manifest, self.keyed)
+        for name, value in out.items():
+            slot = self.walk.keyed_slots[name]
+            if isinstance(slot.container, tuple) and slot.container[slot.key] != value:
+                raise StructureMismatch(f"cannot load bytes value {name!r} into a tuple; use a list")
+        return out
 
     def _decode_values(self) -> dict[str, Any]:
         """Plain values decoded and checked against their slots, before the ranks agree:
@@ -247,21 +286,37 @@ class PendingLoad:
             slot.container[slot.key] = value
         for name in self.lanes:
             w.lanes[name].values = dict(m.lanes[name])
-        same_world = m.world_size == self.world_size
-        for name in self.per_rank:
+        for name, value in self._keyed.items():
+            slot = w.keyed_slots[name]
+            if not isinstance(slot.container, tuple):  # a tuple holding bytes: checked in read()
+                slot.container[slot.key] = value
+        for name in self.per_rank:  # only at the saved world size (checked in __init__)
             target = w.per_rank[name]
-            if same_world:
-                target.value = self._decoded[name]
-                target.restored = True
-            else:
-                target.restored = False
-        if self.per_rank and not same_world:
-            log.warning(
-                "per-rank values %s were saved at world size %d and are not restored at world size %d",
-                sorted(self.per_rank), m.world_size, self.world_size,
-            )
+            target.value = self._decoded[name]
+            target.restored = True
+        for name in self._per_rank_skipped:
+            w.per_rank[name].restored = False
         for _name, obj, sd in reversed(w.statefuls):
             obj.load_state_dict(sd)
+
+
+def read_bytes_values(storage: Storage, manifest: Manifest, names: list[str]) -> dict[str, bytes]:
+    """Bytes values by key, each read alone from the save's ``keyed.values`` file and
+    checked against the manifest's checksum; returned as the bytes they are (never
+    unpickled or parsed)."""
+    if not names:
+        return {}
+    rel = f"{step_dir(manifest.step)}/{keyed_name(manifest.attempt)}"  # type: ignore[arg-type]
+    out = {}
+    with storage.open_reader(rel) as reader:
+        for name in names:
+            offset, length, want = manifest.keyed[name]
+            buf = bytearray(length)  # at most MAX_BYTES_VALUE: the manifest's parser checked
+            if length:
+                reader.read_into(offset, memoryview(buf))
+            _verify(memoryview(buf), want, f"{rel} bytes [{offset}, {offset + length}) (bytes value {name!r})")
+            out[name] = bytes(buf)
+    return out
 
 
 def _verify(data: memoryview, want: str, where: str) -> None:

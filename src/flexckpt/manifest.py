@@ -34,6 +34,7 @@ from flexckpt.dtypes import dtype_from_name, dtype_name, itemsize
 from flexckpt.errors import ManifestError
 from flexckpt.plan import RULES_VERSION, PlanRules, WritePlan
 from flexckpt.structure import TensorSpec
+from flexckpt.values import MAX_BYTES_VALUE
 from flexshard import FlatRange, Layout, layout_from_json
 
 FORMAT = "flexckpt"
@@ -115,6 +116,11 @@ def group_name(attempt: str, group: int) -> str:
 
 def values_name(attempt: str, rank: int) -> str:
     return f"{attempt}/r{rank:05d}.values"
+
+
+def keyed_name(attempt: str) -> str:
+    """The bytes values of a save, each once (written by rank 0 before the commit)."""
+    return f"{attempt}/keyed.values"
 
 
 def failed_name(attempt: str) -> str:
@@ -368,6 +374,7 @@ class Manifest:
     codec: str = "none"
     ranks: tuple[RankEntry, ...] = ()
     sealed: bool = False  # read back with a verified manifest checksum (False: written without one)
+    keyed: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # bytes values: offset, length, xxh3-64
 
     def rank_values(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s per-rank values (version 2: read from its table file)."""
@@ -403,6 +410,7 @@ class Manifest:
                 "plain": self.plain,
                 "lanes": self.lanes,
                 "per_rank": sorted(self.per_rank),
+                **({"keyed": {k: list(v) for k, v in self.keyed.items()}} if self.keyed else {}),
             })
         doc = {
             "format": FORMAT,
@@ -620,8 +628,33 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
     if not all(isinstance(k, str) for k in keys):
         raise _fail(where, "per_rank must list value names")
     files = TableFiles(plan, attempt, codec, ranks_t)
+    keyed = _parse_keyed(doc.get("keyed", {}), where)
     return Manifest(step, run_id, world, wall, fp, files, tensors, plain, lanes, {k: None for k in keys},
-                    2, attempt, rules, codec, ranks_t)
+                    2, attempt, rules, codec, ranks_t, keyed)
+
+
+def _parse_keyed(raw: Any, where: str) -> dict[str, tuple[int, int, str]]:
+    """The index of the bytes values file: each key's ``[offset, length, checksum]``; the
+    values must lie one after the other from byte 0, each at most MAX_BYTES_VALUE."""
+    if not isinstance(raw, dict):
+        raise _fail(where, "keyed must be an object of bytes values by key")
+    out = {}
+    for key, e in raw.items():
+        ok = (
+            0 < len(key) <= 4096 and type(e) is list and len(e) == 3 and type(e[0]) is int and type(e[1]) is int
+            and 0 <= e[0] <= MAX_FILE_BYTES and 0 <= e[1] <= MAX_BYTES_VALUE
+            and type(e[2]) is str and _HEX16.fullmatch(e[2]) is not None
+        )
+        if not ok:
+            raise _fail(where, f"bytes value {_show(key)} must be [offset, length (at most {MAX_BYTES_VALUE}), "
+                               f"checksum (16 hex)], got {str(e)[:80]}")
+        out[key] = (e[0], e[1], e[2])
+    pos = 0
+    for key, (offset, length, _) in sorted(out.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        if offset != pos:
+            raise _fail(where, f"bytes value {_show(key)} starts at byte {offset}, not {pos} where the one before ends")
+        pos += length
+    return out
 
 
 def _parse_file(name: str, entry: Any, where: str) -> FileEntry:
@@ -737,7 +770,7 @@ def parse_record(data: bytes, where: str) -> dict:
     doc = parse_json(data, where)
     if doc.get("format") != RECORD_FORMAT or doc.get("version") != VERSION:
         raise _fail(where, f"not a version-{VERSION} flexckpt record")
-    for key, kind in (("run_id", str), ("attempt", str), ("ranks", dict), ("lanes", dict)):
+    for key, kind in (("run_id", str), ("attempt", str), ("ranks", dict), ("lanes", dict), ("keyed", dict)):
         _get(doc, key, kind, where)
     for key in ("step", "world_size"):
         _int(doc.get(key), 0, MAX_FILE_BYTES, key, where)

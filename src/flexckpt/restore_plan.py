@@ -56,6 +56,7 @@ class RestorePlan:
     plain: tuple[str, ...]       # the same on every rank: restored as they are
     lanes: tuple[str, ...]       # keyed by lane: every rank receives the union
     per_rank: tuple[str, ...]    # restored only at the saved world size
+    keyed: tuple[str, ...] = ()  # bytes values, by key: each rank reads the keys its state holds
 
     @property
     def per_rank_restored(self) -> bool:
@@ -67,7 +68,7 @@ class RestorePlan:
             "ranks": [r.__dict__ for r in self.ranks],
             "tensors": {t.name: {"saved": t.saved, "target": t.target} for t in self.tensors},
             "plain": list(self.plain), "lanes": list(self.lanes), "per_rank": list(self.per_rank),
-            "per_rank_restored": self.per_rank_restored,
+            "per_rank_restored": self.per_rank_restored, "keyed": list(self.keyed),
         }
 
 
@@ -94,4 +95,4 @@ def restore_plan(manifest: Manifest, layouts: Mapping[str, Layout], world: int) 
                                  len({cr.file for cr in reads}), held + biggest))
     moves = tuple(TensorMove(n, t.layout.to_json(), layouts[n].to_json()) for n, t in sorted(manifest.tensors.items()))
     return RestorePlan(manifest.step, manifest.world_size, world, tuple(ranks), moves, tuple(sorted(manifest.plain)),
-                       tuple(sorted(manifest.lanes)), tuple(sorted(manifest.per_rank)))
+                       tuple(sorted(manifest.lanes)), tuple(sorted(manifest.per_rank)), tuple(sorted(manifest.keyed)))

@@ -1,14 +1,21 @@
 """Walking a training state: nested dicts (and lists) of tensors, ShardedTensors, plain
-values, per-lane and per-rank values, and objects with ``state_dict()`` /
-``load_state_dict()``.
+values, ``bytes`` values (addressed by key), per-lane and per-rank values, and objects
+with ``state_dict()`` / ``load_state_dict()``.
 
 A walk turns the state into flat, named leaves. Names are ``/``-joined keys (``%`` and
 ``/`` inside a key are escaped). The *structure* is what every rank must agree on: tensor
 names, dtypes, global shapes and layouts, and the names of plain, per-lane and per-rank
-values (never their contents).
+values (never their contents). ``bytes`` values are not part of it: ranks hold different
+sets of keys (each data-parallel replica its own), see :mod:`flexckpt.values`.
+
+The walk is also the one judge of what can be checkpointed: every leaf it cannot convert
+is collected (the exception its conversion raised, with the leaf's name) and the walk goes
+on, so one :class:`~flexckpt.errors.UnsupportedState` lists them all
+(``Checkpointer.check``); there is no second list of supported kinds to drift from it.
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -19,7 +26,8 @@ import torch
 
 from flexckpt.dtensor import dtensor_leaf, is_dtensor
 from flexckpt.dtypes import dtype_name
-from flexckpt.values import ByLane, PerRank
+from flexckpt.errors import UnsupportedState
+from flexckpt.values import MAX_BYTES_VALUE, ByLane, PerRank
 from flexshard import Layout, Replicate, ShardedTensor
 
 SCALARS = (bool, int, float, str, type(None))
@@ -67,6 +75,9 @@ class Walk:
     plain_slots: dict[str, Slot] = field(default_factory=dict)
     lanes: dict[str, ByLane] = field(default_factory=dict)
     per_rank: dict[str, PerRank] = field(default_factory=dict)
+    keyed: dict[str, bytes] = field(default_factory=dict)  # bytes values, by key
+    keyed_slots: dict[str, Slot] = field(default_factory=dict)
+    errors: list[tuple[str, BaseException]] = field(default_factory=list)  # leaves that cannot be checkpointed
     statefuls: list[tuple[str, Any, dict]] = field(default_factory=list)  # (name, object, its state dict)
     _specs: list[TensorSpec] | None = None
 
@@ -79,6 +90,26 @@ class Walk:
                 if len(k) >= 4
             ]
         return self._specs
+
+    def without(self, patterns: tuple[str, ...]) -> "Walk":
+        """This walk less the leaves ``patterns`` exclude (see :func:`excluder`); a stateful
+        object whose own name is excluded is not asked to ``load_state_dict`` either."""
+        gone = excluder(patterns)
+        if gone is None:
+            return self
+        out = Walk()
+        tensors = iter(self.tensors)
+        for k in self.key:
+            t = next(tensors) if len(k) >= 4 else None
+            if not gone(k[0]):
+                out.key.append(k)
+                if t is not None:
+                    out.tensors.append(t)
+        keep = lambda d: {n: v for n, v in d.items() if not gone(n)}  # noqa: E731
+        out.plain, out.plain_slots, out.lanes = keep(self.plain), keep(self.plain_slots), keep(self.lanes)
+        out.per_rank, out.keyed, out.keyed_slots = keep(self.per_rank), keep(self.keyed), keep(self.keyed_slots)
+        out.statefuls = [s for s in self.statefuls if not gone(s[0])]
+        return out
 
     def structure_json(self) -> dict:
         """Canonical structure (sorted by name): what the fingerprint hashes."""
@@ -106,6 +137,25 @@ def escape_key(key: Any) -> str:
     return s.replace("%", "%25").replace("/", "%2F")
 
 
+def excluder(patterns: Any) -> "Any":
+    """A test ``name -> bool`` for ``load(..., exclude=patterns)``: a leaf is excluded when a
+    pattern (``fnmatch``: ``*`` also crosses ``/``) matches its name or the name of a
+    container above it (``"data"`` and ``"data/*"`` both exclude ``data/dp_rank_0``).
+    None when there are no patterns."""
+    if patterns is None or patterns == ():
+        return None
+    if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
+        raise TypeError(f"exclude must be a tuple of non-empty name patterns such as ('data/*',), got {patterns!r}")
+    pats = tuple(patterns)
+
+    def gone(name: str) -> bool:
+        parts = name.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        return any(fnmatch.fnmatchcase(p, pat) for pat in pats for p in prefixes)
+
+    return gone
+
+
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -121,7 +171,13 @@ def walk(state: Any, rank: int, world_size: int) -> Walk:
         raise TypeError(f"a checkpoint state must be a dict, got {type(state).__name__}")
     out = Walk()
     _walk_dict(state, "", out, rank, world_size)
+    if out.errors:
+        raise UnsupportedState(out.errors)
     return out
+
+
+# what a leaf's conversion raises when the leaf cannot be checkpointed: collected, not fatal
+_REFUSALS = (TypeError, ValueError, NotImplementedError)
 
 
 def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> None:
@@ -132,7 +188,11 @@ def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> N
         if type(key) is str and key and "/" not in key and "%" not in key:
             name = prefix + key
         else:
-            name = prefix + escape_key(key)
+            try:
+                name = prefix + escape_key(key)
+            except _REFUSALS as e:
+                out.errors.append((f"{prefix}{key!r}", e))
+                continue
         if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
             key_list.append((name, value.dtype, value.shape, value.device))
             tensors.append(value)
@@ -141,6 +201,13 @@ def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> N
 
 
 def _walk_value(value: Any, name: str, parent: Any, key: Any, out: Walk, rank: int, world_size: int) -> None:
+    try:
+        _walk_leaf(value, name, parent, key, out, rank, world_size)
+    except _REFUSALS as e:  # this leaf cannot be checkpointed: note it, walk on (see the module doc)
+        out.errors.append((name, e))
+
+
+def _walk_leaf(value: Any, name: str, parent: Any, key: Any, out: Walk, rank: int, world_size: int) -> None:
     if is_dtensor(value):  # saved and loaded as its local piece of a flexshard layout
         local, layout, shape = dtensor_leaf(value, name, rank, world_size)
         out.key.append((name, local.dtype, shape, layout, local.shape, local.device))
@@ -157,6 +224,14 @@ def _walk_value(value: Any, name: str, parent: Any, key: Any, out: Walk, rank: i
         local = value.local
         out.key.append((name, local.dtype, value.global_shape, value.layout, local.shape, local.device))
         out.tensors.append(local)
+    elif type(value) is bytes:
+        if len(value) > MAX_BYTES_VALUE:
+            raise ValueError(
+                f"bytes value {name!r} is {len(value)} bytes, more than the {MAX_BYTES_VALUE} a bytes value may "
+                f"hold (it travels through the save's records); save it as a uint8 tensor"
+            )
+        out.keyed[name] = value
+        out.keyed_slots[name] = Slot(parent, key, value)
     elif isinstance(value, SCALARS) or _is_plain_sequence(value):
         out.plain[name] = value
         out.plain_slots[name] = Slot(parent, key, value)
@@ -183,8 +258,8 @@ def _walk_value(value: Any, name: str, parent: Any, key: Any, out: Walk, rank: i
         _walk_value(value.item(), name, parent, key, out, rank, world_size)
     else:
         raise TypeError(
-            f"cannot checkpoint {name!r} of type {type(value).__name__}: use tensors, ShardedTensor, "
-            f"int/float/str/bool/None (or lists of them), dicts, ByLane, PerRank, or an object "
+            f"cannot checkpoint {name!r} of type {type(value).__name__}: use tensors, DTensors, ShardedTensor, "
+            f"int/float/str/bool/None (or lists of them), bytes, dicts, ByLane, PerRank, or an object "
             f"with state_dict()/load_state_dict()"
         )
 

@@ -97,7 +97,7 @@ def _is_plain(value: Any) -> bool:
         w = walk({"v": value}, 0, 1)
     except (TypeError, ValueError):
         return False
-    return not (w.tensors or w.lanes or w.per_rank or w.statefuls)
+    return not (w.tensors or w.lanes or w.per_rank or w.keyed or w.statefuls)
 
 
 def import_dcp(dcp_dir: str, url: str, step: int | None = None, *, budget: int = DEFAULT_BUDGET,
@@ -206,7 +206,8 @@ def export_dcp(url: str, dcp_dir: str, step: int | None = None, *, budget: int =
 
     ck, contents = open_source(url, step)
     report = ConvertReport(step=contents.step, step_source="--step" if step is not None else "newest")
-    report.left_out = [f"{n} (per-lane value)" for n in contents.lanes] + [f"{n} (per-rank value)" for n in contents.per_rank]
+    report.left_out = [f"{n} (per-lane value)" for n in contents.lanes] + [f"{n} (per-rank value)" for n in contents.per_rank] + [
+        f"{n} (bytes value)" for n in contents.keyed]
     tree: dict = {}
     for n, info in contents.tensors.items():
         put(tree, name_path(n), torch.empty(info.shape, dtype=info.dtype, device="meta"))
