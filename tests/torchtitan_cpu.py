@@ -27,17 +27,49 @@ from typing import Any
 # -- the five shims ----------------------------------------------------------------------------
 
 
+class _CpuDeviceModule:
+    """What torchtitan asks of a device module (torch.cuda's names), for the CPU."""
+
+    def __getattr__(self, name: str):
+        import torch
+
+        return getattr(torch.cpu, name)
+
+    def get_device_name(self, device=None) -> str:
+        return "cpu"
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def get_device_properties(self, device=None):
+        import types
+
+        return types.SimpleNamespace(name="cpu", total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    def memory_stats(self, device=None) -> dict:
+        return {}
+
+    def set_device(self, device=None) -> None: ...
+    def reset_peak_memory_stats(self, device=None) -> None: ...
+    def empty_cache(self) -> None: ...
+    def synchronize(self, device=None) -> None: ...
+
+
 def cpu_device() -> None:
     import torch._utils as tu
 
     if "torchtitan.tools.utils" in sys.modules:
         return
-    original = tu._get_available_device_type
+    original = tu._get_available_device_type, tu._get_device_module
     tu._get_available_device_type = lambda: "cpu"
+    tu._get_device_module = lambda device_type: _CpuDeviceModule()
     try:
         import torchtitan.tools.utils  # noqa: F401 - binds device_type "cpu" for every importer
     finally:
-        tu._get_available_device_type = original
+        tu._get_available_device_type, tu._get_device_module = original
 
 
 def dense_flex_attention() -> None:
@@ -127,7 +159,7 @@ def _base():
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.models.llama3 import model_registry
@@ -148,6 +180,7 @@ def _base():
         metrics=MetricsProcessor.Config(log_freq=1),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),  # shim 2
         checkpoint=CheckpointManager.Config(interval=4, last_save_model_only=False),
+        debug=DebugConfig(seed=0),
     )
 
 
@@ -178,19 +211,33 @@ def flex_zephon():
 # -- one rank's run -----------------------------------------------------------------------------
 
 
+def try_run(rank: int, world: int, args: list[str], stop_after: int | None = None) -> dict[str, Any]:
+    """``run_trainer``, with a failure returned as ``{"error": "Type: message"}`` (for the
+    runs that must be refused)."""
+    try:
+        return run_trainer(rank, world, args, stop_after)
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return {"error": f"{type(e).__name__}: {e}", "losses": {}, "digests": []}
+
+
 def run_trainer(rank: int, world: int, args: list[str], stop_after: int | None = None) -> dict[str, Any]:
     """Build torchtitan's trainer from ``args`` (``--config NAME ...``) on this rank of an
     initialized gloo group, train (stopping after ``stop_after`` steps, as a preempted job
     would), and return the logged losses, the loader's lane digests per step and the
     checkpoint waits."""
+    import time
+
     import torch
 
+    t0 = time.perf_counter()
     torch.set_num_threads(1)
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     apply_cpu_shims()
     from torchtitan.config import ConfigManager
 
     config = ConfigManager().parse_args(["--module", "torchtitan_cpu", *args])
     trainer = config.build()
+    t_built = time.perf_counter()
     losses: dict[int, float] = {}
     log = trainer.metrics_processor.log
 
@@ -205,6 +252,8 @@ def run_trainer(rank: int, world: int, args: list[str], stop_after: int | None =
         trainer.train()
     finally:
         trainer.close()
+    t_end = time.perf_counter()
     loader = trainer.dataloader
     digests = [{str(k): v.hex() for k, v in d.items()} for d in getattr(loader, "step_digests", [])]
-    return {"losses": losses, "digests": digests, "waits": list(getattr(trainer.checkpointer, "waits", []))}
+    return {"losses": losses, "digests": digests, "waits": list(getattr(trainer.checkpointer, "waits", [])),
+            "seconds": {"build": t_built - t0, "train": t_end - t_built}}

@@ -61,7 +61,7 @@ class ZephonDataLoader(BaseDataLoader):
         """Named sources (``name -> path`` of JSON lines or text files); default: ``dataset_path``."""
 
         shares: dict[str, float] = field(default_factory=dict)
-        """Token shares of the sources (default: in proportion to their sizes)."""
+        """Token shares, one per source (needed with more than one source)."""
 
         text_field: str = "text"
         """The field of each JSON record that holds the text."""
@@ -112,9 +112,13 @@ class ZephonDataLoader(BaseDataLoader):
         if not paths:
             raise ValueError("ZephonDataLoader needs dataloader.dataset_path or dataloader.sources (name -> path)")
         tokenizer_id = config.tokenizer_path or getattr(tokenizer, "tokenizer_path", "") or "gpt2"
-        mix = Mix({n: _source(p) for n, p in paths.items()}, shares=dict(config.shares) or None)
+        sources = {n: _source(p) for n, p in paths.items()}
+        if len(sources) == 1 and not config.shares:
+            data: Any = next(iter(sources.values()))
+        else:
+            data = Mix(sources, shares=dict(config.shares))
         self.pipeline = (
-            Pipeline(mix)
+            Pipeline(data)
             .tokenize(tokenizer_id=tokenizer_id, field=config.text_field, parallelism=config.workers)
             .pack_flat(max_length=seq_len, algorithm=config.packing)
             .shuffle(buffer_size=config.shuffle_buffer, seed=config.seed)
