@@ -239,13 +239,29 @@ def run_trainer(rank: int, world: int, args: list[str], stop_after: int | None =
     trainer = config.build()
     t_built = time.perf_counter()
     losses: dict[int, float] = {}
+    step_ends: list[float] = []
     log = trainer.metrics_processor.log
 
     def record(step, loss, *rest, **kw):
         losses[step] = float(loss)
+        step_ends.append(time.perf_counter())
         return log(step, loss, *rest, **kw)
 
     trainer.metrics_processor.log = record
+    # the training thread's time in the checkpointer: save() and the fence before optimizers.step()
+    ckpt_seconds: dict[str, float] = {"save": 0.0, "staging": 0.0}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                ckpt_seconds[name] += time.perf_counter() - t
+        return call
+
+    trainer.checkpointer.save = timed("save", trainer.checkpointer.save)
+    trainer.checkpointer.maybe_wait_for_staging = timed("staging", trainer.checkpointer.maybe_wait_for_staging)
     if stop_after is not None:
         trainer.should_continue_training = lambda: trainer.step < min(stop_after, config.training.steps)
     try:
@@ -256,4 +272,5 @@ def run_trainer(rank: int, world: int, args: list[str], stop_after: int | None =
     loader = trainer.dataloader
     digests = [{str(k): v.hex() for k, v in d.items()} for d in getattr(loader, "step_digests", [])]
     return {"losses": losses, "digests": digests, "waits": list(getattr(trainer.checkpointer, "waits", [])),
-            "seconds": {"build": t_built - t0, "train": t_end - t_built}}
+            "seconds": {"build": t_built - t0, "train": t_end - t_built, **ckpt_seconds},
+            "step_s": [b - a for a, b in zip(step_ends, step_ends[1:])]}

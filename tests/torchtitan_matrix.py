@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torchtitan_cpu as tt  # noqa: E402
@@ -28,7 +30,7 @@ import torchtitan_cpu as tt  # noqa: E402
 from flexshard.spawn import run_workers  # noqa: E402
 from zephon_state import global_batch_digest  # noqa: E402
 
-TIMEOUT = 420.0
+TIMEOUT = 600.0
 FAILURES: list[str] = []
 
 
@@ -117,6 +119,9 @@ def main() -> int:
 
     ref_losses, ref_digests = z_full[0]["losses"], digests(z_full)
     floor = max(abs(z_micro[0]["losses"][s] - ref_losses[s]) for s in range(1, 9))
+    # the micro-batch floor can be 0 (CPU GEMMs sum the tokens in the same order either way);
+    # the allowance is then 2 float32 ulps of the loss, as a reduction over 4 ranks reorders sums
+    allowed = max(floor, 2 * float(numpy.spacing(numpy.float32(max(ref_losses.values())))))
     micro_same = digests(z_micro) == ref_digests
     rows = [["2 (micro batch 1, the noise floor)", "1-8", check(micro_same, "micro-1 digests"), f"{floor:.2e}", ""]]
     for world, run in [(1, one[0]), (4, four[0])]:
@@ -126,9 +131,10 @@ def main() -> int:
         same = digests(run) == ref_digests[4:]
         diff = max(abs(run[0]["losses"][s] - ref_losses[s]) for s in range(5, 9))
         rows.append([world, "5-8", check(same, f"zephon digests at {world} ranks"), f"{diff:.2e}",
-                     check(diff <= max(floor, 1e-6), f"zephon loss at {world} ranks within the floor {floor:.2e}")])
+                     check(diff <= allowed, f"zephon loss at {world} ranks within {allowed:.2e}")])
     table("zephon loader: the 2-rank run's step-4 checkpoint resumed at other degrees",
-          ["ranks", "steps", "global_batch_sha256 equal", "max loss diff", "within the floor"], rows)
+          ["ranks", "steps", "global_batch_sha256 equal", "max loss diff",
+           f"within the floor (allowed {allowed:.2e})"], rows)
 
     rows = []
     for name, run, want in [("DCP + torchtitan loader", one[1], "dataloader resharding is not supported"),
