@@ -107,3 +107,69 @@ def test_bad_lanes_or_batch_fail_at_start(assets, lanes, dp, global_batch, fix):
     assert message.startswith(f"ZephonDataLoader (dataloader.lanes={lanes}, global batch {global_batch}, "
                               f"data-parallel degree {dp}, local batch 2): ")
     assert fix in message
+
+
+class _Stateful:
+    def __init__(self, **values):
+        self.values = dict(values)
+
+    def state_dict(self):
+        return dict(self.values)
+
+    def load_state_dict(self, sd):
+        self.values = dict(sd)
+
+
+def _manager(tmp_path, **fields):
+    """The manager around a 1-process state (no trainer): a Linear, and stand-ins for the
+    optimizers, schedulers and train state."""
+    import torch
+    from flexckpt_torchtitan import FlexCheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    config = FlexCheckpointManager.Config(enable=True, folder="ckpt", **fields)
+    train = _Stateful(step=0)
+    manager = config.build(dataloader=None, model_parts=[model], optimizers=_Stateful(lr=0.5),
+                           lr_schedulers=_Stateful(last_epoch=0), states={"train_state": train},
+                           sd_adapter=None, base_folder=str(tmp_path))
+    return manager, model, train
+
+
+def test_manager_owns_interval_first_and_last_step_and_load_only(tmp_path):
+    manager, _, train = _manager(tmp_path, interval=3, enable_first_step_checkpoint=True,
+                                 last_save_model_only=False)
+    saved = [s for s in range(1, 8) if manager.save(s, last_step=s == 7)]
+    manager.close()
+    assert saved == [1, 3, 6, 7]
+    assert manager.ckpt is None
+    reader, _, _ = _manager(tmp_path, load_only=True, interval=1)
+    assert reader.ckpt.steps() == [1, 3, 6, 7]
+    assert not reader.save(8) and reader.ckpt.steps() == [1, 3, 6, 7]
+    reader.close()
+
+
+def test_a_model_only_last_save_is_an_export_and_is_not_resumed(tmp_path):
+    import torch
+    from flexckpt import LoadError
+
+    manager, model, train = _manager(tmp_path, interval=2, export_dtype="bfloat16")
+    train.values["step"] = 2
+    assert manager.save(2) and manager.save(3, last_step=True)
+    manager.close()
+    other, model2, train2 = _manager(tmp_path)
+    contents = other.ckpt.contents(3)
+    assert {info.dtype for info in contents.tensors.values()} == {torch.bfloat16}
+    assert not any(name.startswith("train_state/") for name in contents.plain)
+    with pytest.raises(LoadError, match=r"^step 3 under .* is a model-only export \(last_save_model_only=True\)"):
+        other.load()
+    with torch.no_grad():
+        model2.weight.zero_()
+    assert other.load(step=2) and train2.values["step"] == 2
+    assert torch.equal(model2.weight, model.weight)
+    other.close()
+
+
+def test_unknown_exclude_from_loading_key_is_refused_at_start(tmp_path):
+    with pytest.raises(ValueError, match=r"exclude_from_loading names 'dataloadr'; the state has \["):
+        _manager(tmp_path, exclude_from_loading=["dataloadr"])
