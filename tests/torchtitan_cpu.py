@@ -248,16 +248,22 @@ def run_trainer(rank: int, world: int, args: list[str], stop_after: int | None =
         return log(step, loss, *rest, **kw)
 
     trainer.metrics_processor.log = record
-    # the training thread's time in the checkpointer: save() and the fence before optimizers.step()
+    # the training thread's time in the checkpointer, per step: save() and the fence before
+    # optimizers.step() (which belongs to the save of the step before)
     ckpt_seconds: dict[str, float] = {"save": 0.0, "staging": 0.0}
+    per_save: dict[int, float] = {}
 
     def timed(name, fn):
         def call(*a, **kw):
             t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                ckpt_seconds[name] += time.perf_counter() - t
+            result = fn(*a, **kw)
+            spent = time.perf_counter() - t
+            ckpt_seconds[name] += spent
+            if name == "save" and result:
+                per_save[kw.get("curr_step", a[0] if a else None)] = spent
+            elif name == "staging" and trainer.step - 1 in per_save:
+                per_save[trainer.step - 1] += spent
+            return result
         return call
 
     trainer.checkpointer.save = timed("save", trainer.checkpointer.save)
@@ -273,4 +279,4 @@ def run_trainer(rank: int, world: int, args: list[str], stop_after: int | None =
     digests = [{str(k): v.hex() for k, v in d.items()} for d in getattr(loader, "step_digests", [])]
     return {"losses": losses, "digests": digests, "waits": list(getattr(trainer.checkpointer, "waits", [])),
             "seconds": {"build": t_built - t0, "train": t_end - t_built, **ckpt_seconds},
-            "step_s": [b - a for a, b in zip(step_ends, step_ends[1:])]}
+            "step_s": [b - a for a, b in zip(step_ends, step_ends[1:])], "per_save": per_save}
