@@ -94,7 +94,7 @@ class ZephonDataLoader(BaseDataLoader):
         tokenizer: Any = None,
         seq_len: int,
         local_batch_size: int,
-        snapshot_every_n_steps: int | None = None,
+        snapshot_every_n_steps: int | None = None,  # unused: the lane cursors are exact at every step
     ) -> None:
         g = config.global_batch_size
         if g == -1:
