@@ -159,6 +159,7 @@ class FlexCheckpointManager(BaseCheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
+        self._maybe_wait_for_staging()  # torchtitan fences every step; this covers a caller that did not
         if curr_step == 0:  # create_seed_checkpoint: the model alone, as torchtitan saves it
             self._save_and_commit(curr_step, {MODEL: self.model})
             return True
