@@ -1,0 +1,15 @@
+"""flexckpt and zephon_state inside torchtitan (0.3.0): a checkpoint manager and a data loader.
+
+    from flexckpt_torchtitan import FlexCheckpointManager, ZephonDataLoader
+
+    config.checkpoint = FlexCheckpointManager.Config(enable=True, interval=500)
+    config.dataloader = ZephonDataLoader.Config(dataset_path="/data/train.jsonl", lanes=8)
+
+Package boundary: this package is the only one that imports torchtitan
+(torchtitan -> flexckpt_torchtitan -> flexckpt, zephon_state; never back). Importing it
+needs torchtitan installed (Python >= 3.11).
+"""
+from flexckpt_torchtitan.checkpoint import FlexCheckpointManager
+from flexckpt_torchtitan.data import ZephonDataLoader
+
+__all__ = ["FlexCheckpointManager", "ZephonDataLoader"]
