@@ -292,7 +292,7 @@ def build_manifest(
     tensors = {s.name: SavedTensor(s.name, s.dtype, s.shape, s.layout) for s in plan.specs}
     return Manifest(
         step, run_id, plan.world_size, time.time(), fingerprint, {}, tensors, plain, lanes,
-        {k: None for k in per_rank_keys}, 2, attempt, plan.rules, codec, tuple(ranks), keyed or {},
+        {k: None for k in per_rank_keys}, 2, attempt, plan.rules, codec, tuple(ranks), keyed=keyed or {},
     )
 
 

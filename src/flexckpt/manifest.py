@@ -630,7 +630,7 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
     files = TableFiles(plan, attempt, codec, ranks_t)
     keyed = _parse_keyed(doc.get("keyed", {}), where)
     return Manifest(step, run_id, world, wall, fp, files, tensors, plain, lanes, {k: None for k in keys},
-                    2, attempt, rules, codec, ranks_t, keyed)
+                    2, attempt, rules, codec, ranks_t, keyed=keyed)
 
 
 def _parse_keyed(raw: Any, where: str) -> dict[str, tuple[int, int, str]]:
