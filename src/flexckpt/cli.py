@@ -145,7 +145,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bad += 1
             continue
         total, errors = 0, []
-        if m.version == 2:  # every rank's chunk table (data file or not) and per-rank values
+        if m.version >= 2:  # every rank's chunk table (data file or not) and per-rank values
             for r in range(m.world_size):
                 try:
                     m.files.table(r)  # type: ignore[attr-defined]

@@ -1,6 +1,9 @@
 """The read plan of a load: for each target piece (its layout at the current world
 size), the saved pieces that intersect it, turned into the stored chunks to fetch and the
-byte copies to make from each. Pure: no processes, no I/O."""
+byte copies to make from each. Pieces on both sides are parts of boxes
+(:mod:`flexshard.box`): a flat range is the whole tensor's box. Each shared stretch that is
+contiguous in both the saved piece and the target is one run; a chunk is fetched once,
+whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O."""
 from __future__ import annotations
 
 import bisect
@@ -8,8 +11,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from flexckpt.dtypes import itemsize
+from flexckpt.errors import ManifestError
 from flexckpt.manifest import FileEntry, Manifest, SavedTensor, StoredChunk
-from flexshard import FlatRange, covering
+from flexshard import FlatRange, Part, runs
+from flexshard.box import whole
 
 
 class Copy(NamedTuple):
@@ -40,31 +45,44 @@ class ChunkRead:
         )
 
 
-def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange]]) -> list[ChunkRead]:
-    """Chunks to fetch for ``targets`` (a saved tensor and the flat range wanted of it),
-    each chunk once, in file order."""
+def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | Part]]) -> list[ChunkRead]:
+    """Chunks to fetch for ``targets`` (a saved tensor and the part of it wanted, stored
+    contiguously in the target; or a flat range of it), each chunk once, in file order.
+    Every wanted element must be in the checkpoint exactly once."""
     wanted: dict[tuple[str, int], list[Copy]] = {}
     offsets: dict[str, list[int]] = {}
     entries: dict[str, FileEntry] = {}  # a version-2 manifest's entry lookup takes a lock
-    for t, (saved, rng) in enumerate(targets):
+    for t, (saved, want) in enumerate(targets):
+        if isinstance(want, FlatRange):
+            want = Part(whole(saved.shape), want.start, want.stop)
         size = itemsize(saved.dtype)
-        pieces = saved.pieces_in(rng)  # version 2: only the writers of rng, recomputed
-        sources = [FlatRange(p.start, p.stop) for p in pieces]
-        for ov in covering(rng, sources):
-            piece = pieces[ov.source_index]
-            raw_start = piece.raw_offset + ov.source_offset * size
-            raw_stop = raw_start + (ov.stop - ov.start) * size
-            target_pos = ov.target_offset * size
+        pieces = saved.pieces_in(want)  # version 2: only the writers of the wanted part, recomputed
+        found = 0
+        for piece in pieces:
+            src = Part(piece.box or whole(saved.shape), piece.start, piece.stop)
+            shared = runs(src, want)
+            if not len(shared):
+                continue
             entry = entries.get(piece.file)
             if entry is None:
                 entry = entries[piece.file] = manifest.files[piece.file]
                 offsets[piece.file] = [c.raw_offset for c in entry.chunks]
-            for ci in _chunks_between(offsets[piece.file], raw_start, raw_stop):
-                c = entry.chunks[ci]
-                lo, hi = max(raw_start, c.raw_offset), min(raw_stop, c.raw_offset + c.raw_length)
-                wanted.setdefault((piece.file, ci), []).append(
-                    Copy(lo - c.raw_offset, hi - lo, t, target_pos + (lo - raw_start))
-                )
+            found += int(shared[:, 2].sum())
+            for src_pos, dst_pos, length in shared.tolist():
+                raw_start = piece.raw_offset + src_pos * size
+                raw_stop = raw_start + length * size
+                target_pos = dst_pos * size
+                for ci in _chunks_between(offsets[piece.file], raw_start, raw_stop):
+                    c = entry.chunks[ci]
+                    lo, hi = max(raw_start, c.raw_offset), min(raw_stop, c.raw_offset + c.raw_length)
+                    wanted.setdefault((piece.file, ci), []).append(
+                        Copy(lo - c.raw_offset, hi - lo, t, target_pos + (lo - raw_start))
+                    )
+        if found != len(want):
+            raise ManifestError(
+                f"tensor {saved.name!r}: the checkpoint's pieces hold {found} of the {len(want)} elements wanted "
+                f"({want}); the checkpoint does not cover every element exactly once"
+            )
     return [
         ChunkRead(file, entries[file].chunks[ci], tuple(copies))
         for (file, ci), copies in sorted(wanted.items())
