@@ -361,3 +361,42 @@ def test_sharded_tensor_with_a_mesh_layout_holds_its_box():
     assert pieces[1].local.tolist() == t[0:3, 4:7].tolist()
     assert part_of(layout, (5, 7), 4, 3) == box_part(Box((3, 4), (2, 3)))
     assert part_of(Shard(0), (5, 7), 4, 1) == flat_part((5, 7), 14, 28)
+
+
+# -- the tools take a mesh and placements as a target -------------------------------------------
+def test_plan_and_reshard_take_a_target_mesh_and_placements(tmp_path, capsys):
+    from flexckpt.cli import main
+    from flexckpt.commit import read_manifest
+    from flexckpt.restore_plan import restore_plan
+    from flexckpt.storage import Storage
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    save_on_mesh(src, (2, 2), TITAN)
+    tp4 = ["--mesh", "tp=4", "--layout", "model/wo=S1", "--layout", "model/norm=R", "--layout", "model/qkv=R",
+           "--layout", "model/w[q]=S0", "--layout", "model/tok=S0"]
+    assert main(["plan", src, "--world", "4", *tp4]) == 0
+    out = capsys.readouterr().out
+    assert "on 4 ranks" in out and len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 4
+    # the library function: each rank holds exactly its box, and reads within the bound
+    m = read_manifest(Storage(src), 1)
+    layouts = {n: MeshLayout((4,), TARGETS["tp4"][1][n.split("/")[1]]) for n in m.tensors}
+    plan = restore_plan(m, layouts, 4)
+    for r in plan.ranks:
+        assert r.holds == sum(4 * part_of(layouts[n], t.shape, 4, r.rank).box.numel for n, t in m.tensors.items())
+        assert r.requests <= r.chunks <= len(GLOBAL) * 4
+    # a tensor saved on a mesh keeps its placements on the new mesh; rewrite for (fsdp 1, tp 2) at W=2
+    assert main(["reshard", src, dst, "--world", "2", "--mesh", "fsdp=1,tp=2"]) == 0
+    with Checkpointer(dst) as ck:
+        tensors = ck.contents().tensors
+    assert tensors["model/wo"].layout == MeshLayout((1, 2), ("S0", "S1"))
+    rows = load_on_mesh(dst, (1, 2), TARGETS["fsdp1_tp2"][1])
+    assert all(_bits_equal(local, want) for _, _, local, want, _ in rows)
+    # errors name the value and the fix, on one line
+    for argv, msg in [(["--world", "2"], "saved on mesh (2, 2), which does not span 2 ranks"),
+                      (["--world", "4", "--mesh", "2,2", "--layout", "model/*=S0"], "has 1 placements; give a target mesh of as many dims"),
+                      (["--world", "2", "--mesh", "2,2"], "spans 4 ranks, --world is 2"),
+                      (["--world", "4", "--mesh", "4", "--layout", "model/*=R", "--layout", "model/tok=SS0:2"], "strided set of indices")]:
+        with pytest.raises(SystemExit) as e:
+            code = main(["plan", src, *argv])
+            raise SystemExit(code)
+        assert msg in str(e.value) + capsys.readouterr().err, argv
