@@ -92,7 +92,7 @@ def test_the_mesh_rank_table_decides_a_ranks_position():
     assert layout.coordinate(0) == (0, 1) and layout.rank_at((0, 1)) == 0
     assert layout.box((4, 4), 4, 0) == Box((0, 2), (2, 2))
     assert MeshLayout((2, 2), ("S0", "S1"), (0, 1, 2, 3)).ranks is None  # the identity is not stored
-    with pytest.raises(ValueError, match="permutation"):
+    with pytest.raises(ValueError, match="4 distinct ranks"):
         MeshLayout((2, 2), ("S0", "S1"), (0, 0, 1, 2))
 
 
@@ -400,3 +400,26 @@ def test_plan_and_reshard_take_a_target_mesh_and_placements(tmp_path, capsys):
             code = main(["plan", src, *argv])
             raise SystemExit(code)
         assert msg in str(e.value) + capsys.readouterr().err, argv
+
+
+def test_a_mesh_may_span_part_of_the_world_as_a_pipeline_stage_does():
+    """Two stages of (fsdp 2, tp 2) in a world of 8: each stage's tensors live on its ranks
+    only; every element is written once, by a rank of its stage, and a load at (fsdp 8)
+    finds every piece."""
+    stage = [MeshLayout((2, 2), ("SS0:2", "S0"), offset=4 * s) for s in range(2)]
+    assert stage[1].coordinate(5) == (0, 1) and stage[1].coordinate(3) is None
+    assert stage[1].box((9, 4), 8, 2).numel == 0 and stage[1].rank_table() == [4, 5, 6, 7]
+    assert MeshLayout((2, 2), ("S0", "S1"), (5, 4, 7, 6)) == MeshLayout((2, 2), ("S0", "S1"), (1, 0, 3, 2), offset=4)
+    specs = [TensorSpec(f"layers.{i}.w", torch.float32, (9, 4), stage[i]) for i in range(2)]
+    plan = WritePlan(specs, 8, PlanRules(256))
+    for i, spec in enumerate(plan.specs):
+        writers = {r for r in range(8) for p in plan.rank_plan(r).pieces if p.spec_index == i}
+        assert writers == set(stage[i].rank_table())
+        assert sum(p.nbytes for r in range(8) for p in plan.rank_plan(r).pieces if p.spec_index == i) == 9 * 4 * 4
+        target = part_of(Shard(0), spec.shape, 8, 3)  # rows [6, 8) at (fsdp 8)
+        got = sorted((r, p.box) for r, p in plan.writers(i, target) if len(runs(p, target)))
+        assert got == sorted((r, stage[i].box(spec.shape, 8, r)) for r in stage[i].rank_table()
+                             if len(runs(box_part(stage[i].box(spec.shape, 8, r)), target)))
+    assert sharded_loads(plan.specs, 8, plan.rules).tolist() == [sum(p.nbytes for p in plan.rank_plan(r).pieces) for r in range(8)]
+    with pytest.raises(ValueError, match="reaches rank 7, the world has 4 ranks"):
+        WritePlan(specs, 4, PlanRules(256))

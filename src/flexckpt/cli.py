@@ -283,7 +283,7 @@ def target_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[in
 
 def _checked_layouts(m: Manifest, args: argparse.Namespace) -> dict[str, Layout]:
     try:
-        layouts = target_layouts(m, args.world, args.layout, args.mesh)
+        layouts = target_layouts(m, args.world, args.layout, getattr(args, "mesh", None))
         for name, t in m.tensors.items():
             for r in range(args.world) if isinstance(layouts[name], MeshLayout) else (0,):
                 part_of(layouts[name], t.shape, args.world, r)  # a placement may leave only some ranks a strided set

@@ -191,7 +191,7 @@ class WritePlan:
         spec, geo = self.specs[i], self._geometry[i]
         layout: MeshLayout = spec.layout  # type: ignore[assignment]
         coord = layout.coordinate(rank)
-        if _replica(layout, coord) != (geo.first + _box_index(layout, coord)) % geo.replicas:
+        if coord is None or _replica(layout, coord) != (geo.first + _box_index(layout, coord)) % geo.replicas:
             return None
         return box_part(layout.box(spec.shape, self.world_size, rank))
 
@@ -227,7 +227,8 @@ class WritePlan:
         for d, n in enumerate(spec.shape):
             dims = layout.shard_dims(d)
             lo, hi = bound.offsets[d], bound.offsets[d] + bound.sizes[d]
-            hits = [(c, iv) for c, iv in _dim_intervals(layout, n, d) if iv[0] < hi and lo < iv[1]]
+            entries, starts, stops = _dim_intervals(layout, n, d)
+            hits = entries[bisect.bisect_right(stops, lo):bisect.bisect_left(starts, hi)]
             per_dim.append((dims, hits))
         out = []
         coord = [0] * len(layout.mesh)
@@ -295,23 +296,27 @@ def _unravel(index: int, sizes: Sequence[int]) -> list[int]:
     return out[::-1]
 
 
-_INTERVALS: dict[tuple, list] = {}
+_INTERVALS: dict[tuple, tuple] = {}
 
 
-def _dim_intervals(layout: MeshLayout, size: int, d: int) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
-    """Every ``(coordinates of the mesh dims sharding dim d, interval)`` along dim ``d``,
-    sorted by interval; cached per (placements, mesh, size, dim)."""
+def _dim_intervals(layout: MeshLayout, size: int, d: int) -> tuple[list, list[int], list[int]]:
+    """The non-empty ``(coordinates of the mesh dims sharding dim d, interval)`` along dim
+    ``d``, sorted (they are disjoint), with their starts and stops for bisection; cached
+    per (mesh, placements, size, dim)."""
     key = (layout.mesh, layout.placements, size, d)
     hit = _INTERVALS.get(key)
     if hit is None:
         dims = layout.shard_dims(d)
         coord = [0] * len(layout.mesh)
-        hit = []
+        entries = []
         for c in itertools.product(*(range(layout.mesh[m]) for m in dims)):
             for m, x in zip(dims, c):
                 coord[m] = x
-            hit.append((c, layout.interval(size, d, coord)))
-        hit.sort(key=lambda e: e[1])
+            iv = layout.interval(size, d, coord)
+            if iv[1] > iv[0]:
+                entries.append((c, iv))
+        entries.sort(key=lambda e: e[1])
+        hit = (entries, [iv[0] for _c, iv in entries], [iv[1] for _c, iv in entries])
         if len(_INTERVALS) > 4096:
             _INTERVALS.clear()
         _INTERVALS[key] = hit
@@ -432,7 +437,7 @@ def _mesh_loads(layout: MeshLayout, shape: tuple, first: int, replicas: int, siz
     for d, n in enumerate(shape):
         dims = layout.shard_dims(d)
         lengths = np.zeros([mesh[m] for m in dims], dtype=np.int64)
-        for c, (lo, hi) in _dim_intervals(layout, n, d):
+        for c, (lo, hi) in _dim_intervals(layout, n, d)[0]:
             lengths[c] = hi - lo
         view = [mesh[m] if m in dims else 1 for m in range(len(mesh))]
         order = np.argsort(dims) if dims else []
@@ -446,7 +451,7 @@ def _mesh_loads(layout: MeshLayout, shape: tuple, first: int, replicas: int, siz
         else:
             box = box * mesh[m] + grid[m]
     writes = replica == (first + box) % replicas
-    ranks = np.arange(layout.size) if layout.ranks is None else np.array(layout.ranks)
+    ranks = np.array(layout.rank_table(), dtype=np.int64)
     return ranks[writes.ravel()], nbytes.ravel()[writes.ravel()]
 
 

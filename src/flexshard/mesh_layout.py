@@ -96,12 +96,15 @@ def _interval(size: int, chain: tuple[tuple[str, int, int, int], ...]) -> tuple[
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """A placement per mesh dim (see the module doc) on a mesh of shape ``mesh``; ``ranks``
-    is the mesh's rank table in row-major order, None when it is ``range(prod(mesh))``."""
+    """A placement per mesh dim (see the module doc) on a mesh of shape ``mesh``. Its rank
+    table, row-major, is ``offset + ranks[i]`` (``ranks`` None: ``offset + i``); a mesh may
+    span part of the world (a pipeline stage: ``offset`` = its first rank), and a rank
+    outside it holds nothing."""
 
     mesh: tuple[int, ...]
     placements: tuple[str, ...]
     ranks: tuple[int, ...] | None = None
+    offset: int = 0
 
     def __post_init__(self) -> None:
         mesh, placements = tuple(self.mesh), tuple(self.placements)
@@ -113,11 +116,17 @@ class MeshLayout:
             raise ValueError(f"MeshLayout needs one placement per mesh dim: mesh {mesh}, placements {placements}")
         for p in placements:
             parse_placement(p)
+        if not isinstance(self.offset, int) or isinstance(self.offset, bool) or self.offset < 0:
+            raise ValueError(f"MeshLayout offset must be an int >= 0, got {self.offset!r}")
         if self.ranks is not None:
             ranks = tuple(self.ranks)
+            if ranks and min(ranks) > 0:  # a table of later ranks: its first rank is the offset
+                object.__setattr__(self, "offset", self.offset + min(ranks))
+                ranks = tuple(r - min(ranks) for r in ranks)
             object.__setattr__(self, "ranks", None if ranks == tuple(range(len(ranks))) else ranks)
-            if len(ranks) != math.prod(mesh) or sorted(ranks) != list(range(len(ranks))):
-                raise ValueError(f"MeshLayout rank table must be a permutation of range({math.prod(mesh)}), got {ranks[:16]!r}")
+            if len(ranks) != math.prod(mesh) or len(set(ranks)) != len(ranks) or not all(
+                    isinstance(r, int) and r >= 0 for r in ranks):
+                raise ValueError(f"MeshLayout rank table must hold {math.prod(mesh)} distinct ranks, got {ranks[:16]!r}")
 
     @property
     def size(self) -> int:
@@ -131,15 +140,27 @@ class MeshLayout:
     def _position(self) -> dict[int, int] | None:
         return None if self.ranks is None else {r: i for i, r in enumerate(self.ranks)}
 
+    @property
+    def last_rank(self) -> int:
+        return self.offset + (self.size if self.ranks is None else max(self.ranks) + 1) - 1
+
+    def rank_table(self) -> list[int]:
+        return [self.offset + r for r in (range(self.size) if self.ranks is None else self.ranks)]
+
     def check(self, shape: Sequence[int], world_size: int) -> None:
-        if world_size != self.size:
-            raise ValueError(f"{self} spans {self.size} ranks, the world has {world_size}; give a mesh whose sizes multiply to {world_size}")
+        if self.last_rank >= world_size:
+            raise ValueError(f"{self} reaches rank {self.last_rank}, the world has {world_size} ranks; give a mesh "
+                             f"whose rank table lies inside the world (sizes that multiply to {world_size})")
         for kind, dim, _sf in self.parsed:
             if kind != "R" and dim >= len(shape):
                 raise ValueError(f"{self} shards dim {dim} of a tensor of shape {list(shape)}")
 
-    def coordinate(self, rank: int) -> tuple[int, ...]:
-        pos = rank if self._position is None else self._position[rank]
+    def coordinate(self, rank: int) -> tuple[int, ...] | None:
+        """This rank's position on the mesh, from the rank table; None outside the mesh."""
+        pos = rank - self.offset
+        pos = (pos if 0 <= pos < self.size else None) if self._position is None else self._position.get(pos)
+        if pos is None:
+            return None
         out = []
         for k in reversed(self.mesh):
             pos, c = divmod(pos, k)
@@ -150,7 +171,7 @@ class MeshLayout:
         pos = 0
         for k, c in zip(self.mesh, coordinate):
             pos = pos * k + c
-        return pos if self.ranks is None else self.ranks[pos]
+        return self.offset + (pos if self.ranks is None else self.ranks[pos])
 
     def shard_dims(self, tensor_dim: int) -> tuple[int, ...]:
         """The mesh dims that shard ``tensor_dim``, in mesh order."""
@@ -177,6 +198,8 @@ class MeshLayout:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
         coord = self.coordinate(rank)
+        if coord is None:  # outside the mesh: nothing
+            return Box((0,) * len(shape), (0,) * len(shape))
         spans = [self.interval(n, d, coord) for d, n in enumerate(shape)]
         return Box(tuple(a for a, _ in spans), tuple(b - a for a, b in spans))
 
@@ -198,15 +221,19 @@ class MeshLayout:
         return FlatRange(start, start + n)
 
     def to_json(self) -> dict:
-        return {"kind": "mesh", "mesh": list(self.mesh), "placements": list(self.placements),
-                "ranks": None if self.ranks is None else list(self.ranks)}
+        out = {"kind": "mesh", "mesh": list(self.mesh), "placements": list(self.placements),
+               "ranks": None if self.ranks is None else list(self.ranks)}
+        if self.offset:
+            out["offset"] = self.offset
+        return out
 
     def __str__(self) -> str:
-        return f"MeshLayout(mesh={self.mesh}, placements=({', '.join(self.placements)}){'' if self.ranks is None else ', ranks=...'})"
+        where = ("" if self.ranks is None else ", ranks=...") + (f", offset={self.offset}" if self.offset else "")
+        return f"MeshLayout(mesh={self.mesh}, placements=({', '.join(self.placements)}){where})"
 
 
 def mesh_layout_from_json(obj: dict) -> MeshLayout:
-    extra = set(obj) - {"kind", "mesh", "placements", "ranks"}
+    extra = set(obj) - {"kind", "mesh", "placements", "ranks", "offset"}
     if extra:
         raise ValueError(f"unknown mesh layout fields {sorted(extra)}")
     mesh, placements, ranks = obj.get("mesh"), obj.get("placements"), obj.get("ranks")
@@ -216,7 +243,10 @@ def mesh_layout_from_json(obj: dict) -> MeshLayout:
         raise ValueError("a mesh layout's mesh holds ints and its placements strings")
     if ranks is not None and (len(ranks) > 1 << 20 or not all(type(r) is int for r in ranks)):
         raise ValueError("a mesh layout's rank table holds at most 2^20 ints")
-    return MeshLayout(tuple(mesh), tuple(placements), None if ranks is None else tuple(ranks))
+    offset = obj.get("offset", 0)
+    if type(offset) is not int or not 0 <= offset < 1 << 20:
+        raise ValueError(f"a mesh layout's offset must be an int in [0, 2^20), got {offset!r}")
+    return MeshLayout(tuple(mesh), tuple(placements), None if ranks is None else tuple(ranks), offset)
 
 
 __all__ = ["MeshLayout", "mesh_layout_from_json", "parse_placement"]
