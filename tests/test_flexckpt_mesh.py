@@ -192,11 +192,19 @@ def _in_fake_world(rank: int, world: int, mesh: tuple, fn, table=None):
         dist.destroy_process_group()
 
 
-def _dtensors(mesh, layouts: dict, shapes: dict, fill: bool) -> dict:
-    """This rank's DTensors: each local piece cut from the global tensor where torch says it is."""
+def _dtensors(world_mesh, layouts: dict, shapes: dict, fill: bool) -> dict:
+    """This rank's DTensors: each local piece cut from the global tensor where torch says it
+    is. A layout is placement codes on the world's mesh, or ``(mesh shape, codes)`` for a
+    per-parameter mesh over the same ranks (experts on (efsdp, ep))."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     out = {}
-    coord = mesh.get_coordinate()
     for name, codes in layouts.items():
+        mesh = world_mesh
+        if isinstance(codes[0], tuple):
+            mesh = init_device_mesh("cpu", codes[0])
+            codes = codes[1]
+        coord = mesh.get_coordinate()
         shape = shapes[name]
         placements = [_torch_placement(c) for c in codes]
         sizes, offsets = torch_piece(shape, tuple(mesh.mesh.shape), list(coord), placements)
@@ -243,8 +251,10 @@ def load_on_mesh(url: str, mesh: tuple, layouts: dict, shapes: dict = GLOBAL, ta
             stats = ck.last_load_stats
         for name, local in locals_.items():
             if mesh:
-                codes = layouts[name]
-                sizes, offsets = torch_piece(shapes[name], mesh, list(MeshLayout(mesh, codes, table).coordinate(rank)),
+                codes, on = layouts[name], mesh
+                if isinstance(codes[0], tuple):
+                    on, codes = codes
+                sizes, offsets = torch_piece(shapes[name], on, list(MeshLayout(on, codes, table).coordinate(rank)),
                                              [_torch_placement(c) for c in codes])
                 want = _global(name, shapes[name])[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
             else:
@@ -423,3 +433,24 @@ def test_a_mesh_may_span_part_of_the_world_as_a_pipeline_stage_does():
     assert sharded_loads(plan.specs, 8, plan.rules).tolist() == [sum(p.nbytes for p in plan.rank_plan(r).pieces) for r in range(8)]
     with pytest.raises(ValueError, match="reaches rank 7, the world has 4 ranks"):
         WritePlan(specs, 4, PlanRules(256))
+
+
+def test_experts_on_their_own_efsdp_ep_mesh_reshard_to_another_expert_degree():
+    """torchtitan's MoE under FSDP2 + EP: experts on (efsdp, ep), the rest on the dp mesh;
+    ``(_StridedShard(0, sf=ep), Shard(0))``, or ``(Shard(1), Shard(0))`` when efsdp x ep
+    exceeds the expert count. Saved at (efsdp 2, ep 2), loaded at (efsdp 1, ep 4), (efsdp 4,
+    ep 1) and as plain tensors."""
+    shapes = {"experts.w1": (4, 6, 5), "experts.w2": (2, 5, 6), "dense": (7, 3)}
+    saved = {"experts.w1": ((2, 2), ("SS0:2", "S0")), "experts.w2": ((2, 2), ("S1", "S0")), "dense": ("S0",)}
+    import tempfile
+    with tempfile.TemporaryDirectory() as url:
+        save_on_mesh(url, (4,), saved, shapes)
+        with Checkpointer(url) as ck:
+            layouts = {n: t.layout for n, t in ck.contents().tensors.items()}
+        assert layouts["model/experts.w1"] == MeshLayout((2, 2), ("SS0:2", "S0"))
+        for target in ({"experts.w1": ((1, 4), ("S0", "S0")), "experts.w2": ((1, 4), ("S1", "S0")), "dense": ("S0",)},
+                       {"experts.w1": ((4, 1), ("S0", "S0")), "experts.w2": ((4, 1), ("S1", "S0")), "dense": ("R",)}):
+            rows = load_on_mesh(url, (4,), target, shapes)
+            assert all(_bits_equal(local, want) for _, _, local, want, _ in rows)
+        rows = load_on_mesh(url, (), {n: None for n in shapes}, shapes)
+        assert all(_bits_equal(local, want) for _, _, local, want, _ in rows)
