@@ -7,8 +7,11 @@ whatever the runs in it, and adjacent chunks in one request. Pure: no processes,
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 from flexckpt.dtypes import itemsize
 from flexckpt.errors import ManifestError
@@ -50,7 +53,7 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | 
     contiguously in the target; or a flat range of it), each chunk once, in file order.
     Every wanted element must be in the checkpoint exactly once."""
     wanted: dict[tuple[str, int], list[Copy]] = {}
-    offsets: dict[str, list[int]] = {}
+    offsets: dict[str, np.ndarray] = {}
     entries: dict[str, FileEntry] = {}  # a version-2 manifest's entry lookup takes a lock
     for t, (saved, want) in enumerate(targets):
         if isinstance(want, FlatRange):
@@ -66,18 +69,10 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | 
             entry = entries.get(piece.file)
             if entry is None:
                 entry = entries[piece.file] = manifest.files[piece.file]
-                offsets[piece.file] = [c.raw_offset for c in entry.chunks]
+                offsets[piece.file] = np.array([c.raw_offset for c in entry.chunks], dtype=np.int64)
             found += int(shared[:, 2].sum())
-            for src_pos, dst_pos, length in shared.tolist():
-                raw_start = piece.raw_offset + src_pos * size
-                raw_stop = raw_start + length * size
-                target_pos = dst_pos * size
-                for ci in _chunks_between(offsets[piece.file], raw_start, raw_stop):
-                    c = entry.chunks[ci]
-                    lo, hi = max(raw_start, c.raw_offset), min(raw_stop, c.raw_offset + c.raw_length)
-                    wanted.setdefault((piece.file, ci), []).append(
-                        Copy(lo - c.raw_offset, hi - lo, t, target_pos + (lo - raw_start))
-                    )
+            _copies(wanted, piece.file, entry, offsets[piece.file], t, piece.raw_offset + shared[:, 0] * size,
+                    shared[:, 2] * size, shared[:, 1] * size)
         if found != len(want):
             raise ManifestError(
                 f"tensor {saved.name!r}: the checkpoint's pieces hold {found} of the {len(want)} elements wanted "
@@ -87,6 +82,32 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | 
         ChunkRead(file, entries[file].chunks[ci], tuple(copies))
         for (file, ci), copies in sorted(wanted.items())
     ]
+
+
+def _copies(wanted: dict, file: str, entry: FileEntry, offsets: np.ndarray, t: int, starts: np.ndarray,
+            nbytes: np.ndarray, target_pos: np.ndarray) -> None:
+    """The copies of runs (raw byte ``starts`` in ``file``, ``nbytes`` long, landing at
+    ``target_pos`` of target ``t``), filed under the chunk that holds each: runs come in
+    stream order, so a chunk's runs are consecutive and filed at once (a box read into a
+    wider target is a run a row: thousands per tensor)."""
+    first = np.searchsorted(offsets, starts, "right") - 1
+    last = np.searchsorted(offsets, starts + nbytes, "left")
+    inside = last - first == 1
+    if inside.all():
+        cuts = np.flatnonzero(np.diff(first)) + 1
+        at = (starts - offsets[first]).tolist()
+        n, pos, chunk = nbytes.tolist(), target_pos.tolist(), first.tolist()
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(chunk)]):
+            wanted.setdefault((file, chunk[lo]), []).extend(
+                map(Copy, at[lo:hi], n[lo:hi], itertools.repeat(t, hi - lo), pos[lo:hi]))
+        return
+    offs = offsets.tolist()
+    for raw_start, length, tpos in zip(starts.tolist(), nbytes.tolist(), target_pos.tolist()):
+        raw_stop = raw_start + length
+        for ci in _chunks_between(offs, raw_start, raw_stop):
+            c = entry.chunks[ci]
+            lo, hi = max(raw_start, c.raw_offset), min(raw_stop, c.raw_offset + c.raw_length)
+            wanted.setdefault((file, ci), []).append(Copy(lo - c.raw_offset, hi - lo, t, tpos + (lo - raw_start)))
 
 
 def _chunks_between(offsets: list[int], start: int, stop: int) -> range:
