@@ -29,7 +29,7 @@ from flexckpt.dtypes import itemsize
 from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, Box, FlatRange, HybridShard, MeshLayout, Owned, Part, Replicate, Shard
 from flexshard.box import bounding_box, box_part, whole
-from flexshard.layout import part_of, row_numel
+from flexshard.layout import row_numel
 
 CHUNK_BYTES_DEFAULT = 2 << 20
 ALIGN = 64  # every piece starts on a 64-byte boundary of its stream (any dtype view is aligned)
@@ -306,16 +306,7 @@ def _dim_intervals(layout: MeshLayout, size: int, d: int) -> tuple[list, list[in
     key = (layout.mesh, layout.placements, size, d)
     hit = _INTERVALS.get(key)
     if hit is None:
-        dims = layout.shard_dims(d)
-        coord = [0] * len(layout.mesh)
-        entries = []
-        for c in itertools.product(*(range(layout.mesh[m]) for m in dims)):
-            for m, x in zip(dims, c):
-                coord[m] = x
-            iv = layout.interval(size, d, coord)
-            if iv[1] > iv[0]:
-                entries.append((c, iv))
-        entries.sort(key=lambda e: e[1])
+        entries = sorted(((c, iv) for c, iv in layout.dim_intervals(size, d) if iv[1] > iv[0]), key=lambda e: e[1])
         hit = (entries, [iv[0] for _c, iv in entries], [iv[1] for _c, iv in entries])
         if len(_INTERVALS) > 4096:
             _INTERVALS.clear()

@@ -64,23 +64,22 @@ def _take(intervals: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int,
     return out
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _interval(size: int, chain: tuple[tuple[str, int, int, int], ...]) -> tuple[int, int] | None:
-    """The global ``[lo, hi)`` a coordinate holds along one tensor dim of ``size``, given the
-    ``(kind, mesh size, coordinate, split factor)`` of the mesh dims that shard it, in mesh
-    order; None when it is not one interval."""
-    held = [(0, size)]
-    for kind, k, i, sf in chain:
-        total = sum(b - a for a, b in held)
-        if kind == "S":
-            held = _take(held, *_chunk(total, k, i))
-        else:
-            out = []
-            for j in range(sf):
-                lo, hi = _chunk(total, sf, j)
-                a, b = _chunk(hi - lo, k, i)
-                out += _take(held, lo + a, lo + b)
-            held = out
+def _apply(held: list[tuple[int, int]], kind: str, k: int, i: int, sf: int) -> list[tuple[int, int]]:
+    """What coordinate ``i`` of a mesh dim of size ``k`` keeps of ``held`` (a list of
+    global intervals, in local order) under placement ``kind``."""
+    total = sum(b - a for a, b in held)
+    if kind == "S":
+        return _take(held, *_chunk(total, k, i))
+    out = []
+    for j in range(sf):
+        lo, hi = _chunk(total, sf, j)
+        a, b = _chunk(hi - lo, k, i)
+        out += _take(held, lo + a, lo + b)
+    return out
+
+
+def _merged(held: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """``held`` as one interval (``(0, 0)`` when empty), or None when it is not one."""
     merged: list[tuple[int, int]] = []
     for a, b in held:
         if b <= a:
@@ -92,6 +91,26 @@ def _interval(size: int, chain: tuple[tuple[str, int, int, int], ...]) -> tuple[
     if len(merged) > 1:
         return None
     return merged[0] if merged else (0, 0)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _interval(size: int, chain: tuple[tuple[str, int, int, int], ...]) -> tuple[int, int] | None:
+    """The global ``[lo, hi)`` a coordinate holds along one tensor dim of ``size``, given the
+    ``(kind, mesh size, coordinate, split factor)`` of the mesh dims that shard it, in mesh
+    order; None when it is not one interval."""
+    held = [(0, size)]
+    for kind, k, i, sf in chain:
+        held = _apply(held, kind, k, i, sf)
+    return _merged(held)
+
+
+def _all_intervals(size: int, chain: tuple[tuple[str, int, int], ...]) -> list[tuple[tuple[int, ...], tuple[int, int] | None]]:
+    """``(coordinates, interval or None)`` for every coordinate of the ``(kind, mesh size,
+    split factor)`` chain, row-major; each prefix of the chain is applied once."""
+    level: list[tuple[tuple[int, ...], list[tuple[int, int]]]] = [((), [(0, size)])]
+    for kind, k, sf in chain:
+        level = [(c + (i,), _apply(held, kind, k, i, sf)) for c, held in level for i in range(k)]
+    return [(c, _merged(held)) for c, held in level]
 
 
 @dataclass(frozen=True)
@@ -191,6 +210,19 @@ class MeshLayout:
                 f"(size {size}), not one box; redistribute the DTensor to Shard/Replicate placements before saving"
             )
         return got
+
+    def dim_intervals(self, size: int, tensor_dim: int) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
+        """Every ``(coordinates of the mesh dims sharding tensor_dim, interval)`` along it,
+        in row-major order of those coordinates; ValueError as :meth:`interval`."""
+        chain = tuple((self.parsed[m][0], self.mesh[m], self.parsed[m][2]) for m in self.shard_dims(tensor_dim))
+        out = _all_intervals(size, chain)
+        for c, iv in out:
+            if iv is None:
+                coord = [0] * len(self.mesh)
+                for m, x in zip(self.shard_dims(tensor_dim), c):
+                    coord[m] = x
+                self.interval(size, tensor_dim, coord)  # raises, naming the coordinate
+        return out  # type: ignore[return-value]
 
     def box(self, shape: Sequence[int], world_size: int, rank: int) -> Box:
         shape = tuple(int(s) for s in shape)
