@@ -58,9 +58,9 @@ def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[tor
     if local.requires_grad:  # to_local() would add an autograd node on parameters
         local = local.detach()
     shape = tuple(value.shape)
-    mesh_shape, table, coordinate, where = _mesh_facts(value.device_mesh)
+    mesh_shape, table_id, coordinate, where = _mesh_facts(value.device_mesh)
     try:
-        layout, want = _mapping(mesh_shape, table, coordinate, tuple(value.placements), shape, rank, world_size)
+        layout, want = _mapping(mesh_shape, table_id, coordinate, tuple(value.placements), shape, rank, world_size)
     except ValueError as e:
         raise ValueError(f"cannot checkpoint DTensor {name!r} on {where} placements {tuple(value.placements)}: {e}") from None
     if tuple(local.shape) != want:
@@ -72,10 +72,14 @@ def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[tor
 
 
 _MESHES: dict[int, tuple[Any, tuple]] = {}
+_TABLES: list[tuple[int, ...]] = []  # every rank table seen, by id (a job has a handful)
+_TABLE_IDS: dict[tuple[int, ...], int] = {}
 
 
 def _mesh_facts(mesh: Any) -> tuple:
-    """(mesh shape, rank table in row-major order, this rank's coordinate, description), once per mesh."""
+    """(mesh shape, id of its rank table in row-major order, this rank's coordinate,
+    description), once per mesh. The table goes by a small id: it has a rank per entry, and
+    the mapping's cache would hash it for every DTensor on every save."""
     hit = _MESHES.get(id(mesh))
     if hit is not None and hit[0]() is mesh:
         return hit[1]
@@ -83,16 +87,22 @@ def _mesh_facts(mesh: Any) -> tuple:
     names = f" dims {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
     where = f"DeviceMesh({mesh.device_type!r}, shape {tuple(mesh.mesh.shape)}{names}, ranks {ranks[:16]}{' ...' if len(ranks) > 16 else ''})"
     coordinate = mesh.get_coordinate()
-    facts = (tuple(mesh.mesh.shape), tuple(ranks), None if coordinate is None else tuple(coordinate), where)
+    table = tuple(ranks)
+    table_id = _TABLE_IDS.get(table)
+    if table_id is None:
+        table_id = _TABLE_IDS[table] = len(_TABLES)
+        _TABLES.append(table)
+    facts = (tuple(mesh.mesh.shape), table_id, None if coordinate is None else tuple(coordinate), where)
     _MESHES[id(mesh)] = (weakref.ref(mesh), facts)
     return facts
 
 
 @functools.lru_cache(maxsize=65536)
-def _mapping(mesh_shape: tuple, table: tuple, coordinate: tuple | None, placements: tuple, shape: tuple,
+def _mapping(mesh_shape: tuple, table_id: int, coordinate: tuple | None, placements: tuple, shape: tuple,
              rank: int, world_size: int) -> tuple[Layout, tuple[int, ...]]:
     """The layout and this rank's local shape; ValueError (without the tensor's name) when
     the DTensor cannot be mapped."""
+    table = _TABLES[table_id]
     codes = tuple(_code(p) for p in placements)
     if sorted(table) != list(range(world_size)):
         raise ValueError(f"the mesh does not span the checkpoint's world of {world_size} ranks; supported: {SUPPORTED}")
