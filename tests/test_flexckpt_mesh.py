@@ -448,3 +448,47 @@ def test_experts_on_their_own_efsdp_ep_mesh_reshard_to_another_expert_degree():
             assert all(_bits_equal(local, want) for _, _, local, want, _ in rows)
         rows = load_on_mesh(url, (), {n: None for n in shapes}, shapes)
         assert all(_bits_equal(local, want) for _, _, local, want, _ in rows)
+
+
+def _stage_state(rank: int, world: int, stages: int, layers: int, shape=(6, 5)) -> dict:
+    """Every layer's weight on its pipeline stage's own (fsdp, tp 2) mesh, ranks
+    ``[s * W / stages, (s + 1) * W / stages)``; a rank of another stage holds an empty piece."""
+    per = world // stages
+    state = {}
+    for i in range(layers):
+        layout = MeshLayout((per // 2, 2) if per > 1 else (1, 1), ("S0", "S1"), offset=(i * stages // layers) * per)
+        state[f"layers.{i}.w"] = ShardedTensor.from_global(_global(f"layers.{i}.w", shape), layout, rank=rank, world_size=world)
+    return state
+
+
+def test_pipeline_stages_on_meshes_of_their_own_reload_at_one_and_four_stages_and_a_missing_layer_is_named(tmp_path):
+    """2 stages of 2 ranks (each a (fsdp 1, tp 2) mesh) saved, loaded at 1 stage of 2 and 4
+    stages of 8 ranks: every layer is found where it was saved, bit for bit. A layer the
+    target wants and the checkpoint lacks stops the load, naming it (Megatron-LM #7452 copied
+    another stage's layers instead)."""
+    from flexckpt.errors import StructureMismatch
+
+    url, run = str(tmp_path / "pp"), uuid.uuid4().hex[:8]
+    cks = [Checkpointer(url, rank=r, world_size=4, run_id=run) for r in range(4)]
+    hs = []
+    for r in (1, 2, 3, 0):
+        h = cks[r].save(1, {"model": _stage_state(r, 4, 2, 4)})
+        h.wait_staged()
+        hs.append(h)
+    for h in hs[::-1]:
+        h.result(timeout=60)
+    for ck in cks:
+        ck.close()
+    for world, stages in ((2, 1), (8, 4)):
+        for r in range(world):
+            target = _stage_state(r, world, stages, 4)
+            for st_ in target.values():
+                st_.local.fill_(float("nan"))
+            with Checkpointer(url, rank=r, world_size=world, run_id="pp") as ck:
+                ck.load({"model": target})
+            want = _stage_state(r, world, stages, 4)
+            assert all(_bits_equal(target[n].local, want[n].local) for n in want), (world, r)
+    target = _stage_state(0, 2, 1, 5)  # a fifth layer: the checkpoint has four
+    with Checkpointer(url, rank=0, world_size=2, run_id="pp") as ck:
+        with pytest.raises(StructureMismatch, match=r"has no tensors \['model/layers.4.w'\].*strict=False"):
+            ck.load({"model": target})
