@@ -28,6 +28,7 @@ from flexshard.ranges import FlatRange
 
 _PLACEMENT = re.compile(r"^(R|S(\d+)|SS(\d+):(\d+))$")
 MAX_MESH_DIMS = 8
+MAX_SPLIT_FACTOR = 1 << 12  # torchtitan's are TP or EP degrees; a manifest's bounds the work of a lookup
 
 
 def parse_placement(p: str) -> tuple[str, int, int]:
@@ -39,8 +40,8 @@ def parse_placement(p: str) -> tuple[str, int, int]:
         return ("S", int(m.group(2)), 1)
     if m.group(3) is not None:
         sf = int(m.group(4))
-        if sf < 1:
-            raise ValueError(f"placement {p!r}: split factor must be >= 1")
+        if not 1 <= sf <= MAX_SPLIT_FACTOR:
+            raise ValueError(f"placement {p!r}: split factor must be in [1, {MAX_SPLIT_FACTOR}]")
         return ("SS", int(m.group(3)), sf)
     return ("R", -1, 1)
 
