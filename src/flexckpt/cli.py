@@ -215,8 +215,8 @@ def _parse_kind(kind: str, mesh: tuple[int, ...] | None = None) -> Any:
     if _MESH_KIND.match(kind):
         codes = tuple(kind.split(","))
         if mesh is None or len(mesh) != len(codes):
-            raise SystemExit(f"layout {kind!r} has {len(codes)} placements; give a target mesh of as many dims "
-                             f"(--mesh NAME=SIZE,...){'' if mesh is None else f', not {mesh}'}")
+            raise CheckpointError(f"layout {kind!r} has {len(codes)} placements; give a target mesh of as many dims "
+                                  f"(--mesh NAME=SIZE,...){'' if mesh is None else f', not {mesh}'}")
         return lambda name, world, owners: MeshLayout(mesh, codes)
     try:
         if kind == "replicate":
@@ -248,7 +248,7 @@ def target_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[in
     """Each tensor's layout at ``world``: its saved kind unless a --layout pattern says
     otherwise; placements (``S0,S1``) lay a tensor out on ``mesh``."""
     if mesh is not None and math.prod(mesh) != world:
-        raise SystemExit(f"--mesh {mesh} spans {math.prod(mesh)} ranks, --world is {world}; make them agree")
+        raise CheckpointError(f"--mesh {mesh} spans {math.prod(mesh)} ranks, --world is {world}; make them agree")
     rules = []
     for rule in overrides:
         if "=" not in rule:
@@ -275,27 +275,29 @@ def target_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[in
         saved = m.tensors[n].layout
         on_saved_mesh = mesh is None and isinstance(saved, MeshLayout) and k == ",".join(saved.placements)
         if on_saved_mesh and saved.size != world:
-            raise SystemExit(f"tensor {n!r} is saved on mesh {saved.mesh}, which does not span {world} ranks; give "
+            raise CheckpointError(f"tensor {n!r} is saved on mesh {saved.mesh}, which does not span {world} ranks; give "
                              f"the target mesh (--mesh NAME=SIZE,...) or a --layout for it")
         out[n] = saved if on_saved_mesh else _parse_kind(k, mesh)(n, world, owners)
     return out
 
 
-def _checked_layouts(m: Manifest, args: argparse.Namespace) -> dict[str, Layout]:
+def checked_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[int, ...] | None = None) -> dict[str, Layout]:
+    """``target_layouts``, each tried on its tensor's shape at ``world`` (a mesh layout on
+    every rank: a placement may leave only some ranks a strided set)."""
     try:
-        layouts = target_layouts(m, args.world, args.layout, getattr(args, "mesh", None))
+        layouts = target_layouts(m, world, overrides, mesh)
         for name, t in m.tensors.items():
-            for r in range(args.world) if isinstance(layouts[name], MeshLayout) else (0,):
-                part_of(layouts[name], t.shape, args.world, r)  # a placement may leave only some ranks a strided set
+            for r in range(world) if isinstance(layouts[name], MeshLayout) else (0,):
+                part_of(layouts[name], t.shape, world, r)
     except ValueError as e:  # e.g. a HybridShard group that does not divide --world
-        raise CheckpointError(f"cannot lay step {m.step}'s tensors out on {args.world} ranks: {e}") from None
+        raise CheckpointError(f"cannot lay step {m.step}'s tensors out on {world} ranks: {e}") from None
     return layouts
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
     m = read_manifest(storage, _pick_step(storage, args.step))
-    layouts = _checked_layouts(m, args)
+    layouts = checked_layouts(m, args.world, args.layout, getattr(args, "mesh", None))
     plan = restore_plan(m, layouts, args.world)
     print(f"restore of step {m.step} (saved by {m.world_size} ranks) on {args.world} ranks:")
     print(f"  {'rank':>4}  {'holds':>14}  {'reads':>14}  {'ratio':>6}  {'requests':>8}  files")
@@ -310,7 +312,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     step = _pick_step(src, args.step)
     m = read_manifest(src, step)
     world = args.world
-    layouts = _checked_layouts(m, args)
+    layouts = checked_layouts(m, world, args.layout, getattr(args, "mesh", None))
     run_id = uuid.uuid4().hex[:16]
     same_world = world == m.world_size
     if m.per_rank and not same_world:
