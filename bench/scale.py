@@ -8,6 +8,11 @@ exp_avg_sq, 64 replicated norms (4,096) and a 128,256 x 4,096 embedding: 737 ten
 fp32 elements. Two variants: ``block`` (``BlockShard(32)`` over all ranks) and ``hybrid``
 (``HybridShard(64, 32)``: sharded in groups of 64, replicated across them). Lane cursors:
 one ``ByLane`` entry of about 100 bytes per rank (L = W); one 5 kB ``PerRank`` value.
+A third variant, ``tp``: FSDP x TP 8 x PP 4 as torchtitan lays it out (issue 15): the 32
+layers in 4 pipeline stages of W/4 ranks, each stage a (fsdp W/32, tp 8) mesh of its own
+ranks (``MeshLayout(offset=first rank of the stage)``); column-parallel q/k/v/up/gate
+``(SS0:8, S0)``, row-parallel o/down ``(S0, S1)``, norms ``(S0, R)``, the embedding on
+stage 0 ``(SS0:8, S0)``. (At W < 32 the degrees shrink: tp = min(8, W), pp = min(4, W / tp).)
 
 Measured per world size and variant:
 - plan per rank: time and peak traced memory (tracemalloc) of the plan one rank builds
@@ -61,7 +66,7 @@ from flexckpt.plan import WritePlan, make_write_plan, sharded_loads
 from flexckpt.storage import Storage
 from flexckpt.structure import TensorSpec
 from flexckpt.chunktable import _HEADER
-from flexshard import BlockShard, HybridShard, Replicate, ShardedTensor
+from flexshard import BlockShard, HybridShard, MeshLayout, Replicate, ShardedTensor, part_of
 
 TODAY = {  # issue 10's measurements of c0aceba (make_write_plan on one rank), for the table
     8: "0.34 s", 512: "4.65 s", 2048: "8.70 s", 8192: "27.98 s",
@@ -74,7 +79,37 @@ def layer_shapes(d: int, ffn: int) -> list[tuple[str, tuple[int, int]]]:
     return [(n, (d, d)) for n in ("q", "k", "v", "o")] + [(n, (ffn, d)) for n in ("up", "down", "gate")]
 
 
+def tp_degrees(world: int) -> tuple[int, int, int]:
+    """(pp, fsdp, tp) of the ``tp`` variant at ``world``."""
+    tp = min(8, world)
+    pp = max(1, min(4, world // tp))
+    return pp, world // (tp * pp), tp
+
+
+def tp_structure(world: int, d: int, ffn: int, vocab: int) -> list[TensorSpec]:
+    pp, fsdp, tp = tp_degrees(world)
+    stage = world // pp
+
+    def on(s: int, codes: tuple) -> MeshLayout:
+        return MeshLayout((fsdp, tp), codes, offset=s * stage)
+
+    col, row, norm = (f"SS0:{tp}", "S0"), ("S0", "S1"), ("S0", "R")
+    specs = []
+    for layer in range(32):
+        s = layer * pp // 32
+        for name, shape in layer_shapes(d, ffn):
+            for kind in ("param", "exp_avg", "exp_avg_sq"):
+                specs.append(TensorSpec(f"{kind}/layers.{layer}.{name}", torch.float32, shape,
+                                        on(s, row if name in ("o", "down") else col)))
+        for n in ("attn_norm", "ffn_norm"):
+            specs.append(TensorSpec(f"param/layers.{layer}.{n}", torch.float32, (d,), on(s, norm)))
+    specs.append(TensorSpec("param/embedding", torch.float32, (vocab, d), on(0, col)))
+    return specs
+
+
 def structure(world: int, variant: str, d: int = 4096, ffn: int = 16384, vocab: int = 128256) -> list[TensorSpec]:
+    if variant == "tp":
+        return tp_structure(world, d, ffn, vocab)
     layout = BlockShard(32) if variant == "block" else HybridShard(min(64, world), 32)
     specs = []
     for layer in range(32):
@@ -120,6 +155,8 @@ def first_save(world: int, variant: str, rank: int, root: str) -> float:
     for s in specs:
         state[s.name] = (torch.zeros(s.shape) if isinstance(s.layout, Replicate)
                          else ShardedTensor.empty(s.shape, s.layout, rank=rank, world_size=world))
+        # (variant tp: a rank outside a stage holds an empty piece of its tensors; under real
+        # PP it would not have them at all, which the structure of one save cannot say yet)
     folder = os.path.join(root, f"save-{world}-{variant}-{rank}")
     ck = Checkpointer(folder, rank=rank, world_size=world, run_id="sim", commit_timeout=0.1, fsync=False, exit_timeout=5)
     gc.collect()
@@ -153,7 +190,7 @@ def load_metadata(data: bytes, save_world: int, variant: str, rank: int) -> tupl
     target = structure(load_world, variant)
     writers: set[int] = set()
     for spec in target:
-        rng = spec.layout.flat_range(spec.shape, load_world, rank)
+        rng = part_of(spec.layout, spec.shape, load_world, rank)
         if len(rng):
             for p in m.tensors[spec.name].pieces_in(rng):
                 writers.add(int(p.file.rsplit("/r", 1)[1].split(".")[0]))
@@ -312,7 +349,7 @@ def main() -> int:
     logging.getLogger("flexckpt").setLevel(logging.CRITICAL)  # first_save's commits time out on purpose
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", type=int, nargs="+", default=[8, 1024, 16384])
-    p.add_argument("--variants", nargs="+", default=["block", "hybrid"], choices=["block", "hybrid"])
+    p.add_argument("--variants", nargs="+", default=["block", "hybrid", "tp"], choices=["block", "hybrid", "tp"])
     p.add_argument("--latency", type=float, default=0.03, help="seconds per request of the simulated store (0.03)")
     p.add_argument("--inflight", type=int, default=64, help="requests in flight per client (64)")
     p.add_argument("--page", type=int, default=1000, help="names per listing request (1000)")

@@ -72,7 +72,7 @@ from flexckpt.staging import BufferPool, StagingBuffer, copies_for, staging_devi
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import Walk, encode_plain, excluder, fingerprint, walk
 from flexckpt.writer import encode_per_rank, table_bytes, values_bytes, write_data_file
-from flexshard import current_world
+from flexshard import current_world, part_of
 
 log = logging.getLogger("flexckpt")
 
@@ -409,7 +409,7 @@ class Checkpointer:
         parts: list[tuple[int, int] | None] = []
         for p, i in zip(rank_plan.pieces, order):
             spec = w.specs[i]
-            held = spec.layout.flat_range(spec.shape, self.world_size, self.rank)
+            held = part_of(spec.layout, spec.shape, self.world_size, self.rank)
             parts.append(None if (p.start, p.stop) == (held.start, held.stop) else (p.start - held.start, p.stop - held.start))
         self._plan_ids += 1
         entry = _PlanEntry(

@@ -3,8 +3,9 @@
     flexckpt steps   URL                          committed steps
     flexckpt inspect URL [--step N] [--tensors]   what a checkpoint holds
     flexckpt verify  URL [--step N | --all]       read every chunk and check its checksum
-    flexckpt plan    URL --world N [--layout P=K] what each rank of another world would read
-    flexckpt reshard SRC DST --world N [--layout P=K]
+    flexckpt plan    URL --world N [--mesh M] [--layout P=K]
+                                                  what each rank of another world would read
+    flexckpt reshard SRC DST --world N [--mesh M] [--layout P=K]
                                                   rewrite a checkpoint for another world size
     flexckpt import-dcp DCP_DIR URL [--step N]    a torch.distributed.checkpoint folder as a checkpoint
     flexckpt export-dcp URL DCP_DIR [--step N]    a checkpoint as a torch.distributed.checkpoint folder
@@ -14,6 +15,13 @@
 Layout kinds for --layout (glob PATTERN=KIND, repeatable): replicate, shard, owned,
 block[:SIZE], hybrid:GROUP[:BLOCK]; by default each tensor keeps its saved kind (Owned tensors get owners
 balanced for the new world).
+
+Tensor parallelism and 2-D/3-D meshes: --mesh NAME=SIZE,... (or SIZE,...) gives the target
+mesh, row-major over ranks 0..N-1 (the sizes multiply to --world), and a KIND of one placement
+per mesh dim, comma-separated, lays a tensor out on it: R (replicate), S<d> (shard dim d),
+SS<d>:<sf> (_StridedShard(d, sf): what FSDP2 puts before a TP Shard(d)). For example
+    flexckpt plan URL --world 4 --mesh fsdp=2,tp=2 --layout 'model/*wo*=S0,S1' --layout 'model/*wq*=SS0:2,S0'
+A tensor saved on a mesh keeps its placements on --mesh (or on its saved mesh at its saved world size).
 """
 from __future__ import annotations
 
@@ -22,7 +30,9 @@ import contextlib
 import fnmatch
 import json
 import logging
+import math
 import os
+import re
 import sys
 import time
 import uuid
@@ -42,7 +52,7 @@ from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
 from flexckpt.structure import decode_plain
 from flexckpt.values import ByLane, PerRank
-from flexshard import BlockShard, HybridShard, Layout, Owned, Replicate, Shard, ShardedTensor, assign_owners
+from flexshard import BlockShard, HybridShard, Layout, MeshLayout, Owned, Replicate, Shard, ShardedTensor, assign_owners, part_of
 
 
 def _mib(n: float) -> str:
@@ -153,7 +163,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bad += 1
             continue
         total, errors = 0, []
-        if m.version == 2:  # every rank's chunk table (data file or not) and per-rank values
+        if m.version >= 2:  # every rank's chunk table (data file or not) and per-rank values
             for r in range(m.world_size):
                 try:
                     m.files.table(r)  # type: ignore[attr-defined]
@@ -200,7 +210,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _parse_kind(kind: str) -> Any:
+_MESH_KIND = re.compile(r"^(R|S\d+|SS\d+:\d+)(,(R|S\d+|SS\d+:\d+))*$")
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``fsdp=2,tp=2`` (names are for the reader) or ``2,2``: the mesh shape."""
+    try:
+        sizes = tuple(int(part.rsplit("=", 1)[-1]) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(k < 1 for k in sizes) or len(sizes) > 8:
+        raise argparse.ArgumentTypeError(f"--mesh wants NAME=SIZE,... or SIZE,... (1 to 8 sizes >= 1), got {text!r}")
+    return sizes
+
+
+def _parse_kind(kind: str, mesh: tuple[int, ...] | None = None) -> Any:
+    if _MESH_KIND.match(kind):
+        codes = tuple(kind.split(","))
+        if mesh is None or len(mesh) != len(codes):
+            raise CheckpointError(f"layout {kind!r} has {len(codes)} placements; give a target mesh of as many dims "
+                                  f"(--mesh NAME=SIZE,...){'' if mesh is None else f', not {mesh}'}")
+        return lambda name, world, owners: MeshLayout(mesh, codes)
     try:
         if kind == "replicate":
             return lambda name, world, owners: Replicate()
@@ -216,8 +246,8 @@ def _parse_kind(kind: str) -> Any:
             return lambda name, world, owners: HybridShard(parts[0], parts[1] if len(parts) > 1 else None)
     except ValueError:  # a size that is not an integer
         pass
-    raise CheckpointError(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE] or "
-                          "hybrid:GROUP[:BLOCK] (SIZE, GROUP and BLOCK are integers)")
+    raise CheckpointError(f"unknown layout kind {kind!r}: use replicate, shard, owned, block[:SIZE], hybrid:GROUP[:BLOCK] "
+                          "(SIZE, GROUP and BLOCK are integers) or placements on --mesh such as S0,S1")
 
 
 def _compression(value: str) -> Compression:
@@ -227,14 +257,17 @@ def _compression(value: str) -> Compression:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, Layout]:
-    """Each tensor's layout at ``world``: its saved kind unless a --layout pattern says otherwise."""
+def target_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[int, ...] | None = None) -> dict[str, Layout]:
+    """Each tensor's layout at ``world``: its saved kind unless a --layout pattern says
+    otherwise; placements (``S0,S1``) lay a tensor out on ``mesh``."""
+    if mesh is not None and math.prod(mesh) != world:
+        raise CheckpointError(f"--mesh {mesh} spans {math.prod(mesh)} ranks, --world is {world}; make them agree")
     rules = []
     for rule in overrides:
         if "=" not in rule:
             raise CheckpointError(f"--layout wants PATTERN=KIND, got {rule!r}")
         pattern, kind = rule.rsplit("=", 1)
-        _parse_kind(kind)
+        _parse_kind(kind, mesh)
         if not any(fnmatch.fnmatchcase(name, pattern) for name in m.tensors):
             raise CheckpointError(f"--layout {rule!r} matches no tensor of step {m.step} (tensors: "
                                   f"{', '.join(sorted(m.tensors)[:4])}{' ...' if len(m.tensors) > 4 else ''})")
@@ -246,21 +279,33 @@ def target_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, L
             kind = f"block:{t.layout.block_size}"
         if isinstance(t.layout, HybridShard):
             kind = f"hybrid:{t.layout.group_size}" + (f":{t.layout.block_size}" if t.layout.block_size else "")
+        if isinstance(t.layout, MeshLayout):
+            kind = ",".join(t.layout.placements)
         for pattern, k in rules:
             if fnmatch.fnmatchcase(name, pattern):
                 kind = k
         kinds[name] = kind
     owned = {n: m.tensors[n].numel * itemsize(m.tensors[n].dtype) for n, k in kinds.items() if k == "owned"}
     owners = assign_owners(owned, world)
-    return {n: _parse_kind(k)(n, world, owners) for n, k in kinds.items()}
+    out = {}
+    for n, k in kinds.items():
+        saved = m.tensors[n].layout
+        on_saved_mesh = mesh is None and isinstance(saved, MeshLayout) and k == ",".join(saved.placements)
+        if on_saved_mesh and saved.size != world:
+            raise CheckpointError(f"tensor {n!r} is saved on mesh {saved.mesh}, which does not span {world} ranks; give "
+                             f"the target mesh (--mesh NAME=SIZE,...) or a --layout for it")
+        out[n] = saved if on_saved_mesh else _parse_kind(k, mesh)(n, world, owners)
+    return out
 
 
-def checked_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, Layout]:
-    """``target_layouts``, each tried on its tensor's shape at ``world``."""
+def checked_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[int, ...] | None = None) -> dict[str, Layout]:
+    """``target_layouts``, each tried on its tensor's shape at ``world`` (a mesh layout on
+    every rank: a placement may leave only some ranks a strided set)."""
     try:
-        layouts = target_layouts(m, world, overrides)
+        layouts = target_layouts(m, world, overrides, mesh)
         for name, t in m.tensors.items():
-            layouts[name].flat_range(t.shape, world, 0)
+            for r in range(world) if isinstance(layouts[name], MeshLayout) else (0,):
+                part_of(layouts[name], t.shape, world, r)
     except ValueError as e:  # e.g. a HybridShard group that does not divide --world
         raise CheckpointError(f"cannot lay step {m.step}'s tensors out on {world} ranks: {e}") from None
     return layouts
@@ -269,7 +314,7 @@ def checked_layouts(m: Manifest, world: int, overrides: list[str]) -> dict[str, 
 def cmd_plan(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
     m = read_manifest(storage, _pick_step(storage, args.step))
-    layouts = checked_layouts(m, args.world, args.layout)
+    layouts = checked_layouts(m, args.world, args.layout, getattr(args, "mesh", None))
     plan = restore_plan(m, layouts, args.world)
     print(f"restore of step {m.step} (saved by {m.world_size} ranks) on {args.world} ranks:")
     print(f"  {'rank':>4}  {'holds':>14}  {'reads':>14}  {'ratio':>6}  {'requests':>8}  files")
@@ -284,7 +329,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     step = _pick_step(src, args.step)
     m = read_manifest(src, step)
     world = args.world
-    layouts = checked_layouts(m, world, args.layout)
+    layouts = checked_layouts(m, world, args.layout, getattr(args, "mesh", None))
     _writable_folder(args.dst)
     run_id = uuid.uuid4().hex[:16]
     same_world = world == m.world_size
@@ -460,8 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--step", type=int, help="a committed step (default: the newest)")
     g.add_argument("--all", action="store_true", help="every committed step")
     p.set_defaults(fn=cmd_verify)
-    layout_help = ("glob PATTERN=KIND (repeatable): replicate, shard, owned, block[:SIZE], hybrid:GROUP[:BLOCK]; "
-                   "default: each tensor keeps its saved kind")
+    layout_help = ("glob PATTERN=KIND (repeatable): replicate, shard, owned, block[:SIZE], hybrid:GROUP[:BLOCK], "
+                   "or one placement per --mesh dim (R, S<d>, SS<d>:<sf>; e.g. S0,S1); default: each tensor keeps "
+                   "its saved kind")
+    mesh_help = "target device mesh NAME=SIZE,... (e.g. fsdp=2,tp=2), row-major over ranks; sizes multiply to --world"
     p = sub.add_parser("plan", help="what each rank of another world size would read",
                        description="Per rank of a world of N: bytes held, bytes read, ranged requests and "
                                    "files, when loading a committed step. Reads the manifest only.")
@@ -469,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, required=True, help="the world size to plan for")
     p.add_argument("--step", type=int, help="a committed step (default: the newest)")
     p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND", help=layout_help)
+    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="NAME=SIZE,...", help=mesh_help)
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("reshard", help="rewrite a checkpoint for another world size",
                        description="Write one committed step of SRC to DST as if saved by N ranks (one "
@@ -479,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, required=True, help="the world size to write for")
     p.add_argument("--step", type=int, help="a committed step (default: the newest)")
     p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND", help=layout_help)
+    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="NAME=SIZE,...", help=mesh_help)
     p.add_argument("--compression", default=None, type=_compression, help="none, zstd or zstd:LEVEL")
     p.set_defaults(fn=cmd_reshard)
     add_convert_parsers(sub)  # import-dcp, export-dcp, export-safetensors

@@ -292,7 +292,7 @@ def build_manifest(
     tensors = {s.name: SavedTensor(s.name, s.dtype, s.shape, s.layout) for s in plan.specs}
     return Manifest(
         step, run_id, plan.world_size, time.time(), fingerprint, {}, tensors, plain, lanes,
-        {k: None for k in per_rank_keys}, 2, attempt, plan.rules, codec, tuple(ranks), keyed=keyed or {},
+        {k: None for k in per_rank_keys}, VERSION, attempt, plan.rules, codec, tuple(ranks), keyed=keyed or {},
     )
 
 
@@ -400,7 +400,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     manifest = parse_manifest(storage.read_bytes(rel, limit=MAX_MANIFEST_BYTES), where=f"manifest {rel}")
     if manifest.step != step:
         raise ManifestError(f"{rel} describes step {manifest.step}, not {step}")
-    if manifest.version == 2:
+    if manifest.version >= 2:
         manifest.files.bind(storage, step_dir(step))  # type: ignore[attr-defined]
     return manifest
 

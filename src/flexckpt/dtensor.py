@@ -1,4 +1,5 @@
-"""DTensor leaves (FSDP2, ``distribute_tensor``, ``get_state_dict``) as flexshard layouts.
+"""DTensor leaves (FSDP2, tensor parallelism, ``distribute_tensor``, ``get_state_dict``) as
+flexshard layouts.
 
 A DTensor is turned, at the edge of the state walk, into what flexckpt already saves and
 loads: this rank's local tensor, a flexshard layout and the global shape.
@@ -7,13 +8,15 @@ loads: this rank's local tensor, a flexshard layout and the global shape.
                                              ``ceil(S0 / W)`` rows each, trailing ranks short or empty)
     1-D mesh, ``Replicate()``              -> ``Replicate()``
     2-D mesh, ``(Replicate(), Shard(0))``  -> ``HybridShard(group_size=mesh.size(1))`` (HSDP)
-    2-D mesh, ``(Replicate(), Replicate())`` -> ``Replicate()``
+    all ``Replicate()``                    -> ``Replicate()``
+    anything else of ``Shard(d)``, ``_StridedShard(d, sf)`` and ``Replicate()`` on a mesh of
+    any number of dims -> ``MeshLayout(mesh shape, placements, rank table)``: each rank's
+    piece is an n-D box (TP ``Shard(1)``, FSDP x TP ``(_StridedShard(0, sf), Shard(0))``)
 
-Everything else (``Shard(d)`` for d > 0, ``_StridedShard``, ``Partial``, other meshes) is
-refused here, on the calling thread of ``save()``/``load()``. The piece a rank holds is
-decided by its mesh coordinate; the mapping is accepted only when that coordinate gives
-the same piece as the layout does for the checkpointer's rank (a mesh that spans the
-whole world, ranks numbered as FSDP2 numbers them). Nothing here communicates.
+``Partial`` is refused (redistribute first), as is a placement that leaves a rank a
+strided set of rows (a lone ``_StridedShard`` from a view op) and a mesh that does not
+span the checkpoint's world; on the calling thread of ``save()``/``load()``. A rank's
+position is read from the mesh's own rank table. Nothing here communicates.
 """
 from __future__ import annotations
 
@@ -24,18 +27,20 @@ from typing import Any
 import torch
 
 import flexshard
-from flexshard import Layout, Replicate, Shard
+from flexshard import Layout, MeshLayout, Replicate, Shard
 
 try:
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial as DPartial
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor.placement_types import _StridedShard as DStrided
 except ImportError:  # a torch build without distributed: no DTensor can reach us
-    DTensor = DReplicate = DShard = None  # type: ignore[assignment, misc]
+    DTensor = DReplicate = DShard = DStrided = DPartial = None  # type: ignore[assignment, misc]
 
 SUPPORTED = (
-    "1-D mesh with (Shard(0),) or (Replicate(),); 2-D (replicate, shard) mesh with "
-    "(Replicate(), Shard(0)) or (Replicate(), Replicate()); the mesh must span every rank"
+    "Shard(d), _StridedShard(d, sf) and Replicate() on a mesh of up to 3 dims that spans every rank, "
+    "each rank's piece one box"
 )
 
 
@@ -53,91 +58,90 @@ def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[tor
     if local.requires_grad:  # to_local() would add an autograd node on parameters
         local = local.detach()
     shape = tuple(value.shape)
-    mesh_shape, ranks, coordinate, where = _mesh_facts(value.device_mesh)
+    mesh_shape, table_id, coordinate, where = _mesh_facts(value.device_mesh)
     try:
-        layout, want = _mapping(mesh_shape, ranks, coordinate, tuple(value.placements), shape, rank, world_size)
+        layout, want = _mapping(mesh_shape, table_id, coordinate, tuple(value.placements), shape, rank, world_size)
     except ValueError as e:
         raise ValueError(f"cannot checkpoint DTensor {name!r} on {where} placements {tuple(value.placements)}: {e}") from None
-    if local.numel() != want[1] - want[0]:
+    if tuple(local.shape) != want:
         raise ValueError(
-            f"DTensor {name!r} on {where}: this rank's local tensor has {local.numel()} elements, but its mesh "
-            f"coordinate gives it elements [{want[0]}, {want[1]}) of {list(shape)}"
+            f"DTensor {name!r} on {where} placements {tuple(value.placements)}: this rank's local tensor has shape "
+            f"{list(local.shape)}, but its mesh coordinate gives it a piece of shape {list(want)} of {list(shape)}"
         )
     return local, layout, shape
 
 
 _MESHES: dict[int, tuple[Any, tuple]] = {}
+_TABLES: list[tuple[int, ...]] = []  # every rank table seen, by id (a job has a handful)
+_TABLE_IDS: dict[tuple[int, ...], int] = {}
 
 
 def _mesh_facts(mesh: Any) -> tuple:
-    """(mesh shape, sorted ranks, this rank's coordinate, description), once per mesh."""
+    """(mesh shape, id of its rank table in row-major order, this rank's coordinate,
+    description), once per mesh. The table goes by a small id: it has a rank per entry, and
+    the mapping's cache would hash it for every DTensor on every save."""
     hit = _MESHES.get(id(mesh))
     if hit is not None and hit[0]() is mesh:
         return hit[1]
     ranks = mesh.mesh.flatten().tolist()
     names = f" dims {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
-    where = f"DeviceMesh({mesh.device_type!r}, shape {tuple(mesh.mesh.shape)}{names}, ranks {ranks})"
+    where = f"DeviceMesh({mesh.device_type!r}, shape {tuple(mesh.mesh.shape)}{names}, ranks {ranks[:16]}{' ...' if len(ranks) > 16 else ''})"
     coordinate = mesh.get_coordinate()
-    facts = (tuple(mesh.mesh.shape), tuple(sorted(ranks)), None if coordinate is None else tuple(coordinate), where)
+    table = tuple(ranks)
+    table_id = _TABLE_IDS.get(table)
+    if table_id is None:
+        table_id = _TABLE_IDS[table] = len(_TABLES)
+        _TABLES.append(table)
+    facts = (tuple(mesh.mesh.shape), table_id, None if coordinate is None else tuple(coordinate), where)
     _MESHES[id(mesh)] = (weakref.ref(mesh), facts)
     return facts
 
 
 @functools.lru_cache(maxsize=65536)
-def _mapping(mesh_shape: tuple, ranks: tuple, coordinate: tuple | None, placements: tuple, shape: tuple,
-             rank: int, world_size: int) -> tuple[Layout, tuple[int, int]]:
-    """The layout and this rank's element range; ValueError (without the tensor's name)
-    when the DTensor cannot be mapped."""
-    if ranks != tuple(range(world_size)):
+def _mapping(mesh_shape: tuple, table_id: int, coordinate: tuple | None, placements: tuple, shape: tuple,
+             rank: int, world_size: int) -> tuple[Layout, tuple[int, ...]]:
+    """The layout and this rank's local shape; ValueError (without the tensor's name) when
+    the DTensor cannot be mapped."""
+    table = _TABLES[table_id]
+    codes = tuple(_code(p) for p in placements)
+    if sorted(table) != list(range(world_size)):
         raise ValueError(f"the mesh does not span the checkpoint's world of {world_size} ranks; supported: {SUPPORTED}")
     if coordinate is None:
         raise ValueError(f"this rank is not in the mesh; supported: {SUPPORTED}")
-    kinds = tuple(_kind(p) for p in placements)
-    if all(k == "replicate" for k in kinds) and len(kinds) in (1, 2):
-        layout: Layout = Replicate()
-    elif kinds == ("shard",):
+    in_order = table == tuple(range(world_size))
+    mesh_layout = MeshLayout(mesh_shape, codes, table)
+    if mesh_layout.coordinate(rank) != coordinate:
+        raise ValueError(f"the mesh's rank table puts rank {rank} at {mesh_layout.coordinate(rank)}, but the mesh "
+                         f"says {coordinate}; the checkpointer's rank must be the process group's rank")
+    box = mesh_layout.box(shape, world_size, rank)
+    layout: Layout = mesh_layout
+    if all(c == "R" for c in codes):
+        layout = Replicate()
+    elif in_order and codes == ("S0",):
         layout = Shard(0)
-    elif kinds == ("replicate", "shard"):
-        hybrid = getattr(flexshard, "HybridShard", None)
-        if hybrid is None:
-            raise ValueError(f"HSDP needs flexshard.HybridShard, which this flexshard does not have yet; supported: {SUPPORTED}")
-        layout = hybrid(mesh_shape[1])
-    else:
-        raise ValueError(f"this placement is not supported; supported: {SUPPORTED}")
-    want = _piece_by_coordinate(placements, shape, mesh_shape, coordinate)
-    got = layout.flat_range(shape, world_size, rank)
-    if (got.start, got.stop) != want:
-        raise ValueError(
-            f"at mesh coordinate {coordinate} this rank holds elements [{want[0]}, {want[1]}) of {list(shape)}, but "
-            f"{layout} gives checkpoint rank {rank} of {world_size} [{got.start}, {got.stop}); the mesh must number "
-            f"ranks in order (torch.arange(world).view(mesh shape)), as init_device_mesh does"
-        )
-    return layout, want
+    elif in_order and codes == ("R", "S0"):
+        layout = flexshard.HybridShard(mesh_shape[1])
+    if layout is not mesh_layout and _nonempty(layout.flat_range(shape, world_size, rank)) != _nonempty(
+            mesh_layout.flat_range(shape, world_size, rank)):
+        raise AssertionError(f"{layout} disagrees with the mesh's own piece {box}")  # a bug here, not the caller's
+    return layout, box.sizes
 
 
-def _kind(p: Any) -> str:
-    # exact types: _StridedShard derives from Shard and must not pass for it
-    if type(p) is DShard and p.dim == 0:
-        return "shard"
+def _nonempty(r: Any) -> tuple[int, int]:
+    return (r.start, r.stop) if r.stop > r.start else (0, 0)
+
+
+def _code(p: Any) -> str:
+    """A placement's code in ``MeshLayout`` (exact types: _StridedShard derives from Shard)."""
     if type(p) is DReplicate:
-        return "replicate"
-    return "other"
-
-
-def _piece_by_coordinate(placements: tuple, shape: tuple[int, ...], mesh_shape: tuple, coordinate: tuple) -> tuple[int, int]:
-    """The flat element range a rank holds, from its mesh coordinate alone (torch.chunk
-    split of dim 0 over the shard mesh dim)."""
-    total = 1
-    for s in shape:
-        total *= s
-    shard_dims = [i for i, p in enumerate(placements) if type(p) is DShard]
-    if not shard_dims:
-        return (0, total)
-    i = shard_dims[0]
-    parts, index = mesh_shape[i], coordinate[i]
-    rows = shape[0] if shape else 1
-    per_row = total // rows if rows else 0
-    step = -(-rows // parts)
-    first = min(index * step, rows)
-    last = min(first + step, rows)
-    return (first * per_row, last * per_row)
+        return "R"
+    if type(p) is DShard:
+        return f"S{p.dim}"
+    if DStrided is not None and type(p) is DStrided:
+        return f"SS{p.dim}:{int(p.split_factor)}"
+    if DPartial is not None and isinstance(p, DPartial):
+        raise ValueError(
+            f"{p} holds partial sums, not a piece of the tensor; redistribute it first "
+            f"(dt.redistribute(mesh, [Replicate() for each Partial]))"
+        )
+    raise ValueError(f"placement {p!r} is not supported; supported: {SUPPORTED}")

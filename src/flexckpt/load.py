@@ -28,7 +28,7 @@ from flexckpt.readplan import Fetch, coalesce, plan_reads
 from flexckpt.stall import bounded
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.structure import Walk, decode_plain, excluder
-from flexshard import FlatRange
+from flexshard import FlatRange, Part, part_of
 
 log = logging.getLogger("flexckpt")
 
@@ -88,7 +88,7 @@ class PendingLoad:
         names = {s.name: i for i, s in enumerate(w.specs)}
         keep = _check_keys("tensors", set(names), kept(manifest.tensors), step, strict)
         self.stats.skipped = sorted(set(names) - keep)
-        self.targets: list[tuple[int, FlatRange]] = []  # (walk index, wanted range)
+        self.targets: list[tuple[int, Part]] = []  # (walk index, wanted part: a box, or a flat range)
         for name in sorted(keep):
             i = names[name]
             spec, saved = w.specs[i], manifest.tensors[name]
@@ -98,7 +98,7 @@ class PendingLoad:
                     f"the state to load into has {dtype_name(spec.dtype)} {list(spec.shape)}"
                 )
             local = w.tensors[i]
-            rng = spec.layout.flat_range(spec.shape, world_size, rank)
+            rng = part_of(spec.layout, spec.shape, world_size, rank)
             if len(rng) != local.numel():
                 raise StructureMismatch(f"tensor {name!r}: target piece has {local.numel()} elements, its layout gives {len(rng)}")
             if len(rng):

@@ -32,15 +32,16 @@ from flexckpt.checksum import ALGORITHM, checksum
 from flexckpt.chunktable import MAX_TABLE_BYTES, ChunkTable, parse_table
 from flexckpt.dtypes import dtype_from_name, dtype_name, itemsize
 from flexckpt.errors import ManifestError
-from flexckpt.plan import RULES_VERSION, PlanRules, WritePlan
+from flexckpt.plan import READ_RULES_VERSIONS, RULES_VERSION, PlanRules, WritePlan
 from flexckpt.structure import TensorSpec
 from flexckpt.values import MAX_BYTES_VALUE
-from flexshard import FlatRange, Layout, layout_from_json
+from flexshard import Box, FlatRange, Layout, MeshLayout, Part, layout_from_json
+from flexshard.box import whole
 
 FORMAT = "flexckpt"
 RECORD_FORMAT = "flexckpt-record"
-VERSION = 2
-READ_VERSIONS = (1, 2)
+VERSION = 3  # 3: a tensor's layout may be a MeshLayout (pieces are n-D boxes); else as 2
+READ_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 CODECS = ("none", "zstd")
 
@@ -171,12 +172,14 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class SavedPiece:
-    """Elements ``[start, stop)`` of a tensor, at raw byte ``raw_offset`` of ``file``."""
+    """Elements ``[start, stop)`` of ``box`` (row-major in the box; None: the whole tensor)
+    of a tensor, stored contiguously at raw byte ``raw_offset`` of ``file``."""
 
     file: str
     start: int
     stop: int
     raw_offset: int
+    box: Box | None = None
 
     def to_json(self) -> list:
         return [self.file, self.start, self.stop, self.raw_offset]
@@ -198,15 +201,16 @@ class SavedTensor:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def pieces_in(self, rng: FlatRange) -> list[SavedPiece]:
-        """Saved pieces that hold elements of ``rng`` (for version 1: all of them)."""
+    def pieces_in(self, want: FlatRange | Part) -> list[SavedPiece]:
+        """Saved pieces that may hold elements of ``want`` (a part of the tensor, or a flat
+        range of it; for version 1: all of them)."""
         if self.pieces is not None:
             return list(self.pieces)
         assert self.source is not None
-        return self.source.pieces_in(self.name, rng)
+        return self.source.pieces_in(self.name, want)
 
     def all_pieces(self) -> list[SavedPiece]:
-        return self.pieces_in(FlatRange(0, self.numel))
+        return self.pieces_in(Part(whole(self.shape), 0, self.numel))
 
     def to_json(self) -> dict:
         out = {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "layout": self.layout.to_json()}
@@ -234,11 +238,13 @@ class PlanPieces:
                 offsets = self._offsets[rank] = {p.spec_index: p.offset for p in self.plan.rank_pieces(rank)[0]}
         return offsets[spec_index]
 
-    def pieces_in(self, name: str, rng: FlatRange) -> list[SavedPiece]:
+    def pieces_in(self, name: str, want: FlatRange | Part) -> list[SavedPiece]:
         i = self.index[name]
+        shape = self.plan.specs[i].shape
         return [
-            SavedPiece(data_name(self.attempt, r), part.start, part.stop, self.offset(r, i))
-            for r, part in self.plan.writers(i, rng)
+            SavedPiece(data_name(self.attempt, r), part.start, part.stop, self.offset(r, i),
+                       None if part.box.sizes == shape else part.box)
+            for r, part in self.plan.writers(i, want)
         ]
 
 
@@ -392,10 +398,10 @@ class Manifest:
         return seal(self._body())
 
     def _body(self) -> bytes:
-        if self.version == 2:
+        if self.version >= 2:
             return orjson.dumps({
                 "format": FORMAT,
-                "version": 2,
+                "version": self.version,
                 "checksum": ALGORITHM,
                 "step": self.step,
                 "run_id": self.run_id,
@@ -432,13 +438,13 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         """Raw bytes saved (version 2: the tensors' bytes, without the streams' padding)."""
-        if self.version == 2:
+        if self.version >= 2:
             return sum(t.numel * itemsize(t.dtype) for t in self.tensors.values())
         return sum(f.nbytes for f in self.files.values())
 
     @property
     def stored_bytes(self) -> int:
-        if self.version == 2:
+        if self.version >= 2:
             return sum(e.stored_nbytes for e in self.ranks)
         return sum(c.length for f in self.files.values() for c in f.chunks)
 
@@ -523,6 +529,9 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
         raise _fail(where, f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     body, sealed = unseal(data, where)
     manifest = _parse_document(body, where)
+    if not sealed and manifest.version >= 3:  # v3 came with the checksum: one without it was stripped
+        raise _fail(where, f"a version-{manifest.version} manifest must begin with its {SEAL_FIELD}, and this one has "
+                           f"none: it was edited or damaged")
     return dataclasses.replace(manifest, sealed=True) if sealed else manifest
 
 
@@ -547,8 +556,8 @@ def _parse_document(data: bytes, where: str) -> Manifest:
     if not 0 <= wall <= MAX_TIME:  # NaN fails too
         raise _fail(where, f"time {_show(wall)} is not seconds since 1970 before the year 10000")
     fp = _get(doc, "fingerprint", str, where)
-    if version == 2:
-        return _parse_v2(doc, step, run_id, world, float(wall), fp, where)
+    if version >= 2:
+        return _parse_v2(doc, step, run_id, world, float(wall), fp, where, version)
     files = {name: _parse_file(name, entry, where) for name, entry in _get(doc, "files", dict, where).items()}
     tensors = {
         name: _parse_tensor(name, entry, files, where) for name, entry in _get(doc, "tensors", dict, where).items()
@@ -574,9 +583,11 @@ def _parse_values(doc: dict, where: str) -> tuple[dict, dict]:
     return plain, lanes
 
 
-def _parse_rules(raw: Any, where: str) -> PlanRules:
-    if not isinstance(raw, dict) or raw.get("version") != RULES_VERSION:
-        raise _fail(where, f"plan rules {_show(raw)} are not version {RULES_VERSION} (the rules this flexckpt computes)")
+def _parse_rules(raw: Any, where: str, version: int) -> PlanRules:
+    rules_version = RULES_VERSION if version >= 3 else 2
+    if not isinstance(raw, dict) or raw.get("version") != rules_version or rules_version not in READ_RULES_VERSIONS:
+        raise _fail(where, f"plan rules {_show(raw)} are not version {rules_version} (the rules this flexckpt computes "
+                           f"for a version-{version} manifest)")
     if set(raw) != {"version", "align", "chunk_bytes", "min_chunk", "chunks_per_piece", "hybrid_part_bytes"}:
         raise _fail(where, f"plan rules have fields {sorted(raw)}")
     align = _int(raw["align"], 1, 4096, "rules align", where)
@@ -586,20 +597,22 @@ def _parse_rules(raw: Any, where: str) -> PlanRules:
     min_chunk = _int(raw["min_chunk"], align, MAX_CHUNK_BYTES, "rules min_chunk", where)
     per_piece = _int(raw["chunks_per_piece"], 1, 1 << 16, "rules chunks_per_piece", where)
     part = _int(raw["hybrid_part_bytes"], align, MAX_CHUNK_BYTES, "rules hybrid_part_bytes", where)
-    return PlanRules(chunk, RULES_VERSION, align, min_chunk, per_piece, part)
+    return PlanRules(chunk, rules_version, align, min_chunk, per_piece, part)
 
 
-def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: str, where: str) -> Manifest:
+def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: str, where: str, version: int) -> Manifest:
     attempt = _get(doc, "attempt", str, where)
     if attempt_run_id(attempt) != run_id:
         raise _fail(where, f"attempt {_show(attempt[:80])} is not an attempt of run {_show(run_id)}")
-    rules = _parse_rules(doc.get("rules"), where)
+    rules = _parse_rules(doc.get("rules"), where, version)
     codec = doc.get("codec")
     if codec not in CODECS:
         raise _fail(where, f"codec {_show(codec)} is not one of {CODECS}")
     specs = []
     for name, entry in _get(doc, "tensors", dict, where).items():
         t = _parse_tensor(name, entry, {}, where, pieces=False)
+        if isinstance(t.layout, MeshLayout) and version < 3:
+            raise _fail(where, f"tensor {_show(name)} has a mesh layout, which a version-{version} manifest cannot hold")
         specs.append(TensorSpec(name, t.dtype, t.shape, t.layout))
     try:
         plan = WritePlan(specs, world, rules)
@@ -630,7 +643,7 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
     files = TableFiles(plan, attempt, codec, ranks_t)
     keyed = _parse_keyed(doc.get("keyed", {}), where)
     return Manifest(step, run_id, world, wall, fp, files, tensors, plain, lanes, {k: None for k in keys},
-                    2, attempt, rules, codec, ranks_t, keyed=keyed)
+                    version, attempt, rules, codec, ranks_t, keyed=keyed)
 
 
 def _parse_keyed(raw: Any, where: str) -> dict[str, tuple[int, int, str]]:

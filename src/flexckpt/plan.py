@@ -16,7 +16,10 @@ no processes, no I/O.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
 
@@ -24,7 +27,8 @@ import numpy as np
 
 from flexckpt.dtypes import itemsize
 from flexckpt.structure import TensorSpec
-from flexshard import BlockShard, FlatRange, HybridShard, Owned, Replicate, Shard
+from flexshard import BlockShard, Box, FlatRange, HybridShard, MeshLayout, Owned, Part, Replicate, Shard
+from flexshard.box import bounding_box, box_part, whole
 from flexshard.layout import row_numel
 
 CHUNK_BYTES_DEFAULT = 2 << 20
@@ -32,7 +36,8 @@ ALIGN = 64  # every piece starts on a 64-byte boundary of its stream (any dtype 
 MIN_CHUNK = 64 << 10  # pieces at least this big get chunks of their own
 CHUNKS_PER_PIECE = 16  # ... about this many, so a load that wants part of a piece reads little more
 HYBRID_PART_BYTES = 1 << 20  # a HybridShard piece is written in parts of about this size, spread over its replicas
-RULES_VERSION = 2  # version of the rules below; recorded in every manifest
+RULES_VERSION = 3  # version of the rules below; recorded in every manifest
+READ_RULES_VERSIONS = (2, 3)  # 3 adds who writes a MeshLayout box; 2 is the same rules without it
 
 
 @dataclass(frozen=True)
@@ -56,14 +61,17 @@ class PlanRules:
 
 
 class Piece(NamedTuple):
-    """Elements ``[start, stop)`` of tensor ``spec_index`` at byte ``offset`` of a stream.
-    (Named tuples: a loading rank builds thousands for each file it reads.)"""
+    """Elements ``[start, stop)`` of ``box`` (row-major in the box; None: the whole tensor)
+    of tensor ``spec_index``, at byte ``offset`` of a stream: the one geometry of
+    :mod:`flexshard.box`. (Named tuples: a loading rank builds thousands for each file it
+    reads.)"""
 
     spec_index: int
     start: int
     stop: int
     offset: int
     nbytes: int
+    box: Box | None = None
 
 
 class Chunk(NamedTuple):
@@ -102,6 +110,8 @@ class WritePlan:
                 s.layout.groups(world_size)  # refuses a world the group size does not divide
             elif isinstance(s.layout, Owned) and s.layout.owner >= world_size:
                 s.layout.flat_range(s.shape, world_size, 0)  # raises, naming the fix
+            elif isinstance(s.layout, MeshLayout):
+                s.layout.check(s.shape, world_size)
         self.world_size = world_size
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
         self.rules = rules
@@ -136,11 +146,12 @@ class WritePlan:
         pieces = []
         offset = 0
         for i, spec in enumerate(self.specs):
-            rng = self._written_by(i, rank)
-            if rng is None or not len(rng):
+            part = self._written_by(i, rank)
+            if part is None or not len(part):
                 continue
-            nbytes = len(rng) * itemsize(spec.dtype)
-            pieces.append(Piece(i, rng.start, rng.stop, offset, nbytes))
+            nbytes = len(part) * itemsize(spec.dtype)
+            box = None if part.box.sizes == spec.shape else part.box
+            pieces.append(Piece(i, part.start, part.stop, offset, nbytes, box))
             offset = _align(offset + nbytes, self.rules.align)
         return pieces, offset
 
@@ -148,7 +159,14 @@ class WritePlan:
         pieces, offset = self.rank_pieces(rank)
         return RankPlan(tuple(pieces), offset, tuple(cut_chunks(pieces, offset, self.rules.chunk_bytes, self.rules)))
 
-    def _written_by(self, i: int, rank: int) -> FlatRange | None:
+    def _written_by(self, i: int, rank: int) -> Part | None:
+        spec = self.specs[i]
+        if self._geometry[i].kind == "mesh":
+            return self._mesh_written_by(i, rank)
+        rng = self._flat_written_by(i, rank)
+        return None if rng is None else Part(whole(spec.shape), rng.start, rng.stop)
+
+    def _flat_written_by(self, i: int, rank: int) -> FlatRange | None:
         geo = self._geometry[i]
         n, span = geo.n, geo.span
         if geo.kind == "rows":
@@ -167,9 +185,65 @@ class WritePlan:
         spec = self.specs[i]
         return spec.layout.flat_range(spec.shape, self.world_size, rank)
 
-    def writers(self, i: int, rng: FlatRange) -> list[tuple[int, FlatRange]]:
-        """``(rank, written range)`` of every rank whose written part of tensor ``i``
-        intersects ``rng``, in element order: closed form for every known layout."""
+    def _mesh_written_by(self, i: int, rank: int) -> Part | None:
+        """A box is written whole by one of the ranks that hold it: replica
+        ``(first + box index) mod replicas`` along the mesh's replicate dims."""
+        spec, geo = self.specs[i], self._geometry[i]
+        layout: MeshLayout = spec.layout  # type: ignore[assignment]
+        coord = layout.coordinate(rank)
+        if coord is None or _replica(layout, coord) != (geo.first + _box_index(layout, coord)) % geo.replicas:
+            return None
+        return box_part(layout.box(spec.shape, self.world_size, rank))
+
+    def writers(self, i: int, want: "FlatRange | Part") -> list[tuple[int, Part]]:
+        """``(rank, written part)`` of every rank whose written part of tensor ``i`` may
+        hold elements of ``want`` (a part, or a flat range of the whole tensor): closed
+        form for every known layout, in element order for the flat ones."""
+        spec = self.specs[i]
+        if isinstance(want, FlatRange):
+            want = Part(whole(spec.shape), want.start, want.stop)
+        if not len(want):
+            return []
+        if self._geometry[i].kind == "mesh":
+            return self._mesh_writers(i, want)
+        if want.box.sizes == spec.shape:
+            rng = FlatRange(want.start, want.stop)
+        else:  # a box wanted of a flat layout: the flat span from its first element to its last
+            shape, b = spec.shape, want.box
+            strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+            first = sum(o * st for o, st in zip(b.offsets, strides))
+            last = sum((o + n - 1) * st for o, n, st in zip(b.offsets, b.sizes, strides))
+            rng = FlatRange(first, last + 1)
+        box = whole(spec.shape)
+        return [(r, Part(box, x.start, x.stop)) for r, x in self._flat_writers(i, rng)]
+
+    def _mesh_writers(self, i: int, want: Part) -> list[tuple[int, Part]]:
+        spec, geo = self.specs[i], self._geometry[i]
+        layout: MeshLayout = spec.layout  # type: ignore[assignment]
+        bound = bounding_box(want)
+        if bound is None:
+            return []
+        per_dim = []  # for each tensor dim: [(coordinates of the mesh dims sharding it, interval)]
+        for d, n in enumerate(spec.shape):
+            dims = layout.shard_dims(d)
+            lo, hi = bound.offsets[d], bound.offsets[d] + bound.sizes[d]
+            entries, starts, stops = _dim_intervals(layout, n, d)
+            hits = entries[bisect.bisect_right(stops, lo):bisect.bisect_left(starts, hi)]
+            per_dim.append((dims, hits))
+        out = []
+        coord = [0] * len(layout.mesh)
+        for combo in itertools.product(*(hits for _dims, hits in per_dim)):
+            for (dims, _hits), (c, _iv) in zip(per_dim, combo):
+                for m, x in zip(dims, c):
+                    coord[m] = x
+            for m, x in zip(layout.replicate_dims(), _unravel((geo.first + _box_index(layout, coord)) % geo.replicas,
+                                                               [layout.mesh[m] for m in layout.replicate_dims()])):
+                coord[m] = x
+            box = Box(tuple(iv[0] for _c, iv in combo), tuple(iv[1] - iv[0] for _c, iv in combo))
+            out.append((layout.rank_at(coord), box_part(box)))
+        return out
+
+    def _flat_writers(self, i: int, rng: FlatRange) -> list[tuple[int, FlatRange]]:
         if not len(rng):
             return []
         geo, w = self._geometry[i], self.world_size
@@ -197,6 +271,49 @@ class WritePlan:
         return [(r, x) for r in range(w) if len(x := spec.layout.flat_range(spec.shape, w, r)) and x.intersect(rng)]
 
 
+def _box_index(layout: MeshLayout, coord: Sequence[int]) -> int:
+    """Row-major index of a box among the boxes of the mesh's sharding dims."""
+    out = 0
+    for m, (kind, _d, _sf) in enumerate(layout.parsed):
+        if kind != "R":
+            out = out * layout.mesh[m] + coord[m]
+    return out
+
+
+def _replica(layout: MeshLayout, coord: Sequence[int]) -> int:
+    out = 0
+    for m, (kind, _d, _sf) in enumerate(layout.parsed):
+        if kind == "R":
+            out = out * layout.mesh[m] + coord[m]
+    return out
+
+
+def _unravel(index: int, sizes: Sequence[int]) -> list[int]:
+    out = []
+    for k in reversed(sizes):
+        index, c = divmod(index, k)
+        out.append(c)
+    return out[::-1]
+
+
+_INTERVALS: dict[tuple, tuple] = {}
+
+
+def _dim_intervals(layout: MeshLayout, size: int, d: int) -> tuple[list, list[int], list[int]]:
+    """The non-empty ``(coordinates of the mesh dims sharding dim d, interval)`` along dim
+    ``d``, sorted (they are disjoint), with their starts and stops for bisection; cached
+    per (mesh, placements, size, dim)."""
+    key = (layout.mesh, layout.placements, size, d)
+    hit = _INTERVALS.get(key)
+    if hit is None:
+        entries = sorted(((c, iv) for c, iv in layout.dim_intervals(size, d) if iv[1] > iv[0]), key=lambda e: e[1])
+        hit = (entries, [iv[0] for _c, iv in entries], [iv[1] for _c, iv in entries])
+        if len(_INTERVALS) > 4096:
+            _INTERVALS.clear()
+        _INTERVALS[key] = hit
+    return hit
+
+
 class _Geometry(NamedTuple):
     """What the range math of one tensor's layout needs, computed once per plan. ``span``:
     elements of one rank's (or, for HybridShard, one position's) piece. HybridShard only:
@@ -205,7 +322,7 @@ class _Geometry(NamedTuple):
     (which replica writes part 0 of position 0: a cursor running over the plan's
     HybridShard tensors, so that the parts of consecutive tensors go round the replicas)."""
 
-    kind: str  # replicate, rows (Shard, BlockShard), hybrid, other
+    kind: str  # replicate, rows (Shard, BlockShard), hybrid, mesh, other
     n: int
     span: int = 0
     group: int = 1
@@ -229,6 +346,11 @@ def _geometries(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules) 
             parts = max(1, min(replicas, -(-span * itemsize(spec.dtype) // rules.hybrid_part_bytes)))
             out.append(_Geometry("hybrid", n, span, layout.group_size, replicas, parts, cursor % replicas))
             cursor += parts
+        elif isinstance(layout, MeshLayout):
+            replicas = math.prod(layout.mesh[m] for m in layout.replicate_dims())
+            boxes = layout.size // replicas
+            out.append(_Geometry("mesh", n, 0, 1, replicas, boxes, cursor % replicas))
+            cursor += boxes
         else:
             out.append(_Geometry("other", n))
     return out
@@ -289,10 +411,39 @@ def sharded_loads(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules
             bounds = j * piece[None, :] // geo.parts
             replica = (geo.first + pos[None, :] + j[:-1]) % geo.replicas
             np.add.at(loads, (replica * geo.group + pos[None, :]).ravel(), ((bounds[1:] - bounds[:-1]) * size).ravel())
+        elif geo.kind == "mesh":
+            np.add.at(loads, *_mesh_loads(spec.layout, spec.shape, geo.first, geo.replicas, size))
         else:
             for r in range(w):
                 loads[r] += len(spec.layout.flat_range(spec.shape, w, r)) * size
     return loads + np.cumsum(diff)[:w]
+
+
+@functools.lru_cache(maxsize=4096)
+def _mesh_loads(layout: MeshLayout, shape: tuple, first: int, replicas: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, bytes each writes) of a MeshLayout tensor, in closed form over the mesh:
+    each tensor dim's interval lengths broadcast over the mesh dims that shard it."""
+    mesh = layout.mesh
+    nbytes = np.full(mesh, size, dtype=np.int64)
+    for d, n in enumerate(shape):
+        dims = layout.shard_dims(d)
+        lengths = np.zeros([mesh[m] for m in dims], dtype=np.int64)
+        for c, (lo, hi) in _dim_intervals(layout, n, d)[0]:
+            lengths[c] = hi - lo
+        view = [mesh[m] if m in dims else 1 for m in range(len(mesh))]
+        order = np.argsort(dims) if dims else []
+        nbytes = nbytes * lengths.transpose(order).reshape(view) if dims else nbytes * n
+    grid = np.indices(mesh)
+    box = np.zeros(mesh, dtype=np.int64)
+    replica = np.zeros(mesh, dtype=np.int64)
+    for m, (kind, _d, _sf) in enumerate(layout.parsed):
+        if kind == "R":
+            replica = replica * mesh[m] + grid[m]
+        else:
+            box = box * mesh[m] + grid[m]
+    writes = replica == (first + box) % replicas
+    ranks = np.array(layout.rank_table(), dtype=np.int64)
+    return ranks[writes.ravel()], nbytes.ravel()[writes.ravel()]
 
 
 def _balance_replicated(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules) -> dict[int, int]:

@@ -1,15 +1,23 @@
 """The read plan of a load: for each target piece (its layout at the current world
 size), the saved pieces that intersect it, turned into the stored chunks to fetch and the
-byte copies to make from each. Pure: no processes, no I/O."""
+byte copies to make from each. Pieces on both sides are parts of boxes
+(:mod:`flexshard.box`): a flat range is the whole tensor's box. Each shared stretch that is
+contiguous in both the saved piece and the target is one run; a chunk is fetched once,
+whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O."""
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from flexckpt.dtypes import itemsize
+from flexckpt.errors import ManifestError
 from flexckpt.manifest import FileEntry, Manifest, SavedTensor, StoredChunk
-from flexshard import FlatRange, covering
+from flexshard import FlatRange, Part, runs
+from flexshard.box import whole
 
 
 class Copy(NamedTuple):
@@ -40,35 +48,66 @@ class ChunkRead:
         )
 
 
-def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange]]) -> list[ChunkRead]:
-    """Chunks to fetch for ``targets`` (a saved tensor and the flat range wanted of it),
-    each chunk once, in file order."""
+def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | Part]]) -> list[ChunkRead]:
+    """Chunks to fetch for ``targets`` (a saved tensor and the part of it wanted, stored
+    contiguously in the target; or a flat range of it), each chunk once, in file order.
+    Every wanted element must be in the checkpoint exactly once."""
     wanted: dict[tuple[str, int], list[Copy]] = {}
-    offsets: dict[str, list[int]] = {}
+    offsets: dict[str, np.ndarray] = {}
     entries: dict[str, FileEntry] = {}  # a version-2 manifest's entry lookup takes a lock
-    for t, (saved, rng) in enumerate(targets):
+    for t, (saved, want) in enumerate(targets):
+        if isinstance(want, FlatRange):
+            want = Part(whole(saved.shape), want.start, want.stop)
         size = itemsize(saved.dtype)
-        pieces = saved.pieces_in(rng)  # version 2: only the writers of rng, recomputed
-        sources = [FlatRange(p.start, p.stop) for p in pieces]
-        for ov in covering(rng, sources):
-            piece = pieces[ov.source_index]
-            raw_start = piece.raw_offset + ov.source_offset * size
-            raw_stop = raw_start + (ov.stop - ov.start) * size
-            target_pos = ov.target_offset * size
+        pieces = saved.pieces_in(want)  # version 2: only the writers of the wanted part, recomputed
+        found = 0
+        for piece in pieces:
+            src = Part(piece.box or whole(saved.shape), piece.start, piece.stop)
+            shared = runs(src, want)
+            if not len(shared):
+                continue
             entry = entries.get(piece.file)
             if entry is None:
                 entry = entries[piece.file] = manifest.files[piece.file]
-                offsets[piece.file] = [c.raw_offset for c in entry.chunks]
-            for ci in _chunks_between(offsets[piece.file], raw_start, raw_stop):
-                c = entry.chunks[ci]
-                lo, hi = max(raw_start, c.raw_offset), min(raw_stop, c.raw_offset + c.raw_length)
-                wanted.setdefault((piece.file, ci), []).append(
-                    Copy(lo - c.raw_offset, hi - lo, t, target_pos + (lo - raw_start))
-                )
+                offsets[piece.file] = np.array([c.raw_offset for c in entry.chunks], dtype=np.int64)
+            found += int(shared[:, 2].sum())
+            _copies(wanted, piece.file, entry, offsets[piece.file], t, piece.raw_offset + shared[:, 0] * size,
+                    shared[:, 2] * size, shared[:, 1] * size)
+        if found != len(want):
+            raise ManifestError(
+                f"tensor {saved.name!r}: the checkpoint's pieces hold {found} of the {len(want)} elements wanted "
+                f"({want}); the checkpoint does not cover every element exactly once"
+            )
     return [
         ChunkRead(file, entries[file].chunks[ci], tuple(copies))
         for (file, ci), copies in sorted(wanted.items())
     ]
+
+
+def _copies(wanted: dict, file: str, entry: FileEntry, offsets: np.ndarray, t: int, starts: np.ndarray,
+            nbytes: np.ndarray, target_pos: np.ndarray) -> None:
+    """The copies of runs (raw byte ``starts`` in ``file``, ``nbytes`` long, landing at
+    ``target_pos`` of target ``t``), filed under the chunk that holds each: runs come in
+    stream order, so a chunk's runs are consecutive and filed at once (a box read into a
+    wider target is a run a row: thousands per tensor)."""
+    first = np.searchsorted(offsets, starts, "right") - 1
+    last = np.searchsorted(offsets, starts + nbytes, "left")
+    inside = last - first == 1
+    if inside.all():
+        cuts = np.flatnonzero(np.diff(first)) + 1
+        at = (starts - offsets[first]).tolist()
+        n, pos, chunk = nbytes.tolist(), target_pos.tolist(), first.tolist()
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(chunk)]):
+            wanted.setdefault((file, chunk[lo]), []).extend(
+                map(Copy, at[lo:hi], n[lo:hi], itertools.repeat(t, hi - lo), pos[lo:hi]))
+        return
+    offs = offsets.tolist()
+    for raw_start, length, tpos in zip(starts.tolist(), nbytes.tolist(), target_pos.tolist()):
+        raw_stop = raw_start + length
+        for ci in _chunks_between(offs, raw_start, raw_stop):
+            c = entry.chunks[ci]
+            lo, hi = max(raw_start, c.raw_offset), min(raw_stop, c.raw_offset + c.raw_length)
+            wanted.setdefault((file, ci), []).append(Copy(lo - c.raw_offset, hi - lo, t, tpos + (lo - raw_start)))
 
 
 def _chunks_between(offsets: list[int], start: int, stop: int) -> range:

@@ -13,7 +13,7 @@ from flexckpt.dtypes import itemsize
 from flexckpt.load import FETCH_BYTES  # the load's largest coalesced request: the same fetches
 from flexckpt.manifest import Manifest
 from flexckpt.readplan import coalesce, plan_reads
-from flexshard import Layout
+from flexshard import Layout, part_of
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def restore_plan(manifest: Manifest, layouts: Mapping[str, Layout], world: int) 
     for r in range(world):
         targets, held = [], 0
         for name, t in sorted(manifest.tensors.items()):
-            rng = layouts[name].flat_range(t.shape, world, r)
+            rng = part_of(layouts[name], t.shape, world, r)
             if len(rng):
                 targets.append((t, rng))
                 held += len(rng) * itemsize(t.dtype)

@@ -1,7 +1,8 @@
 """flexshard: where training state lives across data-parallel ranks.
 
 Layouts (``Replicate``, ``Shard(0)``, ``Owned``, ``BlockShard``, ``HybridShard``) map a global tensor to one
-contiguous flat range per rank; ``ShardedTensor`` is one rank's piece. On top of them:
+contiguous flat range per rank; ``MeshLayout`` (a DTensor placement on a device mesh) to one n-D box
+per rank, and ``flexshard.box`` is the one geometry of both (a stretch of a box); ``ShardedTensor`` is one rank's piece. On top of them:
 MXFP8 blocks (``quantize``/``dequantize``), gathers by layout (block-aligned MXFP8
 all-gather, owner broadcast) and ``ShardedOptimizer`` (Muon on ``Owned`` matrices, AdamW on
 ``BlockShard`` pieces, or the FSDP-only ``Shard(0)`` baseline). Package boundary:
@@ -17,7 +18,10 @@ from flexshard.layout import (
     holders,
     layout_from_json,
     local_shape,
+    part_of,
 )
+from flexshard.box import Box, Part, box_part, flat_part, runs
+from flexshard.mesh_layout import MeshLayout
 from flexshard.adamw import AdamWConfig
 from flexshard.collectives import WireStats
 from flexshard.gather import all_gather_bf16_then_quantize, all_gather_mx, all_gather_tensor, broadcast_owned
@@ -33,6 +37,13 @@ from flexshard.world import current_world
 __all__ = [
     "AdamWConfig",
     "BlockShard",
+    "Box",
+    "MeshLayout",
+    "Part",
+    "box_part",
+    "flat_part",
+    "part_of",
+    "runs",
     "FlatRange",
     "HybridShard",
     "Layout",

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+from flexshard.box import Part, box_part, flat_part
 from flexshard.ranges import FlatRange
 
 Shape = tuple[int, ...]
@@ -188,8 +189,20 @@ class HybridShard:
         return {"kind": "hybrid_shard", "group_size": self.group_size, "block_size": self.block_size}
 
 
-Layout = Union[Replicate, Shard, Owned, BlockShard, HybridShard]
-LAYOUT_TYPES = (Replicate, Shard, Owned, BlockShard, HybridShard)
+from flexshard.mesh_layout import MeshLayout  # noqa: E402 - a layout whose pieces are n-D boxes
+
+Layout = Union[Replicate, Shard, Owned, BlockShard, HybridShard, MeshLayout]
+LAYOUT_TYPES = (Replicate, Shard, Owned, BlockShard, HybridShard, MeshLayout)
+
+
+def part_of(layout: Layout, shape: Sequence[int], world_size: int, rank: int) -> Part:
+    """The piece ``rank`` holds, in the one geometry of pieces (:mod:`flexshard.box`): a
+    ``MeshLayout``'s box, or a flat range of the whole tensor for every other layout."""
+    box = getattr(layout, "box", None)
+    if box is not None:
+        return box_part(box(shape, world_size, rank))
+    r = layout.flat_range(shape, world_size, rank)
+    return flat_part(normalize_shape(shape), r.start, r.stop)
 
 
 def layout_from_json(obj: object) -> Layout:
@@ -197,6 +210,10 @@ def layout_from_json(obj: object) -> Layout:
     if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str):
         raise ValueError(f"a layout must be an object with a 'kind', got {obj!r}")
     kind = obj["kind"]
+    if kind == "mesh":
+        from flexshard.mesh_layout import mesh_layout_from_json
+
+        return mesh_layout_from_json(obj)
     extra = set(obj) - {"kind", "dim", "owner", "block_size", "group_size"}
     if extra:
         raise ValueError(f"unknown layout fields {sorted(extra)} in {obj!r}")
@@ -212,7 +229,7 @@ def layout_from_json(obj: object) -> Layout:
         block = obj.get("block_size")
         return HybridShard(_json_int(obj, "group_size"), None if block is None else _json_int(obj, "block_size"))
     raise ValueError(
-        f"unknown layout kind {kind!r}; expected replicate, shard, owned, block_shard or hybrid_shard"
+        f"unknown layout kind {kind!r}; expected replicate, shard, owned, block_shard, hybrid_shard or mesh"
     )
 
 
@@ -225,8 +242,10 @@ def _json_int(obj: dict, key: str) -> int:
 
 def local_shape(layout: Layout, shape: Sequence[int], world_size: int, rank: int) -> Shape:
     """Shape of this rank's piece: whole-tensor layouts keep the global shape (or are
-    empty rows), row layouts keep every dimension but the first."""
+    empty rows), row layouts keep every dimension but the first, a mesh layout's is its box."""
     shape = normalize_shape(shape)
+    if isinstance(layout, MeshLayout):
+        return layout.box(shape, world_size, rank).sizes
     r = layout.flat_range(shape, world_size, rank)
     if isinstance(layout, (Replicate, Owned)) and len(r) == numel(shape):
         return shape
@@ -253,4 +272,4 @@ def _rows_when_rows_are_empty(layout: Layout, shape: Shape, world_size: int, ran
 
 def holders(layout: Layout, shape: Sequence[int], world_size: int) -> list[int]:
     """Ranks whose piece is non-empty (for Replicate: every rank)."""
-    return [r for r in range(world_size) if len(layout.flat_range(shape, world_size, r)) > 0]
+    return [r for r in range(world_size) if len(part_of(layout, shape, world_size, r)) > 0]

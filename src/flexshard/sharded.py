@@ -7,7 +7,8 @@ from typing import Sequence
 
 import torch
 
-from flexshard.layout import Layout, LAYOUT_TYPES, local_shape, normalize_shape, numel
+from flexshard.box import Part
+from flexshard.layout import Layout, LAYOUT_TYPES, local_shape, normalize_shape, numel, part_of
 from flexshard.ranges import FlatRange
 from flexshard.world import current_world
 
@@ -34,13 +35,20 @@ class ShardedTensor:
             rank, world = current_world()
             object.__setattr__(self, "rank", rank if self.rank is None else self.rank)
             object.__setattr__(self, "world_size", world if self.world_size is None else self.world_size)
-        want = len(self.flat_range)
-        if self.local.numel() != want:
+        part = self.part
+        if self.local.numel() != len(part):
             raise ValueError(
                 f"ShardedTensor.local has {self.local.numel()} elements but {self.layout} gives rank "
-                f"{self.rank} of {self.world_size} the flat range {tuple(self.flat_range)} "
-                f"({want} elements) of global shape {self.global_shape}"
+                f"{self.rank} of {self.world_size} "
+                + (f"the flat range {(part.start, part.stop)}" if part.box.sizes == self.global_shape
+                   else f"the box at {part.box.offsets} of sizes {part.box.sizes}")
+                + f" ({len(part)} elements) of global shape {self.global_shape}"
             )
+
+    @property
+    def part(self) -> Part:
+        """The piece this rank holds (:mod:`flexshard.box`)."""
+        return part_of(self.layout, self.global_shape, self.world_size, self.rank)  # type: ignore[arg-type]
 
     @property
     def flat_range(self) -> FlatRange:
@@ -73,8 +81,15 @@ class ShardedTensor:
             rank = cur_rank if rank is None else rank
             world_size = cur_world if world_size is None else world_size
         shape = tuple(tensor.shape)
-        r = layout.flat_range(shape, world_size, rank)
-        piece = tensor.reshape(-1)[r.start : r.stop].view(local_shape(layout, shape, world_size, rank))
+        box = getattr(layout, "box", None)
+        if box is not None:  # an n-D box: slice each dim
+            b = box(shape, world_size, rank)
+            piece = tensor[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))]
+            piece = piece.clone(memory_format=torch.contiguous_format) if copy else piece.contiguous()
+            return cls(piece, layout, shape, rank, world_size)
+        else:
+            r = layout.flat_range(shape, world_size, rank)
+            piece = tensor.reshape(-1)[r.start : r.stop].view(local_shape(layout, shape, world_size, rank))
         if copy:
             piece = piece.clone()
         return cls(piece, layout, shape, rank, world_size)
