@@ -68,6 +68,8 @@ from flexckpt.plan import RankPlan, WritePlan, make_write_plan
 from flexckpt.staging import BufferPool, StagingBuffer, copy_into
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import Walk, encode_plain, fingerprint, walk
+from flexckpt.tier import LocalTier
+from flexckpt.tier.fast import FastTier
 from flexckpt.writer import table_bytes, values_bytes, write_data_file
 from flexshard import current_world
 
@@ -209,6 +211,8 @@ class Checkpointer:
         stall_timeout: seconds any one storage call may go without progress (bytes moved)
             before it is given up; the save then fails on its handle with ``SaveError`` and
             training goes on (None: wait for ever).
+        local: a fast tier (:class:`flexckpt.tier.LocalTier`): ``save_local`` writes to
+            node-local memory with a copy on a peer node; ``load()`` restores from it first.
     """
 
     def __init__(
@@ -232,6 +236,7 @@ class Checkpointer:
         stage_delay: float = 0.003,
         process_group: "dist.ProcessGroup | None" = None,
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+        local: "LocalTier | None" = None,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -276,6 +281,7 @@ class Checkpointer:
         if self.is_coordinator:
             self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
+        self.tier = None if local is None else FastTier(local, self)
         self._pool = BufferPool(max_in_flight)
         self._plan_key: list | None = None
         self._plan_entry: _PlanEntry | None = None
@@ -289,7 +295,7 @@ class Checkpointer:
         self._cuda_stream = None
         self._lock = threading.Lock()
         ref = weakref.ref(self)
-        self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout))
+        self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout, _at_exit=True))
         atexit.register(self._atexit)
         # dropped without close(): the threads hold only a weak reference, so it is freed,
         # and this stops them (saves still queued then are abandoned)
@@ -389,6 +395,13 @@ class Checkpointer:
         self._stage_q.put(job)
         handle.save_seconds = time.perf_counter() - t0
         return handle
+
+    def save_local(self, step: int, state: dict) -> SaveHandle | None:
+        """A fast-tier save of ``state`` as ``step`` (see ``local=``); None when skipped
+        because the previous fast save is still in flight (counted in ``tier.skipped``)."""
+        if self.tier is None:
+            raise ValueError("save_local needs a fast tier: Checkpointer(url, local=LocalTier(...))")
+        return self.tier.save(self, step, state)
 
     def _plan_for(self, w: Walk) -> _PlanEntry:
         if w.key == self._plan_key and self._plan_entry is not None:
@@ -609,8 +622,10 @@ class Checkpointer:
         if self.is_coordinator and self._threads:
             self._commit_q.join()  # retention of the last commit, too
 
-    def close(self, timeout: float | None = None) -> None:
-        """Wait for saves in flight, then stop the background threads."""
+    def close(self, timeout: float | None = None, *, _at_exit: bool = False) -> None:
+        """Wait for saves in flight, then stop the background threads. A fast tier's node
+        folder is removed here (a clean exit), not when the interpreter exits without
+        close() (a crash, whose restart needs it)."""
         if self._closed:
             return
         self._closed = True
@@ -622,12 +637,14 @@ class Checkpointer:
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._threads = []
         self._pool.clear()
+        if self.tier is not None:
+            self.tier.close(remove=not _at_exit)
 
     def __enter__(self) -> "Checkpointer":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(_at_exit=exc[0] is not None)  # leaving on an exception keeps the fast tier
 
     # -- listing -------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -664,6 +681,11 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
         self.wait()
+        if self.tier is not None and step is None:  # load(step=...) bypasses the fast tier
+            self.tier.wait()
+            restored = self.tier.recover(self, state, strict)
+            if restored is not None:
+                return restored
         w = walk(state, self.rank, self.world_size)
         chosen = self._agree_step(step, before=None)
         while True:
