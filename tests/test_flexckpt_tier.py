@@ -141,7 +141,7 @@ def _train(rank, world, url, root, nodes, steps, every_persistent):
         calls.clear()
     expected = {rank} | set(ck.tier.sources)
     deadline = time.monotonic() + 30
-    while {h.rank for h in scan(ck.tier.storage) if h.step == steps} != expected:
+    while not {h.rank for h in scan(ck.tier.storage) if h.step == steps} >= expected:
         assert time.monotonic() < deadline, "copies did not arrive"
         time.sleep(0.02)
     other = [(t, n) for t, n, g in fast_calls if not (n in ("isend", "irecv") and g is ck.tier.group
@@ -252,3 +252,49 @@ def test_two_nodes_of_two_ranks_restart_on_one_node_from_the_partner_copies(tmp_
         assert r["lanes"] == {str(l): {"doc": 300 + l} for l in range(LANES)}
         assert all(p == "own node A" for p in r["parts"].values())
     assert sorted(set().union(*[r["parts"] for r in res])) == [0, 1, 2, 3]
+
+
+# -- one process: hygiene -----------------------------------------------------------------------
+def _one(tmp_path, **kw) -> Checkpointer:
+    t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="one", **kw)
+    return Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="one", local=t)
+
+
+def test_space_check_fails_at_construction_with_the_numbers(tmp_path):
+    with pytest.raises(ValueError, match=r"needs 4000000000000000 bytes \(1 copies x keep_last 2 x 2000000000000000 "
+                                         r"bytes a rank x 1 ranks on this node\), \d+ free .*64 MiB"):
+        _one(tmp_path, state_bytes=2 * 10**15)
+
+
+def test_fast_step_restored_in_one_process_and_load_of_a_persistent_step_bypasses_the_tier(tmp_path):
+    ck = _one(tmp_path)
+    ck.save(5, make_state(0, 1, 5)).result(60)
+    for step in (6, 7):
+        ck.save_local(step, make_state(0, 1, step)).result(60)
+    root = ck.tier.root
+    ck.close()
+    assert not os.path.exists(root)  # close() is a clean exit: the tier goes
+    # a crash (no close) keeps it; a restart restores step 7 from it
+    ck = _one(tmp_path)
+    ck.save_local(7, make_state(0, 1, 7)).result(60)
+    atexit.unregister(ck._atexit)
+    ck2 = _one(tmp_path)
+    state = make_state(0, 1, 0, zero=True)
+    assert ck2.load(state) == 7 and ck2.tier.last_recovery.source == "tier"
+    assert torch.equal(state["w"].local, make_state(0, 1, 7)["w"].local)
+    assert ck2.load(state, step=5) == 5 and torch.equal(state["w"].local, make_state(0, 1, 5)["w"].local)
+    ck2.close()
+
+
+def test_other_runs_tiers_are_removed_at_start_and_never_loaded(tmp_path):
+    ck = _one(tmp_path)
+    ck.save_local(3, make_state(0, 1, 3)).result(60)
+    atexit.unregister(ck._atexit)
+    (tmp_path / "shm" / "unrelated").mkdir()
+    t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="another", stale_after=0)
+    other = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="one", local=t)
+    assert not os.path.exists(ck.tier.root) and (tmp_path / "shm" / "unrelated").exists()
+    with pytest.raises(Exception, match="no committed checkpoint"):
+        other.load(make_state(0, 1, 0, zero=True))
+    assert other.tier.last_recovery.source == "none"
+    other.close()
