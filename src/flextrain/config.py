@@ -71,6 +71,9 @@ class TrainConfig:
     steps: int = 100
     ckpt_every: int = 20          # performance
     keep_last: int = 3            # performance
+    ckpt_local_every: int = 0     # performance: a fast-tier save (node memory + a peer copy) every N steps; 0: off
+    ckpt_local_replicas: int = 1  # performance: copies of each fast save on other nodes
+    ckpt_local_dir: str = "/dev/shm/flexckpt"  # performance: the node-local folder of the fast tier
     eval_every: int = 50
     log_every: int = 1
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer
+from flexckpt.tier import LocalTier
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from zephon_state import Pipeline, global_batch_digest
 
@@ -141,7 +142,10 @@ class Trainer:
         if cfg.optim.compute_copy == "mxfp8":
             self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
         self.timings["model_build_s"] = time.perf_counter() - t
-        self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last)
+        local = None
+        if cfg.ckpt_local_every:
+            local = LocalTier(dir=cfg.ckpt_local_dir, every=cfg.ckpt_local_every, replicas=cfg.ckpt_local_replicas)
+        self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last, local=local)
         t = time.perf_counter()
         saved = None
         if resume is not False and self.ckpt.latest_step() is not None:
@@ -273,6 +277,10 @@ class Trainer:
                 if self.step % cfg.ckpt_every == 0 or final:
                     handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,
                                                                         self.pipeline.state_dict(), self._calibration))
+                elif cfg.ckpt_local_every and self.step % cfg.ckpt_local_every == 0:
+                    # None: skipped, the previous fast save is still copying (counted by the tier)
+                    handle = self.ckpt.save_local(self.step, checkpoint_state(
+                        self.opt, self.step, cfg, self.pipeline.state_dict(), self._calibration))
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     row["eval_loss"] = self.evaluate()
                 row["step_s"] = time.perf_counter() - t0

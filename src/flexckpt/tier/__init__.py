@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class LocalTier:
     """Args:
         dir: node-local folder (``/dev/shm/flexckpt`` by default); each run lineage gets a
-            folder of its own inside it.
+            folder of its own inside it. ``{node}`` in it is replaced by the node's name.
         every: a fast save every ``every`` steps (the trainer asks; see ``Checkpointer.save_local``).
         replicas: copies on other nodes (0: none; capped at the node count minus one).
         keep_last: fast-tier steps kept on each node.

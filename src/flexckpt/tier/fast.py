@@ -85,12 +85,13 @@ class FastTier:
         self.run_id, self.session = ckpt.run_id, ckpt.session
         self.lineage = config.resolved_lineage(ckpt.storage.url)
         name = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}".encode()).hexdigest()[:16]
-        os.makedirs(config.dir, exist_ok=True)
-        self.root = os.path.join(os.path.abspath(config.dir), name)
+        self.node = node_name()
+        self.dir = config.dir.replace("{node}", self.node)  # "{node}": one folder a node on one machine (tests)
+        os.makedirs(self.dir, exist_ok=True)
+        self.root = os.path.join(os.path.abspath(self.dir), name)
         self._remove_stale_tiers(name)
         os.makedirs(self.root, exist_ok=True)
         self.storage = Storage(self.root, None, None)
-        self.node = node_name()
         self.group = None
         self.store = None
         self.timeout = float(config.timeout)
@@ -146,7 +147,7 @@ class FastTier:
     # -- hygiene ------------------------------------------------------------------------------
     def _remove_stale_tiers(self, mine: str) -> None:
         """Other runs' tiers in the same folder, untouched for ``stale_after`` seconds."""
-        for entry in os.scandir(self.config.dir):
+        for entry in os.scandir(self.dir):
             if not entry.name.startswith(PREFIX) or entry.name == mine or not entry.is_dir():
                 continue
             newest = max([entry.stat().st_mtime] + [os.stat(os.path.join(d, f)).st_mtime
@@ -164,7 +165,7 @@ class FastTier:
         held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.root) for f in fs)
         if need > usage.free + held:
             raise ValueError(
-                f"fast tier {self.config.dir}: needs {need} bytes ({copies} copies x keep_last {self.config.keep_last} x "
+                f"fast tier {self.dir}: needs {need} bytes ({copies} copies x keep_last {self.config.keep_last} x "
                 f"{state_bytes} bytes a rank x {on_node} ranks on this node), {usage.free + held} free "
                 f"(a container's /dev/shm is 64 MiB by default: raise it, e.g. docker --shm-size, or lower keep_last/replicas)"
             )

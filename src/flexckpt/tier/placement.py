@@ -12,7 +12,10 @@ import socket
 
 
 def node_name() -> str:
-    return os.environ.get("FLEXCKPT_NODE") or socket.gethostname()
+    """The host name, or ``FLEXCKPT_NODE``, formatted with the environment (``node{RANK}``
+    makes every rank of a torchrun job a node of its own: for tests)."""
+    given = os.environ.get("FLEXCKPT_NODE")
+    return given.format(**os.environ) if given else socket.gethostname()
 
 
 def nodes_of(names: list[str]) -> list[list[int]]:
