@@ -245,9 +245,9 @@ class FastTier:
                                      parse_compression(None), False, False)
         table = table_bytes(rank=self.rank, attempt=job.attempt, codec="none", chunks=chunks)
         values = values_bytes(job.per_rank)
-        files: dict[str, bytes] = {}
-        if e.rank_plan.nbytes:
-            files[data_name(job.attempt, self.rank)] = bytes(self._buffer.data[: e.rank_plan.nbytes].numpy())
+        files: dict[str, bytes | memoryview] = {}
+        if e.rank_plan.nbytes:  # the data file's bytes are the staged stream (no compression in this tier)
+            files[data_name(job.attempt, self.rank)] = memoryview(self._buffer.data.numpy())[: e.rank_plan.nbytes]
         files[table_name(job.attempt, self.rank)] = table
         self.storage.put_atomic(f"{folder}/{table_name(job.attempt, self.rank)}", table, fsync=False)
         if values:
@@ -260,7 +260,7 @@ class FastTier:
             "rank": self.rank, "world_size": self.world, "chunk_bytes": e.plan.rules.chunk_bytes if e.plan.rules else None,
             "run_id": self.run_id, "line": line, "lanes": job.lanes, "plain": job.plain,
             "per_rank_keys": e.per_rank_keys,
-            "files": {rel: [len(b), checksum(b)] for rel, b in files.items()},
+            "files": {rel: [memoryview(b).nbytes, checksum(b)] for rel, b in files.items()},
         }
         self.storage.put_atomic(f"{folder}/{done_name(job.attempt, self.rank, self.world)}", orjson.dumps(doc), fsync=False)
         self._wrote(doc)
@@ -268,7 +268,7 @@ class FastTier:
         self.saved += 1
         t2 = time.perf_counter()
         if self.partners:
-            payload = np.frombuffer(bytearray(pack(doc, list(files.values()))), dtype=np.uint8)
+            payload = np.frombuffer(pack(doc, list(files.values())), dtype=np.uint8)
             header = Header(job.step, int(job.attempt.rsplit(".", 1)[1]), self.global_ranks[self.rank],
                             payload.nbytes, digest(payload), 0)
             for p in self.partners:
@@ -303,7 +303,7 @@ class FastTier:
         self._prune(doc["rank"], self.config.keep_last - 1)
         makedirs(self.storage, f"{folder}/{doc['attempt']}")
         for rel, data in files:
-            self.storage.put_atomic(f"{folder}/{rel}", bytes(data), fsync=False)
+            self.storage.put_atomic(f"{folder}/{rel}", data, fsync=False)
         self.storage.put_atomic(f"{folder}/{done_name(doc['attempt'], doc['rank'], doc['world_size'])}",
                                 orjson.dumps(doc), fsync=False)
         self._wrote(doc)
@@ -470,7 +470,7 @@ class FastTier:
             length = sum(n for n, _c in d.docs[s]["files"].values()) + 4 + len(orjson.dumps(d.docs[s]))
             if server == self.rank:
                 files = [self.storage.read_bytes(f"{folder}/{rel}") for rel in d.docs[s]["files"]]
-                payload = np.frombuffer(bytearray(pack(d.docs[s], files)), dtype=np.uint8)
+                payload = np.frombuffer(pack(d.docs[s], files), dtype=np.uint8)
                 h = Header(d.step, 0, self.global_ranks[self.rank], payload.nbytes, digest(payload), s)
                 works.append(dist.isend(h.tensor(), self.global_ranks[receiver], group=self.group))
                 works.append(dist.isend(torch.from_numpy(payload), self.global_ranks[receiver], group=self.group))

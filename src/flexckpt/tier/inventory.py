@@ -152,10 +152,19 @@ def keep_steps(storage: Storage, keep: int) -> None:
             storage.remove_tree(n)
 
 
-def pack(doc: dict, files: list[bytes]) -> bytes:
-    """A transfer's payload: the marker document, then the files it names, in order."""
+def pack(doc: dict, files: "list[bytes | memoryview]") -> bytearray:
+    """A transfer's payload: the marker document, then the files it names, in order (one
+    copy of the bytes, into one writable buffer that a tensor can wrap)."""
     meta = orjson.dumps(doc)
-    return len(meta).to_bytes(4, "little") + meta + b"".join(files)
+    out = bytearray(4 + len(meta) + sum(memoryview(f).nbytes for f in files))
+    out[:4] = len(meta).to_bytes(4, "little")
+    out[4 : 4 + len(meta)] = meta
+    pos = 4 + len(meta)
+    for f in files:
+        n = memoryview(f).nbytes
+        out[pos : pos + n] = f
+        pos += n
+    return out
 
 
 def unpack(payload: "bytes | memoryview") -> tuple[dict, list[tuple[str, memoryview]]]:
