@@ -63,6 +63,7 @@ class Recovery:
     parts: dict[int, str] = field(default_factory=dict)
     fetched_bytes: int = 0
     seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # inventory, plan, fetch, read (seconds)
 
 
 @dataclass(eq=False)
@@ -371,6 +372,8 @@ class FastTier:
             self.last_recovery = Recovery(decision.source, decision.step, decision.reason, seconds=time.perf_counter() - t0)
             return None
         report = Recovery("tier", decision.step, decision.reason)
+        t1 = time.perf_counter()
+        report.timings["inventory_s"] = t1 - t0
         error: BaseException | None = None
         pending = None
         try:
@@ -379,11 +382,15 @@ class FastTier:
         except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
             error, need = exc, set()
         needs = self._all_gather(sorted(need))
+        t2 = time.perf_counter()
+        report.timings["plan_s"] = t2 - t1
         try:
             report.parts, report.fetched_bytes = self._fetch(decision, [set(n) for n in needs], gathered)
         except Exception as exc:  # noqa: BLE001
             error = error or exc
         self._barrier()
+        t3 = time.perf_counter()
+        report.timings["fetch_s"] = t3 - t2
         if error is None:
             try:
                 manifest.files.bind(self.storage, step_dir(decision.step))
@@ -391,6 +398,7 @@ class FastTier:
                 pending.read(ckpt.read_threads)
             except Exception as exc:  # noqa: BLE001
                 error = exc
+        report.timings["read_s"] = time.perf_counter() - t3
         failed = self._all_gather(error is not None)
         if any(failed):
             why = f"the fast-tier load of step {decision.step} failed on rank(s) {[r for r, f in enumerate(failed) if f]}"
