@@ -219,10 +219,11 @@ class FastTier:
                 self._save_one(job)
             except BaseException as exc:  # noqa: BLE001 - reported on the handle
                 log.error("flexckpt fast tier rank %d: save of step %d failed: %s", self.rank, job.step, exc, exc_info=exc)
+                self._busy.clear()
                 job.handle._fail(exc)
             finally:
                 job.srcs = None
-                self._busy.clear()
+                self._busy.clear()  # (already, before the handle said done: the next save is due then)
 
     def _save_one(self, job: _FastJob) -> None:
         e, h = job.entry, job.handle
@@ -286,6 +287,7 @@ class FastTier:
                     log.error("flexckpt fast tier rank %d: copy of step %d to rank %d failed: %s", self.rank, job.step, p, exc)
         h.timings["replicate_s"] = time.perf_counter() - t2
         h.timings["bytes"] = float(e.rank_plan.nbytes)
+        self._busy.clear()
         h._done.set()
 
     def _deliver(self, header: Header, payload: np.ndarray) -> None:
