@@ -681,7 +681,7 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
         self.wait()
-        if self.tier is not None and step is None:  # load(step=...) bypasses the fast tier
+        if self.tier is not None and step is None and strict:  # load(step=...) and partial loads bypass it
             self.tier.wait()
             restored = self.tier.recover(self, state, strict)
             if restored is not None:
