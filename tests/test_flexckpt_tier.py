@@ -62,7 +62,7 @@ def test_partners_live_on_other_nodes_and_sources_invert_them():
 
 
 def _held(step, rank, world=2, lineage="L", fp="F"):
-    return Held(step, f"run.0000abcd.1", rank, world, {"lineage": lineage, "fingerprint": fp})
+    return Held(step, "run.0000abcd.1", rank, world, {"lineage": lineage, "fingerprint": fp})
 
 
 def test_choose_takes_newest_complete_step_never_mixing_steps():

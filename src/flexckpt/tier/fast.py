@@ -44,7 +44,7 @@ from flexckpt.tier.inventory import (
     Decision, Held, choose, done_name, keep_steps, makedirs, pack, remove_bundle, scan, unpack,
 )
 from flexckpt.tier.placement import node_name, nodes_of, partners, sources
-from flexckpt.tier.transport import Header, Inbox, digest, recv, send
+from flexckpt.tier.transport import Header, Inbox, digest, send
 from flexckpt.writer import table_bytes, values_bytes, write_data_file
 
 log = logging.getLogger("flexckpt")
@@ -358,17 +358,26 @@ class FastTier:
         """Restore the newest step complete across the surviving nodes; None when the
         persistent store must serve the load (the reason is in ``last_recovery``)."""
         t0 = time.perf_counter()
-        w = walk(state, self.rank, self.world)
-        fp = fingerprint(w.structure_json())
-        held = scan(self.storage)
-        persistent = ckpt.steps() if self.rank == 0 else []
-        mine = (self.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent)
+        try:
+            w = walk(state, self.rank, self.world)
+            fp = fingerprint(w.structure_json())
+            held = scan(self.storage)
+            persistent = ckpt.steps() if self.rank == 0 else []
+            mine = (self.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent, fp, "")
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
+            mine = (self.node, [], [], "", f"rank {self.rank}: {type(exc).__name__}: {exc}")
         gathered = self._all_gather(mine)
         inventories = [[Held(*x) for x in g[1]] for g in gathered]
-        decision = choose(inventories, self.lineage, fp, gathered[0][2])
+        errors = [g[4] for g in gathered if g[4]]
+        fps = {g[3] for g in gathered}
+        if errors or len(fps) != 1:
+            why = f"the fast tier could not be read ({errors[0]})" if errors else "the ranks' state structures differ"
+            decision = Decision("persistent", None, reason=why)
+        else:
+            decision = choose(inventories, self.lineage, next(iter(fps)), gathered[0][2])
         leader = self.rank == min(r for r, g in enumerate(gathered) if g[0] == self.node)
         if decision.source != "tier":
-            if leader:  # nothing here is loadable: older than the persistent step, or incomplete
+            if leader and not errors and len(fps) == 1:  # nothing here is loadable: older than the persistent step, or incomplete
                 keep_steps(self.storage, -1)
             log.warning("flexckpt fast tier: %s", decision.reason)
             self.last_recovery = Recovery(decision.source, decision.step, decision.reason, seconds=time.perf_counter() - t0)

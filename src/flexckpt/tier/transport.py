@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-import time
 from typing import Callable, NamedTuple
 
 import numpy as np
