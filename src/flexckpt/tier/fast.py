@@ -100,6 +100,12 @@ class FastTier:
         if self.world > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("a fast tier with more than one rank needs torch.distributed initialized")
+            if ckpt.group is not None and dist.get_world_size(ckpt.group) != dist.get_world_size():
+                raise ValueError(
+                    f"a fast tier spans the whole job (its gloo group is made by every rank); this Checkpointer's "
+                    f"process_group has {dist.get_world_size(ckpt.group)} of {dist.get_world_size()} ranks: drop local= "
+                    f"or process_group="
+                )
             ranks = None if ckpt.group is None else dist.get_process_group_ranks(ckpt.group)
             # created here, on the training thread, in the same order on every rank
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
