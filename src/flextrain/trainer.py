@@ -179,7 +179,10 @@ class Trainer:
         newest = self.ckpt.latest_step()
         state = checkpoint_state(self.opt, 0, self.cfg, {"lanes": {}})
         got = self.ckpt.load(state, fallback=True)
-        if got != newest:
+        recovery = self.ckpt.tier.last_recovery if self.ckpt.tier is not None else None
+        if recovery is not None and recovery.source == "tier":
+            self._say(f"flextrain: resuming from the fast tier's step {got} (the persistent store's newest: {newest})")
+        elif got != newest:
             self._say(f"flextrain: the newest checkpoint (step {newest}) could not be read; resumed from step {got}")
         check_resumable(state["trainer"]["config"], self.cfg)
         adopt_checkpoint_state(self.opt, state)

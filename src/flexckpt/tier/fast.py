@@ -32,10 +32,9 @@ import torch.distributed as dist
 
 from flexckpt.checksum import checksum
 from flexckpt.codec import parse_compression
-from flexckpt.commit import build_manifest
 from flexckpt.load import PendingLoad, encode_per_rank
-from flexckpt.manifest import attempt_id, data_name, parse_manifest, step_dir, table_name, values_name
-from flexckpt.plan import make_write_plan
+from flexckpt.checksum import ALGORITHM
+from flexckpt.manifest import FORMAT, SavedTensor, attempt_id, data_name, parse_manifest, step_dir, table_name, values_name
 from flexckpt.staging import StagingBuffer, copy_into
 from flexckpt.storage import Storage
 from flexckpt.structure import encode_plain, fingerprint, walk
@@ -139,6 +138,8 @@ class FastTier:
         self._cuda_stream = None
         self._dead_partners: set[int] = set()
         self._seq: dict[int, int] = {}
+        self._structure_for: int | None = None
+        self._structure: tuple[str, dict] = ("", {})
         self._prune_lock = threading.Lock()
         self._bundles: dict[int, list] = {}  # saved rank -> bundles this process wrote, oldest first
         self._inherited: list = []  # the restored step's bundles on this node (its leader removes them)
@@ -264,10 +265,10 @@ class FastTier:
         line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in chunks),
                 checksum(values) if values else "", len(values)]
         doc = {
-            "lineage": self.lineage, "fingerprint": e.fingerprint, "step": job.step, "attempt": job.attempt,
-            "rank": self.rank, "world_size": self.world, "chunk_bytes": e.plan.rules.chunk_bytes if e.plan.rules else None,
+            "lineage": self.lineage, "fingerprint": self._saved_structure(e)[0], "saved_fingerprint": e.fingerprint,
+            "step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world,
             "run_id": self.run_id, "line": line, "lanes": job.lanes, "plain": job.plain,
-            "per_rank_keys": e.per_rank_keys,
+            "per_rank_keys": e.per_rank_keys, **(self._saved_structure(e)[1] if self.rank == 0 else {}),
             "files": {rel: [memoryview(b).nbytes, checksum(b)] for rel, b in files.items()},
         }
         self.storage.put_atomic(f"{folder}/{done_name(job.attempt, self.rank, self.world)}", orjson.dumps(doc), fsync=False)
@@ -295,6 +296,16 @@ class FastTier:
         h.timings["bytes"] = float(e.rank_plan.nbytes)
         self._busy.clear()
         h._done.set()
+
+    def _saved_structure(self, e: Any) -> tuple[str, dict]:
+        """The world-independent fingerprint of a plan's structure, and (for saved rank 0's
+        marker) its tensors with their saved layouts and the plan rules."""
+        if self._structure_for != e.id:
+            tensors = {t.name: SavedTensor(t.name, t.dtype, t.shape, t.layout).to_json() for t in e.plan.specs}
+            self._structure = (compat_fingerprint(e.structure),
+                               {"tensors": tensors, "rules": e.plan.rules.to_json()})
+            self._structure_for = e.id
+        return self._structure
 
     def _deliver(self, header: Header, payload: np.ndarray) -> None:
         """A partner's copy: check it against its marker, write the files, then the marker."""
@@ -366,7 +377,7 @@ class FastTier:
         t0 = time.perf_counter()
         try:
             w = walk(state, self.rank, self.world)
-            fp = fingerprint(w.structure_json())
+            fp = compat_fingerprint(w.structure_json())
             held = scan(self.storage)
             persistent = ckpt.steps() if self.rank == 0 else []
             mine = (self.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent, fp, "")
@@ -449,20 +460,22 @@ class FastTier:
             self._all_gather(None)
 
     def _manifest(self, d: Decision, w: Any) -> Any:
-        """The saved step's manifest, rebuilt from the ranks' markers and the plan (which
-        the fingerprint vouches is the one the state gives at the saved world size)."""
+        """The saved step's manifest, rebuilt from the ranks' markers: tensors with their
+        saved layouts and the plan rules from saved rank 0's, a line and lanes from each."""
         docs = d.docs
         first = docs[0]
-        plan = make_write_plan(w.specs, d.world, int(first["chunk_bytes"]))
         lanes: dict[str, dict] = {}
         for r in range(d.world):
             for path, mapping in docs[r]["lanes"].items():
                 lanes.setdefault(path, {}).update(mapping)
-        m = build_manifest(step=d.step, run_id=first["run_id"], attempt=d.attempt, plan=plan,
-                           fingerprint=first["fingerprint"], codec="none",
-                           entries={r: docs[r]["line"] for r in range(d.world)}, plain=first["plain"], lanes=lanes,
-                           per_rank_keys=first["per_rank_keys"])
-        return parse_manifest(m.to_bytes(), where=f"fast tier step {d.step}")
+        doc = {
+            "format": FORMAT, "version": 2, "checksum": ALGORITHM, "step": d.step, "run_id": first["run_id"],
+            "attempt": d.attempt, "world_size": d.world, "time": time.time(), "fingerprint": first["saved_fingerprint"],
+            "rules": first["rules"], "codec": "none", "tensors": first["tensors"],
+            "ranks": [docs[r]["line"][1:] for r in range(d.world)], "plain": first["plain"], "lanes": lanes,
+            "per_rank": first["per_rank_keys"],
+        }
+        return parse_manifest(orjson.dumps(doc), where=f"fast tier step {d.step}")
 
     def _needed(self, manifest: Any, w: Any) -> set[int]:
         """Saved ranks whose files this rank's target pieces come from."""
@@ -518,3 +531,12 @@ class FastTier:
             self._write_bundle(doc, files)
             fetched += payload.nbytes
         return parts, fetched
+
+
+def compat_fingerprint(structure: dict) -> str:
+    """What must match between a saved state and the state a load fills, at any world size:
+    tensor names, dtypes and global shapes, and the value names (layouts may differ: an
+    ``Owned`` tensor's owner depends on the world size)."""
+    tensors = sorted((t["name"], t.get("dtype"), t.get("shape")) for t in structure["tensors"])
+    return fingerprint({"tensors": tensors, "plain": structure["plain"], "lanes": structure["lanes"],
+                        "per_rank": structure["per_rank"]})
