@@ -326,3 +326,26 @@ def test_a_torn_fast_step_is_never_loaded(tmp_path):
     ck4 = _one(tmp_path)
     assert ck4.load(make_state(0, 1, 0, zero=True)) == 6
     ck4.close()
+
+
+def test_a_fast_save_due_while_the_last_is_in_flight_is_skipped_and_counted(tmp_path, monkeypatch):
+    import flexckpt.tier.fast as fast
+
+    release = threading.Event()
+    real = fast.write_data_file
+
+    def slow_write(*a, **k):
+        release.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fast, "write_data_file", slow_write)
+    ck = _one(tmp_path)
+    first = ck.save_local(1, make_state(0, 1, 1))
+    t0 = time.perf_counter()
+    assert ck.save_local(2, make_state(0, 1, 2)) is None and ck.tier.skipped == 1
+    assert time.perf_counter() - t0 < 1.0  # never waited for
+    release.set()
+    assert first.result(30) == 1
+    assert ck.save_local(3, make_state(0, 1, 3)).result(30) == 3 and ck.tier.skipped == 1
+    assert sorted(h.step for h in scan(ck.tier.storage)) == [1, 3]
+    ck.close()
