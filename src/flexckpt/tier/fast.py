@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from flexckpt.checksum import checksum
 from flexckpt.codec import parse_compression
-from flexckpt.load import PendingLoad, encode_per_rank
+from flexckpt.load import PendingLoad
 from flexckpt.checksum import ALGORITHM
 from flexckpt.manifest import FORMAT, SavedTensor, attempt_id, data_name, parse_manifest, step_dir, table_name, values_name
-from flexckpt.staging import StagingBuffer, copy_into
+from flexckpt.staging import StagingBuffer
 from flexckpt.storage import Storage
 from flexckpt.structure import encode_plain, fingerprint, walk
 from flexckpt.tier import LocalTier
@@ -136,6 +136,7 @@ class FastTier:
         self._space_checked = config.state_bytes is not None
         self._thread: threading.Thread | None = None
         self._cuda_stream = None
+        self._copies: dict = {}
         self._dead_partners: set[int] = set()
         self._seq: dict[int, int] = {}
         self._structure_for: int | None = None
@@ -203,13 +204,7 @@ class FastTier:
         n = self._attempts[step] = self._attempts.get(step, 0) + 1
         attempt = attempt_id(self.run_id, self.session, n)
         handle = SaveHandle(step, None, attempt)
-        cuda = None
-        if entry.cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-            if self._cuda_stream is None:
-                self._cuda_stream = torch.cuda.Stream()
-            cuda = (self._cuda_stream, ready)
+        cuda = self._copier(entry)
         self._busy.set()
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=f"flexckpt-tier-r{self.rank}", daemon=True)
@@ -236,9 +231,9 @@ class FastTier:
         e, h = job.entry, job.handle
         t0 = time.perf_counter()
         try:
-            self._buffer.ensure(e.rank_plan.nbytes, pin=e.cuda)
+            self._buffer.ensure(e.rank_plan.nbytes, pin=_on_gpu(e))
             dsts = self._buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
-            copy_into(dsts, job.srcs, job.cuda)
+            job.cuda(dsts, job.srcs)
         finally:
             job.srcs = None
             h._staged.set()
@@ -296,6 +291,28 @@ class FastTier:
         h.timings["bytes"] = float(e.rank_plan.nbytes)
         self._busy.clear()
         h._done.set()
+
+    def _copier(self, e: Any) -> Any:
+        """The staging copy for ``e``'s pieces, marked ready here on the training thread;
+        the same copy the checkpointer's own staging makes (whichever staging API this
+        tree's ``flexckpt.staging`` has: ``copies_for`` once the device work is merged)."""
+        from flexckpt import staging
+
+        if hasattr(staging, "copies_for"):
+            device = e.device
+            if device not in self._copies:
+                self._copies[device] = staging.copies_for(device)
+            copies = self._copies[device]
+            ready = copies.ready()
+            return lambda dsts, srcs: copies.copy(dsts, srcs, ready)
+        cuda = None
+        if e.cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+            if self._cuda_stream is None:
+                self._cuda_stream = torch.cuda.Stream()
+            cuda = (self._cuda_stream, ready)
+        return lambda dsts, srcs: staging.copy_into(dsts, srcs, cuda)
 
     def _saved_structure(self, e: Any) -> tuple[str, dict]:
         """The world-independent fingerprint of a plan's structure, and (for saved rank 0's
@@ -540,3 +557,16 @@ def compat_fingerprint(structure: dict) -> str:
     tensors = sorted((t["name"], t.get("dtype"), t.get("shape")) for t in structure["tensors"])
     return fingerprint({"tensors": tensors, "plain": structure["plain"], "lanes": structure["lanes"],
                         "per_rank": structure["per_rank"]})
+
+
+def _on_gpu(e: Any) -> bool:
+    device = getattr(e, "device", None)
+    return device.type == "cuda" if device is not None else bool(e.cuda)
+
+
+def encode_per_rank(value: Any) -> Any:
+    """The checkpointer's encoding of a per-rank value (in ``writer`` once the value work is
+    merged, in ``load`` before)."""
+    from flexckpt import load, writer
+
+    return (getattr(writer, "encode_per_rank", None) or load.encode_per_rank)(value)
