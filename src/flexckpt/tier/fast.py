@@ -199,7 +199,7 @@ class FastTier:
         srcs = [w.tensors[i] if part is None else w.tensors[i].reshape(-1)[part[0] : part[1]]
                 for i, part in zip(entry.order, entry.parts)]
         plain = {k: encode_plain(v) for k, v in w.plain.items()} if self.rank == 0 else {}
-        lanes = {k: v.values for k, v in w.lanes.items()}
+        lanes = {k: orjson.Fragment(orjson.dumps(v.values)) for k, v in w.lanes.items()}  # now: the pipeline moves on
         per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
         n = self._attempts[step] = self._attempts.get(step, 0) + 1
         attempt = attempt_id(self.run_id, self.session, n)
