@@ -71,6 +71,8 @@ from flexckpt.plan import RankPlan, WritePlan, make_write_plan
 from flexckpt.staging import BufferPool, StagingBuffer, copies_for, staging_device
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import Walk, encode_plain, excluder, fingerprint, walk
+from flexckpt.tier import LocalTier
+from flexckpt.tier.fast import FastTier
 from flexckpt.writer import encode_per_rank, table_bytes, values_bytes, write_data_file
 from flexshard import current_world, part_of
 
@@ -213,6 +215,8 @@ class Checkpointer:
         stall_timeout: seconds any one storage call may go without progress (bytes moved)
             before it is given up; the save then fails on its handle with ``SaveError`` and
             training goes on (None: wait for ever).
+        local: a fast tier (:class:`flexckpt.tier.LocalTier`): ``save_local`` writes to
+            node-local memory with a copy on a peer node; ``load()`` restores from it first.
     """
 
     def __init__(
@@ -236,6 +240,7 @@ class Checkpointer:
         stage_delay: float = 0.003,
         process_group: "dist.ProcessGroup | None" = None,
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+        local: "LocalTier | None" = None,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -280,6 +285,7 @@ class Checkpointer:
         if self.is_coordinator:
             self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
+        self.tier = None if local is None else FastTier(local, self)
         self._pool = BufferPool(max_in_flight)
         self._plan_key: list | None = None
         self._plan_entry: _PlanEntry | None = None
@@ -293,7 +299,7 @@ class Checkpointer:
         self._copies: dict[torch.device, Any] = {}  # staging copies by device (copies_for)
         self._lock = threading.Lock()
         ref = weakref.ref(self)
-        self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout))
+        self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout, _at_exit=True))
         atexit.register(self._atexit)
         # dropped without close(): the threads hold only a weak reference, so it is freed,
         # and this stops them (saves still queued then are abandoned)
@@ -396,6 +402,13 @@ class Checkpointer:
         self._stage_q.put(job)
         handle.save_seconds = time.perf_counter() - t0
         return handle
+
+    def save_local(self, step: int, state: dict) -> SaveHandle | None:
+        """A fast-tier save of ``state`` as ``step`` (see ``local=``); None when skipped
+        because the previous fast save is still in flight (counted in ``tier.skipped``)."""
+        if self.tier is None:
+            raise ValueError("save_local needs a fast tier: Checkpointer(url, local=LocalTier(...))")
+        return self.tier.save(self, step, state)
 
     def _plan_for(self, w: Walk) -> _PlanEntry:
         if w.key == self._plan_key and self._plan_entry is not None:
@@ -622,8 +635,10 @@ class Checkpointer:
         if self.is_coordinator and self._threads:
             self._commit_q.join()  # retention of the last commit, too
 
-    def close(self, timeout: float | None = None) -> None:
-        """Wait for saves in flight, then stop the background threads."""
+    def close(self, timeout: float | None = None, *, _at_exit: bool = False) -> None:
+        """Wait for saves in flight, then stop the background threads. A fast tier's node
+        folder is removed here (a clean exit), not when the interpreter exits without
+        close() (a crash, whose restart needs it)."""
         if self._closed:
             return
         self._closed = True
@@ -635,12 +650,14 @@ class Checkpointer:
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._threads = []
         self._pool.clear()
+        if self.tier is not None:
+            self.tier.close(remove=not _at_exit)
 
     def __enter__(self) -> "Checkpointer":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(_at_exit=exc[0] is not None)  # leaving on an exception keeps the fast tier
 
     # -- listing -------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -696,6 +713,11 @@ class Checkpointer:
             raise RuntimeError("this Checkpointer is closed")
         excluder(exclude)  # a malformed pattern list raises here, on every rank alike
         self.wait()
+        if self.tier is not None and step is None and strict:  # load(step=...) and partial loads bypass it
+            self.tier.wait()
+            restored = self.tier.recover(self, state, strict)
+            if restored is not None:
+                return restored
         w = walk(state, self.rank, self.world_size)
         chosen = self._agree_step(step, before=None)
         while True:

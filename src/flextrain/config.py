@@ -72,6 +72,9 @@ class TrainConfig:
     steps: int = 100
     ckpt_every: int = 20          # performance
     keep_last: int = 3            # performance
+    ckpt_local_every: int = 0     # performance: a fast-tier save (node memory + a peer copy) every N steps; 0: off
+    ckpt_local_replicas: int = 1  # performance: copies of each fast save on other nodes
+    ckpt_local_dir: str = "/dev/shm/flexckpt"  # performance: the node-local folder of the fast tier
     eval_every: int = 50
     log_every: int = 1
     device: str = "auto"          # performance: "cuda", "cpu" or "auto" (CUDA when present); flextrain.device
@@ -225,6 +228,7 @@ RULES: dict[str, Any] = {
     "optim.min_lr_ratio": _real(0, 1),
     "optim.placement": _one_of("owned", "fsdp"),
     "optim.compute_copy": _one_of("full", "mxfp8"),
+    "ckpt_local_every": _int(0), "ckpt_local_replicas": _int(0), "ckpt_local_dir": _text,
     "device": _one_of("auto", "cuda", "cpu"),  # performance: flextrain.device
     "autocast": _one_of("auto", "bf16", "none"),  # resolved at start, fingerprinted
 }

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer
+from flexckpt.tier import LocalTier
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from zephon_state import Pipeline, global_batch_digest
 
@@ -148,7 +149,10 @@ class Trainer:
         launched = os.environ.get("FLEXTRAIN_LAUNCH_TIME")  # set by a benchmark: wall clock at launch
         if launched:
             self.timings["process_start_s"] = time.time() - float(launched)
-        self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last)
+        local = None
+        if cfg.ckpt_local_every:
+            local = LocalTier(dir=cfg.ckpt_local_dir, every=cfg.ckpt_local_every, replicas=cfg.ckpt_local_replicas)
+        self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last, local=local)
         t = time.perf_counter()
         saved = None
         if resume is not False and self.ckpt.latest_step() is not None:
@@ -213,7 +217,10 @@ class Trainer:
         newest = self.ckpt.latest_step()
         state = checkpoint_state(self.opt, 0, self.cfg, {"lanes": {}})
         got = self.ckpt.load(state, fallback=True)
-        if got != newest:
+        recovery = self.ckpt.tier.last_recovery if self.ckpt.tier is not None else None
+        if recovery is not None and recovery.source == "tier":
+            self._say(f"flextrain: resuming from the fast tier's step {got} (the persistent store's newest: {newest})")
+        elif got != newest:
             self._say(f"flextrain: the newest checkpoint (step {newest}) could not be read; resumed from step {got}")
         check_resumable(state["trainer"]["config"], self.cfg)
         adopt_checkpoint_state(self.opt, state)
@@ -329,7 +336,8 @@ class Trainer:
                 self.step += 1
                 final = stop or self.step == cfg.steps
                 save = self.step % cfg.ckpt_every == 0 or final
-                weights_ok = not save or all(bool(torch.isfinite(e.master.local).all()) for e in self.opt.entries)
+                save_local = not save and bool(cfg.ckpt_local_every) and self.step % cfg.ckpt_local_every == 0
+                weights_ok = not (save or save_local) or all(bool(torch.isfinite(e.master.local).all()) for e in self.opt.entries)
                 digest, loss_total, finite = self._gather_step(micro, loss_sum, weights_ok)
                 if not (finite and math.isfinite(loss_total)):  # every rank has the same values: all stop here
                     raise TrainingDiverged(
@@ -346,6 +354,10 @@ class Trainer:
                     last_save = self.step
                     handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,
                                                                         self.pipeline.state_dict(), self._calibration))
+                elif save_local:
+                    # None: skipped, the previous fast save is still copying (counted by the tier)
+                    handle = self.ckpt.save_local(self.step, checkpoint_state(
+                        self.opt, self.step, cfg, self.pipeline.state_dict(), self._calibration))
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     row["eval_loss"] = self.evaluate()
                 row["step_s"] = time.perf_counter() - t0

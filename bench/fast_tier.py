@@ -1,0 +1,171 @@
+"""The fast tier against the persistent tier: recovery time after losing a node, and the
+time each fast save takes to reach its partner node.
+
+World W (default 2), every rank its own emulated node (a folder under ``--shm``), a
+Shard(0) fp32 state of ``--mib`` MiB per rank (harness's synthetic model). The run saves
+step 1 persistently (to a local folder) and steps 2..1+``--saves`` to the fast tier with
+one copy on the next node, then dies (no close). Node 1 is lost and replaced by an empty
+node; the job restarts at the same W:
+  fast       - ``load()``: the fast tier (rank 1 fetches its files from node 0 over gloo);
+  persistent - ``load(step=1)`` through a store model: ``--latency`` per request,
+               ``--inflight`` requests at once, ``--gbps`` GB/s per rank.
+Recovery time is from the start of ``load()`` to its return, on the slowest rank; every
+loaded byte is checked against the state that was saved.
+
+    python3 dev.py bench fast_tier [--mib 256] [--world 2] [--saves 3]
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness as H  # noqa: E402
+
+
+def _state(specs, rank, world, version):
+    from flexshard import Shard, ShardedTensor
+
+    local = H.build_local_state(specs, rank, world, version)
+    return local, {"model": {s.name: ShardedTensor(local[s.name], Shard(0), s.global_shape, rank, world) for s in specs},
+                   "step": version}
+
+
+def _tier(cfg, node):
+    from flexckpt.tier import LocalTier
+
+    return LocalTier(dir=os.path.join(cfg["shm"], node), replicas=1, keep_last=2, timeout=300,
+                     lineage="bench", stale_after=0)
+
+
+def save_worker(rank, world, cfg):
+    from flexckpt import Checkpointer
+
+    os.environ["FLEXCKPT_NODE"] = f"n{rank}"
+    specs = H.state_specs(cfg["mib"], cfg["tensors"], world)
+    ck = Checkpointer(cfg["store"], local=_tier(cfg, f"n{rank}"), fsync=False)
+    _, state = _state(specs, rank, world, 1)
+    ck.save(1, state).result(600)
+    rows = []
+    for step in range(2, 2 + cfg["saves"]):
+        _, state = _state(specs, rank, world, step)
+        t0 = time.perf_counter()
+        h = ck.save_local(step, state)
+        h.wait_staged()
+        wait = time.perf_counter() - t0
+        h.result(600)
+        rows.append({"trainer_wait": wait, "total": time.perf_counter() - t0, **h.timings})
+    # the copies of the last step must have landed before the "kill"
+    from flexckpt.tier.inventory import scan
+
+    last = 1 + cfg["saves"]
+    want = {rank} | set(ck.tier.sources)
+    while not {b.rank for b in scan(ck.tier.storage) if b.step == last} >= want:
+        time.sleep(0.01)
+    import torch.distributed as dist
+
+    dist.barrier()
+    atexit.unregister(ck._atexit)  # killed: no close
+    return rows
+
+
+def load_worker(rank, world, cfg, which):
+    from flexckpt import Checkpointer
+    from flexckpt.storage import RangeReader, Storage
+
+    nodes = ["n0", "n_new"]
+    os.environ["FLEXCKPT_NODE"] = nodes[rank] if world == 2 else f"n{rank}"
+    if which == "persistent":
+        gate = threading.Semaphore(cfg["inflight"])
+        wire = threading.Lock()  # this rank's bandwidth: one transfer at a time at --gbps
+        orig_into, orig_scatter, orig_bytes = RangeReader.read_into, RangeReader.read_scatter, Storage.read_bytes
+
+        def request(n):
+            with gate:
+                time.sleep(cfg["latency"])
+                with wire:
+                    time.sleep(n / (cfg["gbps"] * 1e9))
+
+        def read_into(self, offset, out):
+            request(memoryview(out).nbytes)
+            return orig_into(self, offset, out)
+
+        def read_scatter(self, offset, outs):
+            request(sum(memoryview(o).nbytes for o in outs))
+            return orig_scatter(self, offset, outs)
+
+        def read_bytes(self, rel, limit=None):
+            out = orig_bytes(self, rel, limit)
+            request(len(out))
+            return out
+
+        RangeReader.read_into, RangeReader.read_scatter, Storage.read_bytes = read_into, read_scatter, read_bytes
+    specs = H.state_specs(cfg["mib"], cfg["tensors"], world)
+    ck = Checkpointer(cfg["store"], local=_tier(cfg, os.environ["FLEXCKPT_NODE"]), read_threads=4)
+    local, state = _state(specs, rank, world, 0)
+    for t in local.values():
+        t.zero_()
+    t0 = time.perf_counter()
+    step = ck.load(state) if which == "fast" else ck.load(state, step=1)
+    seconds = time.perf_counter() - t0
+    bad = H.mismatches(local, specs, rank, world, step)
+    rec = ck.tier.last_recovery
+    atexit.unregister(ck._atexit)  # keep the tier for the next restart
+    return {"seconds": seconds, "step": step, "bad": bad, "source": rec.source if rec else "persistent",
+            "fetched": rec.fetched_bytes if rec else 0, "timings": rec.timings if rec else {}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=float, default=256, help="MiB of state per rank (256)")
+    p.add_argument("--tensors", type=int, default=24)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--saves", type=int, default=3, help="fast saves timed (3)")
+    p.add_argument("--latency", type=float, default=0.03, help="seconds per request of the store model (0.03)")
+    p.add_argument("--inflight", type=int, default=64, help="requests in flight per rank (64)")
+    p.add_argument("--gbps", type=float, default=0.2, help="GB/s per rank of the store model (0.2)")
+    p.add_argument("--shm", default="/dev/shm", help="where the emulated nodes' folders go (/dev/shm)")
+    args = p.parse_args(argv)
+    from flexshard.spawn import run_workers
+
+    base = tempfile.mkdtemp(prefix="fxtier-bench-")
+    shm = tempfile.mkdtemp(prefix="fxtier-nodes-", dir=args.shm)
+    cfg = {**vars(args), "store": os.path.join(base, "store"), "shm": shm}
+    try:
+        saves = run_workers(save_worker, args.world, cfg, timeout=1800, threads_per_rank=1)
+        shutil.rmtree(os.path.join(shm, "n1"))  # node 1 lost; "n_new" replaces it
+        fast = run_workers(load_worker, args.world, cfg, "fast", timeout=1800)
+        persistent = run_workers(load_worker, args.world, cfg, "persistent", timeout=1800)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    f = max(r["seconds"] for r in fast)
+    s = max(r["seconds"] for r in persistent)
+    ok = all(not r["bad"] for r in fast + persistent) and all(r["source"] == "tier" for r in fast)
+    print(f"# fast tier vs persistent: world {args.world}, {args.mib:g} MiB a rank, store model "
+          f"{args.latency * 1000:g} ms/request, {args.inflight} in flight, {args.gbps} GB/s a rank; "
+          f"load {H.load_line()}")
+    print(H.markdown_table(
+        ["recovery (slowest rank)", "seconds", "GB/s a rank", "bytes fetched from a peer", "exact"],
+        [["fast tier (node 1 lost)", f"{f:.3f}", f"{args.mib * H.MIB / f / 1e9:.2f}", max(r["fetched"] for r in fast), ok],
+         ["persistent (store model)", f"{s:.3f}", f"{args.mib * H.MIB / s / 1e9:.2f}", 0, ok],
+         ["ratio persistent / fast", f"{s / f:.1f}x", "", "", ""]]))
+    print("\nfast recovery phases, slowest rank:", {k: round(max(r["timings"].get(k, 0) for r in fast), 3)
+                                                  for k in ("inventory_s", "plan_s", "fetch_s", "read_s")})
+    rows = [r for rank in saves for r in rank]
+    print()
+    print(H.markdown_table(
+        ["fast save (median over ranks and saves)", "seconds"],
+        [[k, f"{H.median(r[k] for r in rows):.3f}"] for k in ("trainer_wait", "stage_s", "write_s", "replicate_s", "total")]))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,575 @@
+"""The fast tier's runtime, composed by ``Checkpointer`` (see ``LocalTier``).
+
+Save (``save``, training thread): walk and plan as a persistent save does, queue the job,
+return a ``SaveHandle``; no collective. A background thread stages the pieces into a
+buffer of its own (the fence), writes the rank's files in the v2 format into the node's
+folder (a local ``Storage``), marks them complete, prunes to ``keep_last`` steps, then
+sends a copy to each partner (``transport.send``). A fast save that falls due while the
+previous one is still in flight is skipped and counted, never waited for.
+
+Recover (``recover``, every rank, at ``load()``): one all-gather of the nodes' inventories
+on the tier's group, the newest step complete across the surviving nodes, files a rank
+needs and its node lacks fetched from a rank whose node holds them (one more all-gather
+of the needs, then send/recv), then the ordinary load over the node's folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+import torch.distributed as dist
+
+from flexckpt.checksum import checksum
+from flexckpt.codec import parse_compression
+from flexckpt.load import PendingLoad
+from flexckpt.checksum import ALGORITHM
+from flexckpt.manifest import (
+    FORMAT, VERSION, SavedTensor, attempt_id, data_name, parse_manifest, seal, step_dir, table_name, values_name,
+)
+from flexckpt.staging import StagingBuffer
+from flexckpt.storage import Storage
+from flexckpt.structure import encode_plain, fingerprint, walk
+from flexckpt.tier import LocalTier
+from flexckpt.tier.inventory import (
+    Decision, Held, choose, done_name, keep_steps, makedirs, pack, remove_bundle, scan, unpack,
+)
+from flexckpt.tier.placement import node_name, nodes_of, partners, sources
+from flexckpt.tier.transport import Header, Inbox, digest, send
+from flexckpt.writer import table_bytes, values_bytes, write_data_file
+from flexshard import part_of
+
+log = logging.getLogger("flexckpt")
+
+PREFIX = "flexckpt-tier-"
+
+
+@dataclass
+class Recovery:
+    """What ``load()`` did with the fast tier: the decision, and where each saved rank's
+    files came from (``"own node NAME"``, ``"node NAME via rank K"``)."""
+
+    source: str
+    step: int | None
+    reason: str
+    parts: dict[int, str] = field(default_factory=dict)
+    fetched_bytes: int = 0
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # inventory, plan, fetch, read (seconds)
+
+
+@dataclass(eq=False)
+class _FastJob:
+    step: int
+    attempt: str
+    handle: Any
+    entry: Any
+    srcs: list | None
+    plain: dict
+    lanes: dict
+    per_rank: dict
+    cuda: Any
+
+
+class FastTier:
+    def __init__(self, config: LocalTier, ckpt: Any) -> None:
+        self.config = config
+        self.rank, self.world = ckpt.rank, ckpt.world_size
+        self.run_id, self.session = ckpt.run_id, ckpt.session
+        self.lineage = config.resolved_lineage(ckpt.storage.url)
+        name = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}".encode()).hexdigest()[:16]
+        self.node = node_name()
+        self.dir = config.dir.replace("{node}", self.node)  # "{node}": one folder a node on one machine (tests)
+        os.makedirs(self.dir, exist_ok=True)
+        self.root = os.path.join(os.path.abspath(self.dir), name)
+        self._remove_stale_tiers(name)
+        os.makedirs(self.root, exist_ok=True)
+        self.storage = Storage(self.root, None, None)
+        self.group = None
+        self.store = None
+        self.timeout = float(config.timeout)
+        names = [self.node]
+        if self.world > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("a fast tier with more than one rank needs torch.distributed initialized")
+            if ckpt.group is not None and dist.get_world_size(ckpt.group) != dist.get_world_size():
+                raise ValueError(
+                    f"a fast tier spans the whole job (its gloo group is made by every rank); this Checkpointer's "
+                    f"process_group has {dist.get_world_size(ckpt.group)} of {dist.get_world_size()} ranks: drop local= "
+                    f"or process_group="
+                )
+            ranks = None if ckpt.group is None else dist.get_process_group_ranks(ckpt.group)
+            # created here, on the training thread, in the same order on every rank
+            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+            self.global_ranks = list(range(self.world)) if ranks is None else list(ranks)
+            gathered: list = [None] * self.world
+            dist.all_gather_object(gathered, self.node, group=self.group)
+            names = [str(n) for n in gathered]
+            self.store = dist.PrefixStore(f"{PREFIX}{name}/{self.session}", dist.distributed_c10d._get_default_store())
+        else:
+            self.global_ranks = [0]
+        self.nodes = nodes_of(names)
+        self.node_names = names
+        self.partners = partners(self.rank, self.nodes, config.replicas)
+        self.sources = sources(self.rank, self.nodes, config.replicas)
+        if config.replicas and len(self.nodes) < 2:
+            log.warning("flexckpt fast tier: all %d ranks are on node %r; no copy on another node is possible",
+                        self.world, self.node)
+        if config.state_bytes is not None:
+            self._check_space(int(config.state_bytes))
+        self.skipped = 0
+        self.saved = 0
+        self.replicated = 0
+        self.replication_failures = 0
+        self.last_recovery: Recovery | None = None
+        self._busy = threading.Event()
+        self._jobs: queue.Queue = queue.Queue()
+        self._buffer = StagingBuffer()
+        self._attempts: dict[int, int] = {}
+        self._space_checked = config.state_bytes is not None
+        self._thread: threading.Thread | None = None
+        self._cuda_stream = None
+        self._copies: dict = {}
+        self._dead_partners: set[int] = set()
+        self._seq: dict[int, int] = {}
+        self._structure_for: int | None = None
+        self._structure: tuple[str, dict] = ("", {})
+        self._prune_lock = threading.Lock()
+        self._bundles: dict[int, list] = {}  # saved rank -> bundles this process wrote, oldest first
+        self._inherited: list = []  # the restored step's bundles on this node (its leader removes them)
+        self._closed = False
+        self._inboxes = [
+            Inbox(self.group, self.store, "copy", self.global_ranks[s], self.global_ranks[self.rank], self.timeout,
+                  self._deliver, f"flexckpt-tier-recv-r{self.rank}-from{s}")
+            for s in self.sources
+        ] if self.group is not None else []
+        for box in self._inboxes:
+            box.start()
+
+    # -- hygiene ------------------------------------------------------------------------------
+    def _remove_stale_tiers(self, mine: str) -> None:
+        """Other runs' tiers in the same folder, untouched for ``stale_after`` seconds."""
+        for entry in os.scandir(self.dir):
+            if not entry.name.startswith(PREFIX) or entry.name == mine or not entry.is_dir():
+                continue
+            newest = max([entry.stat().st_mtime] + [os.stat(os.path.join(d, f)).st_mtime
+                                                     for d, _, fs in os.walk(entry.path) for f in fs] or [0])
+            if time.time() - newest >= self.config.stale_after:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                log.info("flexckpt fast tier: removed another run's tier %s", entry.path)
+
+    def _check_space(self, state_bytes: int) -> None:
+        """(1 + replicas) x keep_last x this node's share of the state must fit."""
+        on_node = len(next(ranks for ranks in self.nodes if self.rank in ranks))
+        copies = 1 + len(self.partners)
+        need = copies * self.config.keep_last * state_bytes * on_node
+        usage = shutil.disk_usage(self.root)
+        held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.root) for f in fs)
+        if need > usage.free + held:
+            raise ValueError(
+                f"fast tier {self.dir}: needs {need} bytes ({copies} copies x keep_last {self.config.keep_last} x "
+                f"{state_bytes} bytes a rank x {on_node} ranks on this node), {usage.free + held} free "
+                f"(a container's /dev/shm is 64 MiB by default: raise it, e.g. docker --shm-size, or lower keep_last/replicas)"
+            )
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, ckpt: Any, step: int, state: dict) -> Any:
+        from flexckpt.checkpointer import SaveHandle
+
+        if self._closed:
+            raise RuntimeError("this fast tier is closed")
+        step_dir(step)
+        if self._busy.is_set():
+            self.skipped += 1
+            log.info("flexckpt fast tier: step %d skipped (the previous fast save is still in flight; %d skipped)",
+                     step, self.skipped)
+            return None
+        w = walk(state, self.rank, self.world)
+        entry = ckpt._plan_for(w)
+        if not self._space_checked:
+            self._check_space(entry.rank_plan.nbytes)
+            self._space_checked = True
+        srcs = [w.tensors[i] if part is None else w.tensors[i].reshape(-1)[part[0] : part[1]]
+                for i, part in zip(entry.order, entry.parts)]
+        plain = {k: encode_plain(v) for k, v in w.plain.items()} if self.rank == 0 else {}
+        lanes = {k: orjson.Fragment(orjson.dumps(v.values)) for k, v in w.lanes.items()}  # now: the pipeline moves on
+        per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
+        n = self._attempts[step] = self._attempts.get(step, 0) + 1
+        attempt = attempt_id(self.run_id, self.session, n)
+        handle = SaveHandle(step, None, attempt)
+        cuda = self._copier(entry)
+        self._busy.set()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"flexckpt-tier-r{self.rank}", daemon=True)
+            self._thread.start()
+        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda))
+        return handle
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._save_one(job)
+            except BaseException as exc:  # noqa: BLE001 - reported on the handle
+                log.error("flexckpt fast tier rank %d: save of step %d failed: %s", self.rank, job.step, exc, exc_info=exc)
+                self._busy.clear()
+                job.handle._fail(exc)
+            finally:
+                job.srcs = None
+                self._busy.clear()  # (already, before the handle said done: the next save is due then)
+
+    def _save_one(self, job: _FastJob) -> None:
+        e, h = job.entry, job.handle
+        t0 = time.perf_counter()
+        try:
+            self._buffer.ensure(e.rank_plan.nbytes, pin=_on_gpu(e))
+            dsts = self._buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
+            job.cuda(dsts, job.srcs)
+        finally:
+            job.srcs = None
+            h._staged.set()
+        h.timings["stage_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        folder = step_dir(job.step)
+        self._prune(self.rank, self.config.keep_last - 1)  # room for this step: keep_last steps at most
+        makedirs(self.storage, f"{folder}/{job.attempt}")
+        chunks = []
+        if e.rank_plan.nbytes:
+            chunks = write_data_file(self.storage, f"{folder}/{data_name(job.attempt, self.rank)}",
+                                     memoryview(self._buffer.data.numpy()), e.rank_plan.nbytes, e.rank_plan.chunks,
+                                     parse_compression(None), False, False)
+        table = table_bytes(rank=self.rank, attempt=job.attempt, codec="none", chunks=chunks)
+        values = values_bytes(job.per_rank)
+        files: dict[str, bytes | memoryview] = {}
+        if e.rank_plan.nbytes:  # the data file's bytes are the staged stream (no compression in this tier)
+            files[data_name(job.attempt, self.rank)] = memoryview(self._buffer.data.numpy())[: e.rank_plan.nbytes]
+        files[table_name(job.attempt, self.rank)] = table
+        self.storage.put_atomic(f"{folder}/{table_name(job.attempt, self.rank)}", table, fsync=False)
+        if values:
+            files[values_name(job.attempt, self.rank)] = values
+            self.storage.put_atomic(f"{folder}/{values_name(job.attempt, self.rank)}", values, fsync=False)
+        line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in chunks),
+                checksum(values) if values else "", len(values)]
+        doc = {
+            "lineage": self.lineage, "fingerprint": self._saved_structure(e)[0], "saved_fingerprint": e.fingerprint,
+            "step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world,
+            "run_id": self.run_id, "line": line, "lanes": job.lanes, "plain": job.plain,
+            "per_rank_keys": e.per_rank_keys, **(self._saved_structure(e)[1] if self.rank == 0 else {}),
+            "files": {rel: [memoryview(b).nbytes, checksum(b)] for rel, b in files.items()},
+        }
+        self.storage.put_atomic(f"{folder}/{done_name(job.attempt, self.rank, self.world)}", orjson.dumps(doc), fsync=False)
+        self._wrote(doc)
+        h.timings["write_s"] = time.perf_counter() - t1
+        self.saved += 1
+        t2 = time.perf_counter()
+        if self.partners:
+            payload = np.frombuffer(pack(doc, list(files.values())), dtype=np.uint8)
+            header = Header(job.step, int(job.attempt.rsplit(".", 1)[1]), self.global_ranks[self.rank],
+                            payload.nbytes, digest(payload), 0)
+            for p in self.partners:
+                if p in self._dead_partners:
+                    continue
+                seq = self._seq.get(p, 0)
+                try:
+                    send(self.group, self.store, "copy", self.global_ranks[p], header._replace(seq=seq), payload, self.timeout)
+                    self._seq[p] = seq + 1
+                    self.replicated += 1
+                except Exception as exc:  # noqa: BLE001 - a partner gone; the local copy stands
+                    self._dead_partners.add(p)
+                    self.replication_failures += 1
+                    log.error("flexckpt fast tier rank %d: copy of step %d to rank %d failed: %s", self.rank, job.step, p, exc)
+        h.timings["replicate_s"] = time.perf_counter() - t2
+        h.timings["bytes"] = float(e.rank_plan.nbytes)
+        self._busy.clear()
+        h._done.set()
+
+    def _copier(self, e: Any) -> Any:
+        """The staging copy for ``e``'s pieces, marked ready here on the training thread;
+        the same copy the checkpointer's own staging makes (whichever staging API this
+        tree's ``flexckpt.staging`` has: ``copies_for`` once the device work is merged)."""
+        from flexckpt import staging
+
+        if hasattr(staging, "copies_for"):
+            device = e.device
+            if device not in self._copies:
+                self._copies[device] = staging.copies_for(device)
+            copies = self._copies[device]
+            ready = copies.ready()
+            return lambda dsts, srcs: copies.copy(dsts, srcs, ready)
+        cuda = None
+        if e.cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+            if self._cuda_stream is None:
+                self._cuda_stream = torch.cuda.Stream()
+            cuda = (self._cuda_stream, ready)
+        return lambda dsts, srcs: staging.copy_into(dsts, srcs, cuda)
+
+    def _saved_structure(self, e: Any) -> tuple[str, dict]:
+        """The world-independent fingerprint of a plan's structure, and (for saved rank 0's
+        marker) its tensors with their saved layouts and the plan rules."""
+        if self._structure_for != e.id:
+            tensors = {t.name: SavedTensor(t.name, t.dtype, t.shape, t.layout).to_json() for t in e.plan.specs}
+            self._structure = (compat_fingerprint(e.structure),
+                               {"tensors": tensors, "rules": e.plan.rules.to_json()})
+            self._structure_for = e.id
+        return self._structure
+
+    def _deliver(self, header: Header, payload: np.ndarray) -> None:
+        """A partner's copy: check it against its marker, write the files, then the marker."""
+        doc, files = unpack(payload)
+        if (doc["step"], doc["rank"]) != (header.step, self.global_ranks.index(header.source)):
+            raise ValueError(f"copy header says step {header.step} of rank {header.source}, its marker "
+                             f"step {doc['step']} of rank {doc['rank']}")
+        self._write_bundle(doc, files)
+
+    def _write_bundle(self, doc: dict, files: list) -> None:
+        for rel, data in files:
+            if checksum(data) != doc["files"][rel][1]:
+                raise ValueError(f"file {rel} of step {doc['step']}: checksum mismatch")
+        folder = step_dir(doc["step"])
+        self._prune(doc["rank"], self.config.keep_last - 1)
+        makedirs(self.storage, f"{folder}/{doc['attempt']}")
+        for rel, data in files:
+            self.storage.put_atomic(f"{folder}/{rel}", data, fsync=False)
+        self.storage.put_atomic(f"{folder}/{done_name(doc['attempt'], doc['rank'], doc['world_size'])}",
+                                orjson.dumps(doc), fsync=False)
+        self._wrote(doc)
+
+    def _wrote(self, doc: dict) -> None:
+        with self._prune_lock:
+            self._bundles.setdefault(doc["rank"], []).append(
+                (doc["step"], done_name(doc["attempt"], doc["rank"], doc["world_size"]), list(doc["files"])))
+
+    def _prune(self, saved_rank: int, keep: int) -> None:
+        """Each process removes only the bundles it wrote (ranks of one node share its
+        folder): those of ``saved_rank`` but the newest ``keep``."""
+        with self._prune_lock:
+            mine = self._bundles.get(saved_rank, [])
+            old, self._bundles[saved_rank] = (mine[: len(mine) - keep], mine[len(mine) - keep :]) if keep else (mine, [])
+            if saved_rank == self.rank and len(self._bundles[saved_rank]) >= keep and self._inherited:
+                old, self._inherited = old + self._inherited, []  # the restored step, once keep newer ones exist
+        for step, doc_name, files in old:
+            remove_bundle(self.storage, step, doc_name, files)
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._busy.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"fast save still in flight after {timeout} s")
+            time.sleep(0.005)
+
+    def close(self, remove: bool = True) -> None:
+        """Stop the threads; at a clean exit the node's tier folder goes too."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait(self.timeout)
+        except TimeoutError:
+            log.warning("flexckpt fast tier: closing with a fast save in flight")
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(self.timeout)
+        for box in self._inboxes:
+            box.stop.set()
+        for box in self._inboxes:
+            box.join(self.timeout)
+        if remove:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- recovery ------------------------------------------------------------------------------
+    def recover(self, ckpt: Any, state: dict, strict: bool) -> int | None:
+        """Restore the newest step complete across the surviving nodes; None when the
+        persistent store must serve the load (the reason is in ``last_recovery``)."""
+        t0 = time.perf_counter()
+        try:
+            w = walk(state, self.rank, self.world)
+            fp = compat_fingerprint(w.structure_json())
+            held = scan(self.storage)
+            persistent = ckpt.steps() if self.rank == 0 else []
+            mine = (self.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent, fp, "")
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
+            mine = (self.node, [], [], "", f"rank {self.rank}: {type(exc).__name__}: {exc}")
+        gathered = self._all_gather(mine)
+        inventories = [[Held(*x) for x in g[1]] for g in gathered]
+        errors = [g[4] for g in gathered if g[4]]
+        fps = {g[3] for g in gathered}
+        if errors or len(fps) != 1:
+            why = f"the fast tier could not be read ({errors[0]})" if errors else "the ranks' state structures differ"
+            decision = Decision("persistent", None, reason=why)
+        else:
+            decision = choose(inventories, self.lineage, next(iter(fps)), gathered[0][2])
+        leader = self.rank == min(r for r, g in enumerate(gathered) if g[0] == self.node)
+        if decision.source != "tier":
+            if leader and not errors and len(fps) == 1:  # nothing here is loadable: older than the persistent step, or incomplete
+                keep_steps(self.storage, -1)
+            log.warning("flexckpt fast tier: %s", decision.reason)
+            self.last_recovery = Recovery(decision.source, decision.step, decision.reason, seconds=time.perf_counter() - t0)
+            return None
+        report = Recovery("tier", decision.step, decision.reason)
+        t1 = time.perf_counter()
+        report.timings["inventory_s"] = t1 - t0
+        error: BaseException | None = None
+        pending = None
+        try:
+            manifest = self._manifest(decision, w)
+            need = self._needed(manifest, w)
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
+            error, need = exc, set()
+        needs = self._all_gather(sorted(need))
+        t2 = time.perf_counter()
+        report.timings["plan_s"] = t2 - t1
+        try:
+            report.parts, report.fetched_bytes = self._fetch(decision, [set(n) for n in needs], gathered)
+        except Exception as exc:  # noqa: BLE001
+            error = error or exc
+        self._barrier()
+        t3 = time.perf_counter()
+        report.timings["fetch_s"] = t3 - t2
+        if error is None:
+            try:
+                manifest.files.bind(self.storage, step_dir(decision.step))
+                pending = PendingLoad(self.storage, manifest, w, self.rank, self.world, strict)
+                pending.read(ckpt.read_threads)
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+        report.timings["read_s"] = time.perf_counter() - t3
+        failed = self._all_gather(error is not None)
+        if any(failed):
+            why = f"the fast-tier load of step {decision.step} failed on rank(s) {[r for r, f in enumerate(failed) if f]}"
+            if error is not None:
+                why += f" (here: {type(error).__name__}: {error})"
+            log.error("flexckpt fast tier: %s; loading from the persistent store", why)
+            self.last_recovery = Recovery("persistent", None, why, seconds=time.perf_counter() - t0)
+            return None
+        assert pending is not None
+        if leader:  # every rank has read: keep only the restored step, owned by the node's leader from now on
+            keep_steps(self.storage, decision.step)
+            with self._prune_lock:
+                self._inherited = [(h.step, done_name(h.attempt, h.rank, h.world), list(h.doc["files"]))
+                                   for h in scan(self.storage)]
+        pending.apply()
+        ckpt.last_load_stats = pending.stats
+        report.seconds = time.perf_counter() - t0
+        self.last_recovery = report
+        log.info("flexckpt fast tier: restored step %d (%s); parts: %s", decision.step, decision.reason, report.parts)
+        return decision.step
+
+    def _all_gather(self, obj: Any) -> list:
+        if self.group is None:
+            return [obj]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            self._all_gather(None)
+
+    def _manifest(self, d: Decision, w: Any) -> Any:
+        """The saved step's manifest, rebuilt from the ranks' markers: tensors with their
+        saved layouts and the plan rules from saved rank 0's, a line and lanes from each."""
+        docs = d.docs
+        first = docs[0]
+        lanes: dict[str, dict] = {}
+        for r in range(d.world):
+            for path, mapping in docs[r]["lanes"].items():
+                lanes.setdefault(path, {}).update(mapping)
+        doc = {
+            "format": FORMAT, "version": VERSION, "checksum": ALGORITHM, "step": d.step, "run_id": first["run_id"],
+            "attempt": d.attempt, "world_size": d.world, "time": time.time(), "fingerprint": first["saved_fingerprint"],
+            "rules": first["rules"], "codec": "none", "tensors": first["tensors"],
+            "ranks": [docs[r]["line"][1:] for r in range(d.world)], "plain": first["plain"], "lanes": lanes,
+            "per_rank": first["per_rank_keys"],
+        }
+        return parse_manifest(seal(orjson.dumps(doc)), where=f"fast tier step {d.step}")
+
+    def _needed(self, manifest: Any, w: Any) -> set[int]:
+        """Saved ranks whose files this rank's target pieces come from."""
+        need: set[int] = set()
+        for i, spec in enumerate(w.specs):
+            rng = part_of(spec.layout, spec.shape, self.world, self.rank)  # a flat range or a box's stretch
+            if len(rng) and spec.name in manifest.tensors:
+                for p in manifest.tensors[spec.name].pieces_in(rng):
+                    need.add(int(p.file.rsplit("/r", 1)[1][:5]))
+        if manifest.world_size == self.world and w.per_rank:
+            need.add(self.rank)
+        return need
+
+    def _fetch(self, d: Decision, needs: list[set[int]], gathered: list) -> tuple[dict[int, str], int]:
+        """Each saved rank's bundle a node lacks and one of its ranks needs comes from the
+        lowest rank whose node holds it; the lowest needing rank of the node receives it."""
+        node_of = [g[0] for g in gathered]
+        on_node = {name: {r for r, n in enumerate(node_of) if n == name} for name in set(node_of)}
+        has = {name: {s for s, hs in d.holders.items() if any(node_of[h] == name for h in hs)} for name in on_node}
+        transfers: list[tuple[int, int, int]] = []  # (server, receiver, saved rank)
+        for name, ranks in sorted(on_node.items()):
+            wanted = sorted({s for r in ranks for s in needs[r]} - has[name])
+            for s in wanted:
+                receiver = min(r for r in ranks if s in needs[r])
+                transfers.append((min(d.holders[s]), receiver, s))
+        parts = {s: f"own node {self.node}" for s in needs[self.rank] if s in has[self.node]}
+        works, inbound, fetched = [], [], 0
+        folder = step_dir(d.step)
+        for server, receiver, s in transfers:
+            length = sum(n for n, _c in d.docs[s]["files"].values()) + 4 + len(orjson.dumps(d.docs[s]))
+            if server == self.rank:
+                files = [self.storage.read_bytes(f"{folder}/{rel}") for rel in d.docs[s]["files"]]
+                payload = np.frombuffer(pack(d.docs[s], files), dtype=np.uint8)
+                h = Header(d.step, 0, self.global_ranks[self.rank], payload.nbytes, digest(payload), s)
+                works.append(dist.isend(h.tensor(), self.global_ranks[receiver], group=self.group))
+                works.append(dist.isend(torch.from_numpy(payload), self.global_ranks[receiver], group=self.group))
+            if receiver == self.rank:
+                hbuf = torch.zeros(7, dtype=torch.int64)
+                pbuf = torch.empty(length, dtype=torch.uint8)
+                works.append(dist.irecv(hbuf, self.global_ranks[server], group=self.group))
+                works.append(dist.irecv(pbuf, self.global_ranks[server], group=self.group))
+                inbound.append((server, s, hbuf, pbuf))
+            if s in needs[self.rank] and s not in has[self.node]:
+                parts[s] = f"node {node_of[server]} via rank {server}"
+        for work in works:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        for server, s, hbuf, pbuf in inbound:
+            header = Header.from_tensor(hbuf)
+            payload = pbuf.numpy()
+            if header.seq != s or header.length != payload.nbytes or digest(payload) != header.checksum:
+                raise ValueError(f"the files of saved rank {s} from rank {server} arrived damaged or out of order")
+            doc, files = unpack(payload)
+            self._write_bundle(doc, files)
+            fetched += payload.nbytes
+        return parts, fetched
+
+
+def compat_fingerprint(structure: dict) -> str:
+    """What must match between a saved state and the state a load fills, at any world size:
+    tensor names, dtypes and global shapes, and the value names (layouts may differ: an
+    ``Owned`` tensor's owner depends on the world size)."""
+    tensors = sorted((t["name"], t.get("dtype"), t.get("shape")) for t in structure["tensors"])
+    return fingerprint({"tensors": tensors, "plain": structure["plain"], "lanes": structure["lanes"],
+                        "per_rank": structure["per_rank"]})
+
+
+def _on_gpu(e: Any) -> bool:
+    device = getattr(e, "device", None)
+    return device.type == "cuda" if device is not None else bool(e.cuda)
+
+
+def encode_per_rank(value: Any) -> Any:
+    """The checkpointer's encoding of a per-rank value (in ``writer`` once the value work is
+    merged, in ``load`` before)."""
+    from flexckpt import load, writer
+
+    return (getattr(writer, "encode_per_rank", None) or load.encode_per_rank)(value)

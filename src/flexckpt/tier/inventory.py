@@ -1,0 +1,181 @@
+"""What a node holds of the fast tier, and the choice of the step to restore (pure).
+
+A node's tier folder mirrors a checkpoint's layout: ``step-N/ATTEMPT/rNNNNN.data`` (and
+``.table``, ``.values``) for each saved rank whose files the node holds, its own or a
+partner's copy. A saved rank's files count only once its marker
+``ATTEMPT/rNNNNN-wWWWWW.done`` exists: a JSON document (the rank's record, the lengths and
+xxh3 of its files, the run lineage and structure fingerprint), written after the files
+(and checked against them on receipt) and renamed into place."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from flexckpt.manifest import parse_step_dir, step_dir
+from flexckpt.storage import Storage
+
+_DONE = re.compile(r"^r(\d{5})-w(\d{5})\.done$")
+MAX_DONE_BYTES = 64 << 20
+
+
+def done_name(attempt: str, rank: int, world: int) -> str:
+    return f"{attempt}/r{rank:05d}-w{world:05d}.done"
+
+
+@dataclass(frozen=True)
+class Held:
+    """One saved rank's complete files of one fast-tier save, on one node."""
+
+    step: int
+    attempt: str
+    rank: int
+    world: int
+    doc: dict  # the marker: record, files, lineage, fingerprint
+
+
+def scan(storage: Storage) -> list[Held]:
+    """Every complete saved-rank bundle under a node's tier folder (files present with
+    the lengths their marker names)."""
+    out = []
+    for name in storage.list_names(""):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        for attempt in storage.list_names(name):
+            for f in storage.list_names(f"{name}/{attempt}"):
+                m = _DONE.match(f)
+                if not m:
+                    continue
+                try:
+                    doc = orjson.loads(storage.read_bytes(f"{name}/{attempt}/{f}", limit=MAX_DONE_BYTES))
+                    ok = all(storage.size(f"{name}/{rel}") == n for rel, (n, _c) in doc["files"].items())
+                except Exception:  # noqa: BLE001 - a damaged or partial bundle is not held
+                    ok = False
+                if ok:
+                    out.append(Held(step, attempt, int(m.group(1)), int(m.group(2)), doc))
+    return out
+
+
+def attempt_order(attempt: str) -> int:
+    return int(attempt.rsplit(".", 1)[-1])
+
+
+@dataclass
+class Decision:
+    """The step to restore, and from where. ``source == "tier"``: ``holders[r]`` lists the
+    gathered-inventory indices (ranks of this launch) whose nodes hold saved rank ``r``."""
+
+    source: str  # "tier", "persistent" or "none"
+    step: int | None
+    attempt: str | None = None
+    world: int = 0
+    holders: dict[int, list[int]] = field(default_factory=dict)
+    docs: dict[int, dict] = field(default_factory=dict)
+    reason: str = ""
+
+
+def choose(
+    inventories: list[list[Held]], lineage: str, fingerprint: str, persistent: list[int]
+) -> Decision:
+    """The newest step complete across the surviving nodes (every saved rank held by some
+    node, same lineage and fingerprint), or the newest persistent step when that is newer
+    or nothing in the tier is complete. Steps are never mixed."""
+    found: dict[tuple[int, str, int], dict[int, list[int]]] = {}
+    docs: dict[tuple[int, str, int], dict[int, dict]] = {}
+    foreign = 0
+    for who, held in enumerate(inventories):
+        for h in held:
+            if h.doc.get("lineage") != lineage or h.doc.get("fingerprint") != fingerprint:
+                foreign += 1
+                continue
+            key = (h.step, h.attempt, h.world)
+            found.setdefault(key, {}).setdefault(h.rank, []).append(who)
+            docs.setdefault(key, {})[h.rank] = h.doc
+    complete = [k for k, ranks in found.items() if len(ranks) == k[2] and set(ranks) == set(range(k[2]))]
+    newest_persistent = max(persistent) if persistent else None
+    partial = sorted((k for k in found if k not in complete), key=lambda k: (k[0], attempt_order(k[1])))
+    note = ""
+    if partial:
+        k = partial[-1]
+        missing = sorted(set(range(k[2])) - set(found[k]))
+        note = f"; tier step {k[0]} lacks the files of saved rank(s) {missing[:10]} on every surviving node"
+    if foreign:
+        note += f"; {foreign} bundle(s) of another lineage or structure ignored"
+    if complete:
+        best = max(complete, key=lambda k: (k[0], attempt_order(k[1])))
+        if newest_persistent is None or best[0] >= newest_persistent:
+            holders = {r: sorted(set(found[best][r])) for r in range(best[2])}
+            return Decision("tier", best[0], best[1], best[2], holders, docs[best],
+                            f"fast tier step {best[0]} is complete across the surviving nodes{note}")
+        return Decision("persistent", newest_persistent,
+                        reason=f"persistent step {newest_persistent} is newer than tier step {best[0]}{note}")
+    if newest_persistent is not None:
+        return Decision("persistent", newest_persistent,
+                        reason=f"no fast-tier step is complete; loading persistent step {newest_persistent} whole{note}")
+    return Decision("none", None, reason=f"no fast-tier step is complete and nothing is persistent{note}")
+
+
+def remove_bundle(storage: Storage, step: int, doc_name: str, files: list[str]) -> None:
+    """One saved rank's files of one step: the marker first (a half-removed bundle is never
+    complete), then the files, then the folders if empty (another rank's files may share them)."""
+    folder = step_dir(step)
+    storage.remove(f"{folder}/{doc_name}")
+    for rel in files:
+        storage.remove(f"{folder}/{rel}")
+    for rel in (f"{folder}/{doc_name.rsplit('/', 1)[0]}", folder):
+        try:
+            os.rmdir(storage.path(rel))
+        except OSError:
+            pass
+
+
+def makedirs(storage: Storage, rel: str) -> None:
+    """``makedirs`` that survives another process removing an empty parent meanwhile."""
+    for _ in range(10):
+        try:
+            storage.makedirs(rel)
+            return
+        except FileNotFoundError:
+            continue
+    storage.makedirs(rel)
+
+
+def keep_steps(storage: Storage, keep: int) -> None:
+    """Remove every step folder but ``keep`` (only while no rank of the node writes)."""
+    for n in storage.list_names(""):
+        s = parse_step_dir(n)
+        if s is not None and s != keep:
+            storage.remove_tree(n)
+
+
+def pack(doc: dict, files: "list[bytes | memoryview]") -> bytearray:
+    """A transfer's payload: the marker document, then the files it names, in order (one
+    copy of the bytes, into one writable buffer that a tensor can wrap)."""
+    meta = orjson.dumps(doc)
+    out = bytearray(4 + len(meta) + sum(memoryview(f).nbytes for f in files))
+    out[:4] = len(meta).to_bytes(4, "little")
+    out[4 : 4 + len(meta)] = meta
+    pos = 4 + len(meta)
+    for f in files:
+        n = memoryview(f).nbytes
+        out[pos : pos + n] = f
+        pos += n
+    return out
+
+
+def unpack(payload: "bytes | memoryview") -> tuple[dict, list[tuple[str, memoryview]]]:
+    view = memoryview(payload)
+    n = int.from_bytes(view[:4], "little")
+    doc: dict[str, Any] = orjson.loads(view[4 : 4 + n])
+    pos = 4 + n
+    out = []
+    for rel, (length, _c) in doc["files"].items():
+        out.append((rel, view[pos : pos + length]))
+        pos += length
+    if pos != len(view):
+        raise ValueError(f"payload has {len(view)} bytes, its marker names {pos}")
+    return doc, out

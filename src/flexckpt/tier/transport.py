@@ -1,0 +1,124 @@
+"""Moving a saved rank's files between nodes over the tier's own gloo group.
+
+gloo pairs send and receive by order, and a receive that times out closes the pair for
+good, so a receiver never waits idle inside gloo: the sender first rings a doorbell in the
+process group's key-value store (``src->dst/seq`` = the header), and the receiver, which
+polls that key, posts its receive only once a transfer is known to be on its way. The
+header (magic, step, attempt number, source rank, length, xxh3, sequence) also travels
+over gloo ahead of the payload, and the receiver checks both and the payload's checksum.
+Only CPU tensors, only ``send``/``recv`` on the tier's group."""
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xxhash
+
+log = logging.getLogger("flexckpt")
+
+MAGIC = 0x46585449455231  # "FXTIER1"
+
+
+class Header(NamedTuple):
+    step: int
+    attempt: int
+    source: int
+    length: int
+    checksum: int
+    seq: int
+
+    def tensor(self) -> torch.Tensor:
+        check = self.checksum - (1 << 64) if self.checksum >= 1 << 63 else self.checksum
+        return torch.tensor([MAGIC, self.step, self.attempt, self.source, self.length, check, self.seq], dtype=torch.int64)
+
+    @staticmethod
+    def from_tensor(t: torch.Tensor) -> "Header":
+        v = [int(x) for x in t.tolist()]
+        if v[0] != MAGIC:
+            raise ValueError(f"transfer header has magic {v[0]:#x}, expected {MAGIC:#x}")
+        return Header(v[1], v[2], v[3], v[4], v[5] & ((1 << 64) - 1), v[6])
+
+    def key(self, dst: int, prefix: str) -> str:
+        return f"{prefix}/{self.source}-{dst}/{self.seq}"
+
+
+def digest(payload: "bytes | memoryview | np.ndarray") -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def _wait(work: "dist.Work", timeout: float) -> None:
+    work.wait(datetime.timedelta(seconds=timeout))
+
+
+def send(group: "dist.ProcessGroup", store: "dist.Store", prefix: str, dst: int, header: Header,
+         payload: np.ndarray, timeout: float) -> None:
+    """Ring ``dst``'s doorbell, then send the header and the payload (``dst`` a global rank)."""
+    store.set(header.key(dst, prefix), b"1")
+    _wait(dist.isend(header.tensor(), dst, group=group), timeout)
+    _wait(dist.isend(torch.from_numpy(payload), dst, group=group), timeout)
+
+
+def recv(group: "dist.ProcessGroup", src: int, length: int, timeout: float) -> tuple[Header, np.ndarray]:
+    """Receive a header and its payload from ``src`` (a transfer already announced)."""
+    h = torch.zeros(7, dtype=torch.int64)
+    _wait(dist.irecv(h, src, group=group), timeout)
+    header = Header.from_tensor(h)
+    if length >= 0 and header.length != length:
+        raise ValueError(f"transfer from rank {src} is {header.length} bytes, expected {length}")
+    buf = np.empty(header.length, dtype=np.uint8)
+    if header.length:
+        _wait(dist.irecv(torch.from_numpy(buf), src, group=group), timeout)
+    if digest(buf) != header.checksum:
+        raise ValueError(f"transfer of step {header.step} from rank {src}: checksum mismatch")
+    return header, buf
+
+
+class Inbox(threading.Thread):
+    """Receives, in order, the copies one source rank sends to this rank, and hands each
+    verified payload to ``deliver``. Stops at ``stop``; a broken transfer (the source
+    died) ends it too: the pair is closed for good."""
+
+    def __init__(self, group: "dist.ProcessGroup", store: "dist.Store", prefix: str, src: int, me: int,
+                 timeout: float, deliver: Callable[[Header, np.ndarray], None], name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.group, self.store, self.prefix, self.src, self.me = group, store, prefix, src, me
+        self.timeout, self.deliver = timeout, deliver
+        self.stop = threading.Event()
+        self.received = 0
+        self.failures = 0
+
+    def run(self) -> None:
+        seq = 0
+        while not self.stop.is_set():
+            key = f"{self.prefix}/{self.src}-{self.me}/{seq}"
+            try:
+                rung = self.store.check([key])
+            except Exception:  # noqa: BLE001 - the store went away: the job is ending
+                return
+            if not rung:
+                self.stop.wait(0.02)
+                continue
+            try:
+                header, payload = recv(self.group, self.src, -1, self.timeout)
+                if header.seq != seq or header.source != self.src:
+                    raise ValueError(f"expected transfer {seq} from rank {self.src}, got {header.seq} from {header.source}")
+            except Exception:  # noqa: BLE001 - the pair is broken for good: this source's copies stop here
+                self.failures += 1
+                log.exception("flexckpt fast tier: receiving copy %d from rank %d failed", seq, self.src)
+                return
+            seq += 1
+            try:
+                self.store.delete_key(key)
+            except Exception:  # noqa: BLE001 - a store without deletes keeps a few bytes a copy
+                pass
+            try:
+                self.deliver(header, payload)
+                self.received += 1
+            except Exception:  # noqa: BLE001 - this copy is lost (never marked complete); the next may land
+                self.failures += 1
+                log.exception("flexckpt fast tier: storing the copy of step %d from rank %d failed", header.step, self.src)

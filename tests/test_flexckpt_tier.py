@@ -1,0 +1,351 @@
+"""The fast tier (flexckpt.tier): node-local checkpoints with a copy on a peer node,
+restored after a node loss at another world size without reading the persistent store.
+
+Nodes are emulated on one machine: each node is a folder and a set of ranks
+(``FLEXCKPT_NODE`` names a rank's node). A "kill" leaves the ranks' files exactly as a
+SIGKILL would (no close, no clean-up at exit); torchrun then restarts every worker."""
+import atexit
+import inspect
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flexckpt import ByLane, Checkpointer
+from flexckpt.storage import RangeReader, Storage
+from flexckpt.tier import LocalTier
+from flexckpt.tier.inventory import Held, choose, scan
+from flexckpt.tier.placement import nodes_of, partners, sources
+from flexshard import Replicate, Shard, ShardedTensor
+from flexshard.spawn import run_workers
+
+LANES = 12
+SHAPES = {"w": (96, 40), "b": (37,), "e": (50, 8)}
+TIMEOUT = 240  # whole launches; a loaded 2-core machine starts 4 ranks in ~30 s
+
+
+def global_tensor(name: str, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sorted(SHAPES).index(name))
+    return torch.randn(SHAPES[name], generator=g) + step
+
+
+def make_state(rank: int, world: int, step: int, zero: bool = False) -> dict:
+    layouts = {"w": Shard(0), "b": Replicate(), "e": Shard(0)}
+    state = {}
+    for n, lay in layouts.items():
+        t = global_tensor(n, step)
+        state[n] = ShardedTensor.from_global(torch.zeros_like(t) if zero else t, lay, rank, world)
+    per = LANES // world
+    state["data"] = ByLane({str(l): {"doc": -1 if zero else 100 * step + l} for l in range(rank * per, (rank + 1) * per)})
+    state["meta"] = {"step": -1 if zero else step}
+    return state
+
+
+def tier(root: str, node: str, replicas: int = 1) -> LocalTier:
+    return LocalTier(dir=os.path.join(root, node), every=1, replicas=replicas, keep_last=2, timeout=90,
+                     lineage="tier-test", stale_after=0)
+
+
+# -- pure rules ---------------------------------------------------------------------------------
+def test_partners_live_on_other_nodes_and_sources_invert_them():
+    nodes = nodes_of(["a", "a", "b", "b", "c", "c"])
+    assert nodes == [[0, 1], [2, 3], [4, 5]]
+    assert [partners(r, nodes, 1) for r in range(6)] == [[2], [3], [4], [5], [0], [1]]
+    assert partners(0, nodes, 2) == [2, 4]
+    assert partners(0, nodes, 5) == [2, 4]  # capped at the other nodes
+    assert [sources(r, nodes, 1) for r in range(6)] == [[4], [5], [0], [1], [2], [3]]
+    assert partners(0, nodes_of(["a", "a"]), 1) == []
+
+
+def _held(step, rank, world=2, lineage="L", fp="F"):
+    return Held(step, "run.0000abcd.1", rank, world, {"lineage": lineage, "fingerprint": fp})
+
+
+def test_choose_takes_newest_complete_step_never_mixing_steps():
+    inv = [[_held(7, 0), _held(8, 0), _held(7, 1)], [_held(7, 1)]]  # step 8 lacks rank 1
+    d = choose(inv, "L", "F", [5])
+    assert (d.source, d.step, d.holders) == ("tier", 7, {0: [0], 1: [0, 1]})
+    assert "tier step 8 lacks the files of saved rank(s) [1]" in d.reason
+    d = choose([[_held(8, 0)], []], "L", "F", [5])
+    assert (d.source, d.step) == ("persistent", 5) and "loading persistent step 5 whole" in d.reason
+    assert choose([[_held(7, 0), _held(7, 1)]], "L", "F", [9]).source == "persistent"
+    d = choose([[_held(7, 0, lineage="other"), _held(7, 1, lineage="other")]], "L", "F", [])
+    assert d.source == "none" and "another lineage" in d.reason
+    assert choose([[_held(7, 0, fp="G"), _held(7, 1, fp="G")]], "L", "F", []).source == "none"
+
+
+# -- multi-process runs -------------------------------------------------------------------------
+def _count_calls() -> list:
+    """Every torch.distributed function and ProcessGroup method call: (thread, name, group)."""
+    calls: list = []
+    depth = threading.local()  # only the outermost call: torch.distributed's functions call each other
+
+    def record(name, group, fn, a, k):
+        if getattr(depth, "n", 0) == 0:
+            calls.append((threading.current_thread().name, name, group))
+        depth.n = getattr(depth, "n", 0) + 1
+        try:
+            return fn(*a, **k)
+        finally:
+            depth.n -= 1
+
+    for module in (dist, dist.distributed_c10d):
+        for name, fn in list(vars(module).items()):
+            if not inspect.isfunction(fn) or not fn.__module__.startswith("torch.distributed") or hasattr(fn, "_c"):
+                continue
+
+            def wrapper(*a, __fn=fn, __name=name, **k):
+                return record(__name, k.get("group"), __fn, a, k)
+
+            wrapper._c = True
+            setattr(module, name, wrapper)
+    PG = torch._C._distributed_c10d.ProcessGroup
+    for name in ("allreduce", "allgather", "broadcast", "barrier", "send", "recv", "reduce", "gather", "scatter",
+                 "alltoall", "reduce_scatter", "allgather_coalesced", "all_gather_single"):
+        orig = getattr(PG, name)
+        if hasattr(orig, "_c"):
+            continue
+
+        def method(self, *a, __orig=orig, __name=name, **k):
+            calls.append((threading.current_thread().name, "PG." + __name, self))  # every one, nested too
+            return __orig(self, *a, **k)
+
+        method._c = True
+        setattr(PG, name, method)
+    return calls
+
+
+def _train(rank, world, url, root, nodes, steps, every_persistent):
+    """Fast save every step, persistent every few; at the last step, wait until this node
+    holds its partners' copies, then die as a kill would (no close, no clean-up)."""
+    os.environ["FLEXCKPT_NODE"] = nodes[rank]
+    ck = Checkpointer(url, local=tier(root, nodes[rank]))
+    calls = _count_calls()
+    fast_calls = []
+    for step in range(1, steps + 1):
+        state = make_state(rank, world, step)
+        if step % every_persistent == 0:
+            calls.clear()
+            ck.save(step, state).result(60)
+        h = ck.save_local(step, state)
+        assert h is not None
+        h.wait_staged()
+        trainer = [c for c in calls if c[0] == threading.current_thread().name]
+        h.result(60)
+        fast_calls += [c for c in calls if c[0] != threading.current_thread().name]
+        assert trainer == [], f"training thread made {trainer}"
+        calls.clear()
+    expected = {rank} | set(ck.tier.sources)
+    deadline = time.monotonic() + 90
+    while not {h.rank for h in scan(ck.tier.storage) if h.step == steps} >= expected:
+        assert time.monotonic() < deadline, "copies did not arrive"
+        time.sleep(0.02)
+    other = [(t, n) for t, n, g in fast_calls if not (n in ("isend", "irecv") and g is ck.tier.group
+                                                        or n in ("PG.send", "PG.recv") and g is ck.tier.group)]
+    kinds = sorted({n for _t, n, _g in fast_calls})
+    groups_ok = all(g is ck.tier.group for _t, n, g in fast_calls if n.startswith("PG."))
+    dist.barrier()
+    atexit.unregister(ck._atexit)  # killed: no close, no clean-up
+    return {"other": other, "kinds": kinds, "groups_ok": groups_ok, "skipped": ck.tier.skipped}
+
+
+def _restart(rank, world, url, root, nodes):
+    os.environ["FLEXCKPT_NODE"] = nodes[rank]
+    read = [0]
+    orig_bytes, orig_into, orig_scatter = Storage.read_bytes, RangeReader.read_into, RangeReader.read_scatter
+
+    def read_bytes(self, rel, limit=None):
+        out = orig_bytes(self, rel, limit)
+        read[0] += len(out) if self.url == url else 0
+        return out
+
+    def read_into(self, offset, out):
+        read[0] += memoryview(out).nbytes if self.storage.url == url else 0
+        return orig_into(self, offset, out)
+
+    def read_scatter(self, offset, outs):
+        read[0] += sum(memoryview(o).nbytes for o in outs) if self.storage.url == url else 0
+        return orig_scatter(self, offset, outs)
+
+    Storage.read_bytes, RangeReader.read_into, RangeReader.read_scatter = read_bytes, read_into, read_scatter
+    ck = Checkpointer(url, local=tier(root, nodes[rank]))
+    state = make_state(rank, world, 0, zero=True)
+    read[0] = 0  # from here: the load (rank 0's start-up housekeeping reads the store's markers)
+    t0 = time.perf_counter()
+    step = ck.load(state)
+    seconds = time.perf_counter() - t0
+    want = make_state(rank, world, step)
+    exact = all(torch.equal(state[n].local, want[n].local) for n in SHAPES)
+    rec = ck.tier.last_recovery
+    t1 = time.perf_counter()
+    ck.close()
+    print(f"rank {rank}: load {seconds:.2f} s, close {time.perf_counter() - t1:.2f} s", flush=True)
+    return {"step": step, "exact": exact, "persistent_bytes": read[0], "lanes": state["data"].values,
+            "want_lanes": want["data"].values, "meta": state["meta"], "source": rec.source, "reason": rec.reason,
+            "parts": rec.parts, "seconds": seconds, "tier_left": os.path.exists(ck.tier.root)}
+
+
+@pytest.fixture(scope="module")
+def four_nodes_killed(tmp_path_factory):
+    """4 nodes x 1 rank, fast tier every step, persistent every 5, killed at step 8."""
+    base = tmp_path_factory.mktemp("tier4")
+    url = str(base / "store")
+    root = str(base / "nodes")
+    nodes = ["n0", "n1", "n2", "n3"]
+    out = run_workers(_train, 4, url, root, nodes, 8, 5, timeout=TIMEOUT)
+    return base, url, root, out
+
+
+def _copy_nodes(root: str, dst: str, lose: list[str]) -> str:
+    shutil.copytree(root, dst)
+    for node in lose:
+        shutil.rmtree(os.path.join(dst, node))
+    return dst
+
+
+def test_zero_collectives_on_the_training_thread_and_only_send_recv_on_the_tier_group(four_nodes_killed):
+    _base, _url, _root, out = four_nodes_killed
+    for r in out:
+        assert r["other"] == [] and r["groups_ok"] and r["skipped"] == 0
+        assert set(r["kinds"]) <= {"isend", "irecv", "PG.send", "PG.recv"} and "PG.send" in r["kinds"]
+
+
+@pytest.mark.parametrize("survivors", [["n0", "n1", "n3"], ["n3", "n1"]])
+def test_node_lost_restores_fast_step_renumbered_without_reading_the_store(four_nodes_killed, survivors, tmp_path):
+    _base, url, root, _ = four_nodes_killed
+    nodes_root = _copy_nodes(root, str(tmp_path / "nodes"), ["n2"])
+    res = run_workers(_restart, len(survivors), url, nodes_root, survivors, timeout=TIMEOUT)
+    for r in res:
+        assert (r["step"], r["exact"], r["persistent_bytes"], r["source"]) == (8, True, 0, "tier"), r
+        # every rank receives the union of the lanes (and takes what it hosts now)
+        assert r["lanes"] == {str(l): {"doc": 800 + l} for l in range(LANES)} and r["meta"] == {"step": 8}
+        assert not r["tier_left"]  # a clean exit removes the tier
+    # n2 held saved rank 2's own files and rank 1's copy: rank 2's came from n3 (its partner), and
+    # a rank whose node lacked a saved rank's files fetched them from a peer over the tier's group
+    from_n3 = [p for r in res for s, p in r["parts"].items() if s == 2]
+    assert from_n3 and all(p in ("own node n3", f"node n3 via rank {survivors.index('n3')}") for p in from_n3)
+    assert any(" via rank " in p for r in res for p in r["parts"].values())
+
+
+def test_both_copies_of_a_rank_lost_falls_back_to_the_newest_persistent_step(four_nodes_killed, tmp_path):
+    _base, url, root, _ = four_nodes_killed
+    nodes_root = _copy_nodes(root, str(tmp_path / "nodes"), ["n0", "n1"])  # rank 0's own files and its copy
+    res = run_workers(_restart, 2, url, nodes_root, ["n2", "n3"], timeout=TIMEOUT)
+    for r in res:
+        assert (r["step"], r["exact"], r["source"]) == (5, True, "persistent"), r
+        assert "no fast-tier step is complete; loading persistent step 5 whole" in r["reason"]
+        assert "saved rank(s) [0]" in r["reason"]
+        assert r["persistent_bytes"] > 0 and r["lanes"] == {str(l): {"doc": 500 + l} for l in range(LANES)}
+
+
+def test_two_nodes_of_two_ranks_restart_on_one_node_from_the_partner_copies(tmp_path):
+    url, root = str(tmp_path / "store"), str(tmp_path / "nodes")
+    run_workers(_train, 4, url, root, ["A", "A", "B", "B"], 3, 2, timeout=TIMEOUT)
+    shutil.rmtree(os.path.join(root, "B"))
+    res = run_workers(_restart, 2, url, root, ["A", "A"], timeout=TIMEOUT)
+    for r in res:
+        assert (r["step"], r["exact"], r["persistent_bytes"], r["source"]) == (3, True, 0, "tier"), r
+        assert r["lanes"] == {str(l): {"doc": 300 + l} for l in range(LANES)}
+        assert all(p == "own node A" for p in r["parts"].values())
+    assert sorted(set().union(*[r["parts"] for r in res])) == [0, 1, 2, 3]
+
+
+# -- one process: hygiene -----------------------------------------------------------------------
+def _one(tmp_path, **kw) -> Checkpointer:
+    t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="one", **kw)
+    return Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="one", local=t)
+
+
+def test_space_check_fails_at_construction_with_the_numbers(tmp_path):
+    with pytest.raises(ValueError, match=r"needs 4000000000000000 bytes \(1 copies x keep_last 2 x 2000000000000000 "
+                                         r"bytes a rank x 1 ranks on this node\), \d+ free .*64 MiB"):
+        _one(tmp_path, state_bytes=2 * 10**15)
+
+
+def test_fast_step_restored_in_one_process_and_load_of_a_persistent_step_bypasses_the_tier(tmp_path):
+    ck = _one(tmp_path)
+    ck.save(5, make_state(0, 1, 5)).result(60)
+    for step in (6, 7):
+        ck.save_local(step, make_state(0, 1, step)).result(60)
+    root = ck.tier.root
+    ck.close()
+    assert not os.path.exists(root)  # close() is a clean exit: the tier goes
+    # a crash (no close) keeps it; a restart restores step 7 from it
+    ck = _one(tmp_path)
+    ck.save_local(7, make_state(0, 1, 7)).result(60)
+    atexit.unregister(ck._atexit)
+    ck2 = _one(tmp_path)
+    state = make_state(0, 1, 0, zero=True)
+    assert ck2.load(state) == 7 and ck2.tier.last_recovery.source == "tier"
+    assert torch.equal(state["w"].local, make_state(0, 1, 7)["w"].local)
+    assert ck2.load(state, step=5) == 5 and torch.equal(state["w"].local, make_state(0, 1, 5)["w"].local)
+    ck2.close()
+
+
+def test_other_runs_tiers_are_removed_at_start_and_never_loaded(tmp_path):
+    ck = _one(tmp_path)
+    ck.save_local(3, make_state(0, 1, 3)).result(60)
+    atexit.unregister(ck._atexit)
+    (tmp_path / "shm" / "unrelated").mkdir()
+    t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="another", stale_after=0)
+    other = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="one", local=t)
+    assert not os.path.exists(ck.tier.root) and (tmp_path / "shm" / "unrelated").exists()
+    with pytest.raises(Exception, match="no committed checkpoint"):
+        other.load(make_state(0, 1, 0, zero=True))
+    assert other.tier.last_recovery.source == "none"
+    other.close()
+
+
+def test_a_torn_fast_step_is_never_loaded(tmp_path):
+    """What a kill during a save or a copy leaves: files without their marker, or a marker
+    whose files are short. Either way the step is not complete and the previous one loads."""
+    ck = _one(tmp_path)
+    for step in (6, 7):
+        ck.save_local(step, make_state(0, 1, step)).result(60)
+    atexit.unregister(ck._atexit)
+    held = {h.step: h for h in scan(ck.tier.storage)}
+    folder = os.path.join(ck.tier.root, f"step-{7:012d}")
+    data = [os.path.join(folder, rel) for rel in held[7].doc["files"] if rel.endswith(".data")][0]
+    with open(data, "r+b") as f:  # the marker names more bytes than the file holds
+        f.truncate(os.path.getsize(data) - 1)
+    ck2 = _one(tmp_path)
+    state = make_state(0, 1, 0, zero=True)
+    assert ck2.load(state) == 6 and torch.equal(state["w"].local, make_state(0, 1, 6)["w"].local)
+    atexit.unregister(ck2._atexit)
+    # a bundle whose marker never landed: after a restore only the restored step stays, so save 8 and tear it
+    ck3 = _one(tmp_path)
+    ck3.save_local(8, make_state(0, 1, 8)).result(60)
+    atexit.unregister(ck3._atexit)
+    marker = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(ck3.tier.root, f"step-{8:012d}"))
+              for f in fs if f.endswith(".done")][0]
+    os.remove(marker)
+    ck4 = _one(tmp_path)
+    assert ck4.load(make_state(0, 1, 0, zero=True)) == 6
+    ck4.close()
+
+
+def test_a_fast_save_due_while_the_last_is_in_flight_is_skipped_and_counted(tmp_path, monkeypatch):
+    import flexckpt.tier.fast as fast
+
+    release = threading.Event()
+    real = fast.write_data_file
+
+    def slow_write(*a, **k):
+        release.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fast, "write_data_file", slow_write)
+    ck = _one(tmp_path)
+    first = ck.save_local(1, make_state(0, 1, 1))
+    t0 = time.perf_counter()
+    assert ck.save_local(2, make_state(0, 1, 2)) is None and ck.tier.skipped == 1
+    assert time.perf_counter() - t0 < 1.0  # never waited for
+    release.set()
+    assert first.result(30) == 1
+    assert ck.save_local(3, make_state(0, 1, 3)).result(30) == 3 and ck.tier.skipped == 1
+    assert sorted(h.step for h in scan(ck.tier.storage)) == [1, 3]
+    ck.close()
