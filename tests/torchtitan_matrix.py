@@ -224,7 +224,7 @@ def main() -> int:
 
     table("wall time (s)", ["group", "seconds"], [["2 ranks, 9 runs", f"{t_two - t_start:.0f}"],
                                                    ["1 rank, 3 runs", f"{t_one - t_two:.0f}"],
-                                                   ["4 ranks, 4 runs (2 of them 2-D)", f"{t_four - t_one:.0f}"],
+                                                   ["4 ranks, 4 runs (3 of them 2-D)", f"{t_four - t_one:.0f}"],
                                                    ["2 ranks, 3 2-D resumes", f"{t_two_d - t_four:.0f}"],
                                                    ["all", f"{t_two_d - t_start:.0f}"]])
     if FAILURES:
