@@ -120,7 +120,7 @@ class _Stateful:
         self.values = dict(sd)
 
 
-def _manager(tmp_path, **fields):
+def _manager(tmp_path, dataloader=None, **fields):
     """The manager around a 1-process state (no trainer): a Linear, and stand-ins for the
     optimizers, schedulers and train state."""
     import torch
@@ -130,7 +130,7 @@ def _manager(tmp_path, **fields):
     model = torch.nn.Linear(4, 3)
     config = FlexCheckpointManager.Config(enable=True, folder="ckpt", **fields)
     train = _Stateful(step=0)
-    manager = config.build(dataloader=None, model_parts=[model], optimizers=_Stateful(lr=0.5),
+    manager = config.build(dataloader=dataloader, model_parts=[model], optimizers=_Stateful(lr=0.5),
                            lr_schedulers=_Stateful(last_epoch=0), states={"train_state": train},
                            sd_adapter=None, base_folder=str(tmp_path))
     return manager, model, train
@@ -173,3 +173,51 @@ def test_a_model_only_last_save_is_an_export_and_is_not_resumed(tmp_path):
 def test_unknown_exclude_from_loading_key_is_refused_at_start(tmp_path):
     with pytest.raises(ValueError, match=r"exclude_from_loading names 'dataloadr'; the state has \["):
         _manager(tmp_path, exclude_from_loading=["dataloadr"])
+
+
+def _titan_loader(dp_rank: int, dp_world_size: int):
+    """torchtitan's own loader (``ParallelAwareDataloader``) over 12 numbers."""
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    return ParallelAwareDataloader(list(range(12)), dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=2)
+
+
+def test_torchtitan_loader_state_is_bytes_by_key_and_resumes_only_at_its_dp_degree(tmp_path):
+    """torchtitan's loader saves {"dp_rank_<d>": pickled bytes, "world_size": dp}: flexckpt
+    stores the bytes by key and hands them back as saved; at another dp degree the load is
+    refused in one line naming the fix, and exclude_from_loading=["dataloader"] loads the rest."""
+    from flexckpt import LoadError
+
+    loader = _titan_loader(dp_rank=1, dp_world_size=2)  # rank 1 of dp 2, as one TP peer sees it
+    batches = iter(loader)
+    consumed = [next(batches).tolist() for _ in range(2)]
+    saved = loader.state_dict()
+    manager, _, train = _manager(tmp_path, dataloader=loader, interval=1)
+    train.values["step"] = 1
+    assert manager.save(1)
+    manager.close()
+
+    resumed = _titan_loader(dp_rank=1, dp_world_size=2)
+    reader, _, train2 = _manager(tmp_path, dataloader=resumed)
+    contents = reader.ckpt.contents(1)
+    assert contents.keyed == ["dataloader/dp_rank_1"] and contents.plain["dataloader/world_size"] == 2
+    assert reader.load() and train2.values["step"] == 1
+    assert resumed.state_dict() == saved  # the same bytes: the pickled position, restored as saved
+    assert consumed == [[0, 1], [2, 3]] and next(iter(resumed)).tolist() == [4, 5]
+    reader.close()
+
+    other = _titan_loader(dp_rank=0, dp_world_size=1)
+    reader, _, _ = _manager(tmp_path, dataloader=other)
+    with pytest.raises(LoadError) as err:
+        reader.load()
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("the data loader's state was saved at data-parallel degree 2 and this run's is 1: ")
+    assert "use ZephonDataLoader" in message and "checkpoint.exclude_from_loading=['dataloader']" in message
+    reader.close()
+
+    untouched = _titan_loader(dp_rank=0, dp_world_size=1).state_dict()
+    reader, _, train3 = _manager(tmp_path, dataloader=other, exclude_from_loading=["dataloader"])
+    assert reader.load() and train3.values["step"] == 1
+    assert other.state_dict() == untouched  # excluded: it keeps what it holds
+    reader.close()

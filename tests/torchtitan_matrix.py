@@ -8,10 +8,17 @@ on CPU/gloo (tests/torchtitan_cpu.py), 8 steps, checkpoints every 4, resumed fro
    step to the 2-rank run; the loss moves no more than the noise floor measured here (the
    same 2-rank run with micro batches of 1 row instead of 2). torchtitan's loader cannot
    resume at 1 rank: DCP's refusal and flexckpt's are shown.
-3. A bad lane count or global batch fails at start, before any step.
+3. 2-D: (fsdp 2, tp 2) at 4 ranks, 4 steps (CPU TP is slow), checkpoint at step 2, resumed at
+   (fsdp 2) on 2 ranks (the dp degree is unchanged, so torchtitan's loader state resumes too).
+   DCP with torchtitan's loader is the reference: flexckpt with torchtitan's loader resumes with losses 3-4 equal to
+   DCP's resume bit for bit (the same run, the same restored state), its loader bytes stored
+   once per dp rank though both TP peers saved them; flexckpt with the zephon loader (TP peers
+   host the same lanes and save equal cursors) gives global_batch_sha256 equal at steps 3-4
+   to its uninterrupted 2-D run (and to the 2-rank run's steps 3-4), and a loss that moves no more than DCP's resume moves
+   against DCP's uninterrupted 2-D run (the change of layout at step 4) or the noise floor.
+4. A bad lane count or global batch fails at start, before any step.
 
-Prints one table per part; exits 1 when a check fails. The 2-D row (fsdp 2, tp 2) is not
-here yet (it needs flexckpt's 2-D DTensor support).
+Prints one table per part; exits 1 when a check fails.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from flexshard.spawn import run_workers  # noqa: E402
 from zephon_state import global_batch_digest  # noqa: E402
 
 TIMEOUT = 600.0
+SHORT = ("--training.steps", "4", "--checkpoint.interval", "2")  # the 2-D runs
 FAILURES: list[str] = []
 
 
@@ -66,6 +74,51 @@ def table(title: str, header: list[str], rows: list[list[object]]) -> None:
         print("| " + " | ".join(str(c) for c in row) + " |")
 
 
+def losses(run: list[dict], steps: range = range(3, 5)) -> str:
+    got = run[0]["losses"]
+    return " ".join(f"{got[s]:.6f}" if s in got else "-" for s in steps)
+
+
+def two_d_rows(root: Path, full: list[list[dict]], resumed: list[list[dict]], ref_digests: list[str],
+               allowed: float) -> list[list[object]]:
+    """The 2-D table (part 3 of the module docstring)."""
+    from flexckpt import Checkpointer
+
+    (dcp_full, flex_full, z_full), (dcp_res, flex_res, z_res) = full, resumed
+    for name, run in [("dcp 2-D", dcp_full), ("flex 2-D", flex_full), ("zephon 2-D", z_full),
+                      ("dcp 2-D resume", dcp_res), ("flex 2-D resume", flex_res), ("zephon 2-D resume", z_res)]:
+        if "error" in run[0]:
+            check(False, f"the {name} run failed: {run[0]['error']}")
+            return [[name, "error: " + run[0]["error"][:300], "", "", "", "NO", ""]]
+    steps = range(3, 5)
+    ok = lambda run: sorted(run[0]["losses"]) == list(steps)  # noqa: E731
+    dcp, flex, z = dcp_res[0]["losses"], flex_res[0]["losses"], z_res[0]["losses"]
+    layout_move = max(abs(dcp[s] - dcp_full[0]["losses"][s]) for s in steps)  # 2-D -> fsdp 2 at step 2, DCP
+    rows = [["DCP + torchtitan loader (the reference)", losses(dcp_full), losses(dcp_res),
+             "its uninterrupted 2-D run", f"{layout_move:.2e}", check(ok(dcp_res), "DCP 2-D resume ran 3-4"),
+             "restored (dp 2 = dp 2)"]]
+
+    with Checkpointer(str(root / "flex-2d" / "checkpoint")) as ckpt:
+        contents = ckpt.contents(2)
+    keyed, world = contents.keyed, contents.world_size
+    once = keyed == ["dataloader/dp_rank_0", "dataloader/dp_rank_1"] and world == 4
+    same = ok(flex_res) and all(flex[s] == dcp[s] for s in steps)
+    rows.append(["flexckpt + torchtitan loader", losses(flex_full, range(1, 3)) + " (1-2)", losses(flex_res),
+                 "DCP's resume", f"{max(abs(flex[s] - dcp[s]) for s in steps):.2e}",
+                 check(same, "flexckpt + torchtitan loader 2-D resume bit-equal to DCP's"),
+                 f"{len(keyed)} bytes values from {world} ranks: {', '.join(keyed)} "
+                 f"({check(once, 'torchtitan loader bytes stored once per dp rank')})"])
+
+    z_same = ok(z_res) and digests(z_res) == digests(z_full)[2:] == ref_digests[2:4]
+    diff = max(abs(z[s] - z_full[0]["losses"][s]) for s in steps) if ok(z_res) else float("inf")
+    bound = max(layout_move, allowed)
+    rows.append(["flexckpt + zephon loader", losses(z_full), losses(z_res), "its uninterrupted 2-D run",
+                 f"{diff:.2e}", check(diff <= bound, f"zephon 2-D resume loss within {bound:.2e}") +
+                 f" (<= {bound:.2e})", "global_batch_sha256 3-4 equal to the 2-D and the 2-rank runs: " +
+                 check(z_same, "zephon 2-D resume digests")])
+    return rows
+
+
 def main() -> int:
     t_start = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="tt-matrix-"))
@@ -94,8 +147,21 @@ def main() -> int:
         (args("flex_default_loader", "flex", *resume), None),
     ])
     t_one = time.perf_counter()
-    four = spawn(4, [(args("flex_zephon", "zephon", *resume), None)])
+    tp2 = ("--parallelism.tensor_parallel_degree", "2", *SHORT)
+    four = spawn(4, [
+        (args("flex_zephon", "zephon", *resume), None),
+        (args("dcp_default_loader", "dcp-2d", *tp2), None),
+        (args("flex_default_loader", "flex-2d", *tp2), 2),  # its checkpoint at step 2 is what counts
+        (args("flex_zephon", "zephon-2d", *tp2), None),
+    ])
     t_four = time.perf_counter()
+    resume_2d = (*SHORT, "--checkpoint.load_step", "2")
+    two_d = spawn(2, [
+        (args("dcp_default_loader", "dcp-2d", *resume_2d), None),
+        (args("flex_default_loader", "flex-2d", *resume_2d), None),
+        (args("flex_zephon", "zephon-2d", *resume_2d), None),
+    ])
+    t_two_d = time.perf_counter()
 
     dcp_full, dcp_res, flex_full, flex_res, z_full, z_res, z_micro, bad_lanes, bad_batch = two
     for name, run in [("dcp", dcp_full), ("flex", flex_full), ("zephon", z_full), ("zephon micro 1", z_micro)]:
@@ -136,6 +202,11 @@ def main() -> int:
           ["ranks", "steps", "global_batch_sha256 equal", "max loss diff",
            f"within the floor (allowed {allowed:.2e})"], rows)
 
+    rows = two_d_rows(root, four[1:], two_d, ref_digests, allowed)
+    table("2-D: (fsdp 2, tp 2) at 4 ranks, 4 steps, checkpoint at step 2, resumed at (fsdp 2) on 2 ranks",
+          ["run", "losses 3-4, uninterrupted 2-D", "losses 3-4, resumed at fsdp 2", "compared with", "max diff",
+           "equal / within", "loader state"], rows)
+
     rows = []
     for name, run, want in [("DCP + torchtitan loader", one[1], "dataloader resharding is not supported"),
                             ("flexckpt + torchtitan loader", one[2], "cannot be resharded")]:
@@ -153,7 +224,9 @@ def main() -> int:
 
     table("wall time (s)", ["group", "seconds"], [["2 ranks, 9 runs", f"{t_two - t_start:.0f}"],
                                                    ["1 rank, 3 runs", f"{t_one - t_two:.0f}"],
-                                                   ["4 ranks, 1 run", f"{t_four - t_one:.0f}"]])
+                                                   ["4 ranks, 4 runs (3 of them 2-D)", f"{t_four - t_one:.0f}"],
+                                                   ["2 ranks, 3 2-D resumes", f"{t_two_d - t_four:.0f}"],
+                                                   ["all", f"{t_two_d - t_start:.0f}"]])
     if FAILURES:
         print("\nFAILED: " + "; ".join(FAILURES))
         return 1

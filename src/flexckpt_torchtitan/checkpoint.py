@@ -12,16 +12,18 @@ A save never blocks on storage: ``save_future`` is the last save's commit.
 What is saved: the model (``ModelWrapper``: FSDP2 DTensors are saved as flexshard layouts and
 load at any world size), the optimizers (torchtitan's flat, FQN-keyed state), the LR schedulers,
 the train state and the data loader. A :class:`~flexckpt_torchtitan.data.ZephonDataLoader`
-saves its lane cursors by lane, so it resumes at another data-parallel degree; torchtitan's own
-loaders save an opaque per-rank state, which resumes only at the world size that saved it.
+saves its lane cursors by lane, so it resumes at another data-parallel degree. torchtitan's own
+loaders save ``{"dp_rank_<d>": pickled bytes, "world_size": dp}``: flexckpt stores the bytes by
+key (the TP/PP peers of replica d hold equal copies, stored once) and never unpickles them; that
+state resumes only at the data-parallel degree that saved it (any TP/PP layout), else the load
+is refused before step 1, naming ZephonDataLoader and ``exclude_from_loading`` as the fixes.
+``exclude_from_loading`` is flexckpt's ``load(exclude=...)``: the named states keep what they hold.
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import logging
-import pickle
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ from torchtitan.components.checkpointer import (
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
-from flexckpt import Checkpointer, LoadError, PerRank, SaveHandle
+from flexckpt import Checkpointer, LoadError, SaveHandle
 from flexckpt_torchtitan.data import ZephonDataLoader
 
 log = logging.getLogger("flexckpt.torchtitan")
@@ -63,23 +65,6 @@ class _CommitFuture(Future):
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self.handle._done.wait(timeout)
         return self.handle.exception()
-
-
-class _RankLoaderState:
-    """torchtitan's own loaders: their state (pickled bytes per dp rank) travels as one
-    per-rank value, restored only at the world size that saved it."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def state_dict(self) -> dict:
-        raw = pickle.dumps(self.loader.state_dict())
-        return {"pickle_b64": PerRank(base64.b64encode(raw).decode("ascii"))}
-
-    def load_state_dict(self, sd: dict) -> None:
-        value = sd["pickle_b64"]
-        if value.restored:
-            self.loader.load_state_dict(pickle.loads(base64.b64decode(value.value)))
 
 
 class FlexCheckpointManager(BaseCheckpointManager):
@@ -129,8 +114,8 @@ class FlexCheckpointManager(BaseCheckpointManager):
             LR_SCHEDULER: lr_schedulers,
             **states,
         }
-        if dataloader is not None:
-            self.states[DATALOADER] = dataloader if self.zephon else _RankLoaderState(dataloader)
+        if dataloader is not None:  # torchtitan's loaders: {"dp_rank_<d>": bytes, "world_size": dp}, bytes by key
+            self.states[DATALOADER] = dataloader
         for key in config.exclude_from_loading:
             if key not in self.states:
                 raise ValueError(f"checkpoint.exclude_from_loading names {key!r}; the state has {sorted(self.states)}")
@@ -211,22 +196,31 @@ class FlexCheckpointManager(BaseCheckpointManager):
                 f"step {chosen} under {self.url} is a model-only export (last_save_model_only=True): training ended "
                 f"there; load an earlier step with --checkpoint.load_step, or save the last step in full with "
                 f"last_save_model_only=False")
+        exclude = tuple(c.exclude_from_loading)
         if model_only:
-            state = {MODEL: self.model}
+            state: dict[str, Any] = {MODEL: self.model}
         else:
-            state = {k: v for k, v in self.states.items() if k not in c.exclude_from_loading}
-            self._check_loader_world(contents.world_size, state)
-        got = self.ckpt.load(state, chosen, strict=not c.exclude_from_loading)
+            state = self.states
+            if DATALOADER in state and DATALOADER not in exclude:
+                self._check_loader_degree(contents.plain)
+        got = self.ckpt.load(state, chosen, exclude=exclude)
         log.info("flexckpt: loaded step %d from %s in %.2f s", got, self.url, time.monotonic() - begin)
         return True
 
-    def _check_loader_world(self, saved_world: int, state: dict) -> None:
-        world = self.ckpt.world_size
-        if DATALOADER in state and not self.zephon and saved_world != world:
-            raise LoadError(
-                f"the data loader's state was saved by {saved_world} ranks and this run has {world}: torchtitan's "
-                f"loader state is per rank and cannot be resharded; use ZephonDataLoader (lane cursors resume at "
-                f"any data-parallel degree dividing the lane count) or set checkpoint.exclude_from_loading=['dataloader']")
+    def _check_loader_degree(self, saved_plain: dict[str, Any]) -> None:
+        """torchtitan's own loader state is per data-parallel rank: it resumes only at the dp
+        degree that saved it (its ``world_size`` value). Refused here in one line, before
+        torchtitan's own assertion and before the missing-key rule (a larger degree)."""
+        loader = self.states[DATALOADER]
+        saved = saved_plain.get(f"{DATALOADER}/world_size")
+        degree = getattr(loader, "dp_world_size", None)
+        if self.zephon or saved is None or degree is None or saved == degree:
+            return
+        raise LoadError(
+            f"the data loader's state was saved at data-parallel degree {saved} and this run's is {degree}: "
+            f"torchtitan's loader state is per dp rank and cannot be resharded; use ZephonDataLoader (lane "
+            f"cursors resume at any data-parallel degree dividing the lane count) or set "
+            f"checkpoint.exclude_from_loading=['dataloader']")
 
     def _initial_load(self) -> bool:
         """The folder holds no checkpoint: an initial DCP or HF load, done by torchtitan's own code."""
