@@ -332,3 +332,64 @@ def test_two_threads_saving_interleaved_steps_all_commit(tmp_path):
         target = {"w": torch.zeros(256), "step": 0}
         assert ck.load(target, step=s) == s and target["step"] == s and torch.equal(target["w"], torch.full((256,), float(s)))
     ck.close()
+
+
+def _wait_any(*events, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not any(e.is_set() for e in events):
+        assert time.monotonic() < deadline, "the forced interleaving never happened"
+        time.sleep(0.001)
+
+
+def test_retention_never_removes_the_folder_a_save_is_creating(tmp_path, monkeypatch):
+    # issue 14 defect 6, the flake left in the two-thread test above: step 2 committed while
+    # the writer of step 1 had made step-…01/ but not yet its attempt folder in it; step 2's
+    # retention removed the empty step folder, and step 1 failed with a bare ENOENT. Forced
+    # here: the writer stops between the two mkdirs until retention ran (or is held off).
+    import threading
+
+    import flexckpt.checkpointer as cpmod
+    from flexckpt.manifest import step_dir
+
+    ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=2, commit_timeout=30)
+    parent_made, retention_ran, held_off = threading.Event(), threading.Event(), threading.Event()
+
+    class SpyLock:  # the lock that keeps retention and the making of save folders apart
+        def __init__(self):
+            self._lock = threading.Lock()
+
+        def __enter__(self):
+            if not self._lock.acquire(blocking=False):
+                held_off.set()  # one side waits for the other: the bad interleaving cannot happen
+                self._lock.acquire()
+
+        def __exit__(self, *exc):
+            self._lock.release()
+
+    monkeypatch.setattr(ck, "_folders_lock", SpyLock(), raising=False)
+    step1 = str(tmp_path / step_dir(1)) + os.sep
+    real_mkdir, real_retention = os.mkdir, cpmod.apply_retention
+
+    def mkdir(path, *args, **kwargs):
+        if os.fspath(path).startswith(step1) and not parent_made.is_set():
+            parent_made.set()  # os.makedirs made step-…01/ and found it there; the leaf is next
+            _wait_any(retention_ran, held_off)
+        return real_mkdir(path, *args, **kwargs)
+
+    def retention(*args, **kwargs):
+        _wait_any(parent_made, held_off)
+        real_retention(*args, **kwargs)
+        retention_ran.set()
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(cpmod, "apply_retention", retention)
+    h2 = ck.save(2, {"w": torch.full((64,), 2.0), "step": 2})
+    h1 = ck.save(1, {"w": torch.full((64,), 1.0), "step": 1})  # the larger step first, in flight together
+    assert (h2.result(timeout=30), h1.result(timeout=30)) == (2, 1)
+    ck.wait()
+    assert parent_made.is_set() and (retention_ran.is_set() or held_off.is_set())
+    assert ck.steps() == [1, 2]  # keep_last=2
+    for s in (1, 2):
+        target = {"w": torch.zeros(64), "step": 0}
+        assert ck.load(target, step=s) == s and torch.equal(target["w"], torch.full((64,), float(s)))
+    ck.close()
