@@ -393,3 +393,90 @@ def test_retention_never_removes_the_folder_a_save_is_creating(tmp_path, monkeyp
         target = {"w": torch.zeros(64), "step": 0}
         assert ck.load(target, step=s) == s and torch.equal(target["w"], torch.full((64,), float(s)))
     ck.close()
+
+
+@pytest.mark.parametrize("first", [7, 5], ids=["keep_last dooms the step re-saved", "another attempt of the step"])
+def test_retention_leaves_a_step_with_a_save_in_flight_alone(tmp_path, monkeypatch, first):
+    # a save of step 5 is writing its data while a commit's retention runs: step 5 committed
+    # earlier and beyond keep_last=1 (a re-save after a rollback), or attempt 1 of step 5
+    # committing while attempt 2 is in flight. Retention must not take attempt 2's folder.
+    import threading
+
+    import flexckpt.checkpointer as cpmod
+    from flexckpt.manifest import step_dir
+
+    ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=1, commit_timeout=30)
+    if first == 7:
+        ck.save(5, {"w": torch.full((64,), 50.0), "step": 5}).result(timeout=30)
+        ck.wait()
+    writing, retention_ran = threading.Event(), threading.Event()
+    real_write, real_retention = cpmod.write_data_file, cpmod.apply_retention
+    last = f"{step_dir(5)}/job."
+
+    def write_data_file(storage, rel, *args, **kwargs):
+        if rel.startswith(last) and ".2/" in rel:  # the second save of step 5
+            writing.set()
+            _wait_any(retention_ran)
+        return real_write(storage, rel, *args, **kwargs)
+
+    def retention(storage, keep_last, newest, *args, **kwargs):
+        if newest == first:
+            _wait_any(writing)
+        real_retention(storage, keep_last, newest, *args, **kwargs)
+        if newest == first:
+            retention_ran.set()
+
+    monkeypatch.setattr(cpmod, "write_data_file", write_data_file)
+    monkeypatch.setattr(cpmod, "apply_retention", retention)
+    h_first = ck.save(first, {"w": torch.full((64,), float(first)), "step": first})
+    h5 = ck.save(5, {"w": torch.full((64,), 5.0), "step": 5})
+    assert (h_first.result(timeout=30), h5.result(timeout=30)) == (first, 5)
+    ck.wait()
+    assert ck.steps() == ([5, 7] if first == 7 else [5])  # 5 committed after 7 stays until the next commit
+    target = {"w": torch.zeros(64), "step": 0}
+    assert ck.load(target, step=5) == 5 and torch.equal(target["w"], torch.full((64,), 5.0))
+    assert h5.attempt.endswith(".2") and read_manifest(Storage(str(tmp_path)), 5).attempt == h5.attempt
+    ck.close()
+
+
+def test_another_ranks_writer_survives_retention_removing_its_empty_step_folder(tmp_path, monkeypatch):
+    # ranks are processes: rank 1 starts step 9 before rank 0 does (rank 0's save of it not in
+    # flight yet) and makes step-…09/ just as rank 0's retention after step 10 removes that
+    # empty folder; rank 1 makes it again instead of failing with ENOENT
+    import threading
+
+    import flexckpt.checkpointer as cpmod
+    from flexckpt.manifest import step_dir
+
+    cps = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job", keep_last=1, commit_timeout=30)
+           for r in range(W)]
+    parent_made, retention_ran = threading.Event(), threading.Event()
+    step9 = str(tmp_path / step_dir(9)) + os.sep
+    real_mkdir, real_retention = os.mkdir, cpmod.apply_retention
+
+    def mkdir(path, *args, **kwargs):
+        if os.fspath(path).startswith(step9) and not parent_made.is_set():
+            parent_made.set()
+            _wait_any(retention_ran)
+        return real_mkdir(path, *args, **kwargs)
+
+    def retention(storage, keep_last, newest, *args, **kwargs):
+        if newest == 10:
+            _wait_any(parent_made)
+        real_retention(storage, keep_last, newest, *args, **kwargs)
+        retention_ran.set()
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(cpmod, "apply_retention", retention)
+    h10 = [cp.save(10, state(r, 10)) for r, cp in enumerate(cps)]
+    h9 = [cps[1].save(9, state(1, 9))]
+    assert h10[0].result(timeout=30) == 10
+    cps[0].wait()
+    assert retention_ran.is_set()
+    h9.insert(0, cps[0].save(9, state(0, 9)))
+    assert [h.result(timeout=30) for h in h10 + h9] == [10, 10, 9, 9]
+    cps[0].wait()
+    assert cps[0].steps() == [9, 10]
+    for cp in cps:
+        cp.close()
+    assert load_value(tmp_path, 9) == {9.0} and load_value(tmp_path, 10) == {10.0}

@@ -73,6 +73,7 @@ from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import Walk, encode_plain, excluder, fingerprint, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
+from flexckpt.tier.inventory import makedirs
 from flexckpt.writer import encode_per_rank, table_bytes, values_bytes, write_data_file
 from flexshard import current_world, part_of
 
@@ -488,8 +489,8 @@ class Checkpointer:
             e = job.entry
             rank_plan = e.rank_plan
             folder = f"{step_dir(job.step)}/{job.attempt}"
-            with self._folders_lock:
-                self.storage.makedirs(folder)
+            with self._folders_lock:  # and another rank's retention (a process) may rmdir the empty step folder
+                makedirs(self.storage, folder)
             if rank_plan.nbytes:
                 job.chunks = write_data_file(
                     self.storage, f"{step_dir(job.step)}/{data_name(job.attempt, self.rank)}",
