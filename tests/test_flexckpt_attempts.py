@@ -410,7 +410,7 @@ def test_retention_leaves_a_step_with_a_save_in_flight_alone(tmp_path, monkeypat
         ck.save(5, {"w": torch.full((64,), 50.0), "step": 5}).result(timeout=30)
         ck.wait()
     writing, retention_ran = threading.Event(), threading.Event()
-    real_write, real_retention = cpmod.write_data_file, cpmod.apply_retention
+    real_write, real_commit, real_retention = cpmod.write_data_file, cpmod.commit, cpmod.apply_retention
     last = f"{step_dir(5)}/job."
 
     def write_data_file(storage, rel, *args, **kwargs):
@@ -419,14 +419,18 @@ def test_retention_leaves_a_step_with_a_save_in_flight_alone(tmp_path, monkeypat
             _wait_any(retention_ran)
         return real_write(storage, rel, *args, **kwargs)
 
+    def commit(storage, manifest, *args, **kwargs):
+        if manifest.step == first and not writing.is_set():  # the commit whose retention runs next
+            _wait_any(writing)  # here, not in retention: a writer making its folders waits for that
+        return real_commit(storage, manifest, *args, **kwargs)
+
     def retention(storage, keep_last, newest, *args, **kwargs):
-        if newest == first:
-            _wait_any(writing)
         real_retention(storage, keep_last, newest, *args, **kwargs)
         if newest == first:
             retention_ran.set()
 
     monkeypatch.setattr(cpmod, "write_data_file", write_data_file)
+    monkeypatch.setattr(cpmod, "commit", commit)
     monkeypatch.setattr(cpmod, "apply_retention", retention)
     h_first = ck.save(first, {"w": torch.full((64,), float(first)), "step": first})
     h5 = ck.save(5, {"w": torch.full((64,), 5.0), "step": 5})
