@@ -332,3 +332,155 @@ def test_two_threads_saving_interleaved_steps_all_commit(tmp_path):
         target = {"w": torch.zeros(256), "step": 0}
         assert ck.load(target, step=s) == s and target["step"] == s and torch.equal(target["w"], torch.full((256,), float(s)))
     ck.close()
+
+
+def _wait_any(*events, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not any(e.is_set() for e in events):
+        assert time.monotonic() < deadline, "the forced interleaving never happened"
+        time.sleep(0.001)
+
+
+def test_retention_never_removes_the_folder_a_save_is_creating(tmp_path, monkeypatch):
+    # issue 14 defect 6, the flake left in the two-thread test above: step 2 committed while
+    # the writer of step 1 had made step-…01/ but not yet its attempt folder in it; step 2's
+    # retention removed the empty step folder, and step 1 failed with a bare ENOENT. Forced
+    # here: the writer stops between the two mkdirs until retention ran (or is held off).
+    import threading
+
+    import flexckpt.checkpointer as cpmod
+    from flexckpt.manifest import step_dir
+
+    ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=2, commit_timeout=30)
+    parent_made, retention_ran, held_off = threading.Event(), threading.Event(), threading.Event()
+
+    class SpyLock:  # the lock that keeps retention and the making of save folders apart
+        def __init__(self):
+            self._lock = threading.Lock()
+
+        def __enter__(self):
+            if not self._lock.acquire(blocking=False):
+                held_off.set()  # one side waits for the other: the bad interleaving cannot happen
+                self._lock.acquire()
+
+        def __exit__(self, *exc):
+            self._lock.release()
+
+    monkeypatch.setattr(ck, "_folders_lock", SpyLock(), raising=False)
+    step1 = str(tmp_path / step_dir(1)) + os.sep
+    real_mkdir, real_retention = os.mkdir, cpmod.apply_retention
+
+    def mkdir(path, *args, **kwargs):
+        if os.fspath(path).startswith(step1) and not parent_made.is_set():
+            parent_made.set()  # os.makedirs made step-…01/ and found it there; the leaf is next
+            _wait_any(retention_ran, held_off)
+        return real_mkdir(path, *args, **kwargs)
+
+    def retention(*args, **kwargs):
+        _wait_any(parent_made, held_off)
+        real_retention(*args, **kwargs)
+        retention_ran.set()
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(cpmod, "apply_retention", retention)
+    h2 = ck.save(2, {"w": torch.full((64,), 2.0), "step": 2})
+    h1 = ck.save(1, {"w": torch.full((64,), 1.0), "step": 1})  # the larger step first, in flight together
+    assert (h2.result(timeout=30), h1.result(timeout=30)) == (2, 1)
+    ck.wait()
+    assert parent_made.is_set() and (retention_ran.is_set() or held_off.is_set())
+    assert ck.steps() == [1, 2]  # keep_last=2
+    for s in (1, 2):
+        target = {"w": torch.zeros(64), "step": 0}
+        assert ck.load(target, step=s) == s and torch.equal(target["w"], torch.full((64,), float(s)))
+    ck.close()
+
+
+@pytest.mark.parametrize("first", [7, 5], ids=["keep_last dooms the step re-saved", "another attempt of the step"])
+def test_retention_leaves_a_step_with_a_save_in_flight_alone(tmp_path, monkeypatch, first):
+    # a save of step 5 is writing its data while a commit's retention runs: step 5 committed
+    # earlier and beyond keep_last=1 (a re-save after a rollback), or attempt 1 of step 5
+    # committing while attempt 2 is in flight. Retention must not take attempt 2's folder.
+    import threading
+
+    import flexckpt.checkpointer as cpmod
+    from flexckpt.manifest import step_dir
+
+    ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=1, commit_timeout=30)
+    if first == 7:
+        ck.save(5, {"w": torch.full((64,), 50.0), "step": 5}).result(timeout=30)
+        ck.wait()
+    writing, retention_ran = threading.Event(), threading.Event()
+    real_write, real_commit, real_retention = cpmod.write_data_file, cpmod.commit, cpmod.apply_retention
+    last = f"{step_dir(5)}/job."
+
+    def write_data_file(storage, rel, *args, **kwargs):
+        if rel.startswith(last) and ".2/" in rel:  # the second save of step 5
+            writing.set()
+            _wait_any(retention_ran)
+        return real_write(storage, rel, *args, **kwargs)
+
+    def commit(storage, manifest, *args, **kwargs):
+        if manifest.step == first and not writing.is_set():  # the commit whose retention runs next
+            _wait_any(writing)  # here, not in retention: a writer making its folders waits for that
+        return real_commit(storage, manifest, *args, **kwargs)
+
+    def retention(storage, keep_last, newest, *args, **kwargs):
+        real_retention(storage, keep_last, newest, *args, **kwargs)
+        if newest == first:
+            retention_ran.set()
+
+    monkeypatch.setattr(cpmod, "write_data_file", write_data_file)
+    monkeypatch.setattr(cpmod, "commit", commit)
+    monkeypatch.setattr(cpmod, "apply_retention", retention)
+    h_first = ck.save(first, {"w": torch.full((64,), float(first)), "step": first})
+    h5 = ck.save(5, {"w": torch.full((64,), 5.0), "step": 5})
+    assert (h_first.result(timeout=30), h5.result(timeout=30)) == (first, 5)
+    ck.wait()
+    assert ck.steps() == ([5, 7] if first == 7 else [5])  # 5 committed after 7 stays until the next commit
+    target = {"w": torch.zeros(64), "step": 0}
+    assert ck.load(target, step=5) == 5 and torch.equal(target["w"], torch.full((64,), 5.0))
+    assert h5.attempt.endswith(".2") and read_manifest(Storage(str(tmp_path)), 5).attempt == h5.attempt
+    ck.close()
+
+
+def test_another_ranks_writer_survives_retention_removing_its_empty_step_folder(tmp_path, monkeypatch):
+    # ranks are processes: rank 1 starts step 9 before rank 0 does (rank 0's save of it not in
+    # flight yet) and makes step-…09/ just as rank 0's retention after step 10 removes that
+    # empty folder; rank 1 makes it again instead of failing with ENOENT
+    import threading
+
+    import flexckpt.checkpointer as cpmod
+    from flexckpt.manifest import step_dir
+
+    cps = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job", keep_last=1, commit_timeout=30)
+           for r in range(W)]
+    parent_made, retention_ran = threading.Event(), threading.Event()
+    step9 = str(tmp_path / step_dir(9)) + os.sep
+    real_mkdir, real_retention = os.mkdir, cpmod.apply_retention
+
+    def mkdir(path, *args, **kwargs):
+        if os.fspath(path).startswith(step9) and not parent_made.is_set():
+            parent_made.set()
+            _wait_any(retention_ran)
+        return real_mkdir(path, *args, **kwargs)
+
+    def retention(storage, keep_last, newest, *args, **kwargs):
+        if newest == 10:
+            _wait_any(parent_made)
+        real_retention(storage, keep_last, newest, *args, **kwargs)
+        retention_ran.set()
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(cpmod, "apply_retention", retention)
+    h10 = [cp.save(10, state(r, 10)) for r, cp in enumerate(cps)]
+    h9 = [cps[1].save(9, state(1, 9))]
+    assert h10[0].result(timeout=30) == 10
+    cps[0].wait()
+    assert retention_ran.is_set()
+    h9.insert(0, cps[0].save(9, state(0, 9)))
+    assert [h.result(timeout=30) for h in h10 + h9] == [10, 10, 9, 9]
+    cps[0].wait()
+    assert cps[0].steps() == [9, 10]
+    for cp in cps:
+        cp.close()
+    assert load_value(tmp_path, 9) == {9.0} and load_value(tmp_path, 10) == {10.0}

@@ -73,6 +73,7 @@ from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import Walk, encode_plain, excluder, fingerprint, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
+from flexckpt.tier.inventory import makedirs
 from flexckpt.writer import encode_per_rank, table_bytes, values_bytes, write_data_file
 from flexshard import current_world, part_of
 
@@ -298,6 +299,10 @@ class Checkpointer:
         self._closed = False
         self._copies: dict[torch.device, Any] = {}  # staging copies by device (copies_for)
         self._lock = threading.Lock()
+        # held by retention, and by a writer while it makes a save's folders: a save either
+        # made them before retention began (and is in flight, which retention leaves alone)
+        # or makes them after it ended (never into an empty step folder being removed)
+        self._folders_lock = threading.Lock()
         ref = weakref.ref(self)
         self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout, _at_exit=True))
         atexit.register(self._atexit)
@@ -484,7 +489,8 @@ class Checkpointer:
             e = job.entry
             rank_plan = e.rank_plan
             folder = f"{step_dir(job.step)}/{job.attempt}"
-            self.storage.makedirs(folder)
+            with self._folders_lock:  # and another rank's retention (a process) may rmdir the empty step folder
+                makedirs(self.storage, folder)
             if rank_plan.nbytes:
                 job.chunks = write_data_file(
                     self.storage, f"{step_dir(job.step)}/{data_name(job.attempt, self.rank)}",
@@ -570,9 +576,17 @@ class Checkpointer:
         job.handle.timings["commit_s"] = time.perf_counter() - t0
         job.handle._done.set()  # committed: retention below is housekeeping, not part of the save
         try:
-            apply_retention(self.storage, self.keep_last, job.step, job.attempt, self._since, self.commit_timeout)
+            with self._folders_lock:
+                apply_retention(self.storage, self.keep_last, job.step, job.attempt, self._since,
+                                self.commit_timeout, in_flight=self._in_flight())
         except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
             log.exception("retention after step %d failed", job.step)
+
+    def _in_flight(self) -> set[tuple[int, str]]:
+        """(step, attempt) of this rank's saves not yet reported done: retention leaves
+        their steps alone (a save registers in save(), before its writer makes a folder)."""
+        with self._lock:
+            return {(h.step, h.attempt) for h in self._handles if not h.done()}
 
     def _lead(self, job: _Job) -> None:
         """A group leader (not rank 0): gather the group's records into one for rank 0."""

@@ -18,6 +18,7 @@ import binascii
 import logging
 import os
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -407,16 +408,23 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
 
 def apply_retention(
     storage: Storage, keep_last: int | None, newest: int, attempt: str, since: float, stale_after: float,
+    in_flight: Collection[tuple[int, str]] = (),
 ) -> None:
     """After the commit of step ``newest`` by ``attempt``: delete committed checkpoints
     beyond the newest ``keep_last`` (manifest first, then data), never the step just
     committed and never another job launch's step committed after ``since`` (when this job
     started: a live job's); then the leftovers of uncommitted saves in older steps (see
     :func:`remove_leftovers`), and the just-committed step's attempt folders that its
-    manifest does not name (see :func:`remove_other_attempts`)."""
+    manifest does not name (see :func:`remove_other_attempts`). A step with a save of this
+    job in flight (``in_flight``: its ``(step, attempt)`` pairs, saves not yet reported done)
+    is left alone whole: it goes, if it must, at a later commit."""
+    busy = {s for s, _ in in_flight}
     steps = committed_steps(storage)
     doomed = [s for s in (steps[:-keep_last] if keep_last else []) if s != newest]
     for s in doomed:
+        if s in busy:
+            log.info("retention: kept step %d, a save of it is in flight; it goes at a later commit", s)
+            continue
         if _committed_by_live_job(storage, s, attempt, since):
             log.warning("retention: kept step %d, committed by another job after this one started", s)
             continue
@@ -429,9 +437,9 @@ def apply_retention(
     committed = set(steps)
     for name in storage.list_names(""):
         s = parse_step_dir(name)
-        if s is not None and s < newest and s not in committed:
+        if s is not None and s < newest and s not in committed and s not in busy:
             remove_leftovers(storage, s, attempt, stale_after)
-    remove_other_attempts(storage, newest, attempt, since)
+    remove_other_attempts(storage, newest, attempt, since, keep={a for s, a in in_flight if s == newest})
 
 
 def _committed_by_live_job(storage: Storage, step: int, attempt: str, since: float) -> bool:
@@ -476,16 +484,18 @@ def _remove_if_empty(storage: Storage, folder: str) -> None:
             pass
 
 
-def remove_other_attempts(storage: Storage, step: int, attempt: str, since: float) -> None:
+def remove_other_attempts(storage: Storage, step: int, attempt: str, since: float,
+                          keep: Collection[str] = ()) -> None:
     """Attempt folders of the just-committed step other than the committed ``attempt``:
     this job launch's own earlier attempts, and those of jobs that ended before it started
     (``since``); never a folder written to since then (another live job's: its files stay,
-    whatever happens to its saves). The manifest just written names only ``attempt``.
-    Version-1 files of earlier jobs go too."""
+    whatever happens to its saves), never one in ``keep`` (this job's saves of the step still
+    in flight). The manifest just written names only ``attempt``. Version-1 files of earlier
+    jobs go too."""
     folder = step_dir(step)
     session = attempt.rsplit(".", 1)[0]
     for name in storage.list_names(folder):
-        if name in (MANIFEST, attempt) or name.startswith("."):
+        if name in (MANIFEST, attempt) or name in keep or name.startswith("."):
             continue
         owner = attempt_run_id(name)
         if owner is not None and name.rsplit(".", 1)[0] != session and _written_since(storage, f"{folder}/{name}", since):
