@@ -223,7 +223,7 @@ def _save_states(url: str, states: dict) -> list:
     return errors[0]
 
 
-@pytest.mark.parametrize("case", ["shape", "world_key", "mesh_rank"])
+@pytest.mark.parametrize("case", ["shape", "world_key", "mesh_rank", "replicas"])
 def test_stages_that_disagree_on_a_key_fail_the_save_naming_it(tmp_path, case):
     """Ranks that share a key must agree on its dtype, shape and layout; a key written by
     the whole world's rules must be on every rank; every rank of a key's mesh must hold it."""
@@ -235,6 +235,9 @@ def test_stages_that_disagree_on_a_key_fail_the_save_naming_it(tmp_path, case):
     elif case == "world_key":  # a plain tensor on stage 1 only: the whole world's rules would write it
         states[2]["head"] = states[3]["head"] = torch.ones(3)
         match = r"tensor 'head' .* rank 0 does not hold it.*DTensor on that part's mesh"
+    elif case == "replicas":  # DDP x TP: one key on the tp mesh of each data-parallel replica
+        states = {r: {"model": _sharded(r, 4, {"w": ((6, 5), stage[r // 2])})} for r in range(4)}
+        match = r"tensor 'model/w' is held on \[2\] meshes of different ranks by rank 0 and rank 2 .*one mesh"
     else:  # rank 1 of stage 0's mesh lacks stage 0's layer
         states[1]["model"] = {}
         match = r"tensor 'model/layers.0.w' lives on .* rank 1 of that mesh does not hold it"

@@ -56,6 +56,14 @@ def union_structure(
             if have is None:
                 tensors[t["name"]] = (t, [fp])
             elif have[0] != t:
+                a, b = have[0].get("layout", {}), t.get("layout", {})
+                if _same_but_ranks(a, b) and (have[0]["dtype"], have[0]["shape"]) == (t["dtype"], t["shape"]):
+                    raise SaveError(
+                        f"step {step}: tensor {t['name']!r} is held on {a.get('mesh')} meshes of different ranks by rank "
+                        f"{first[have[1][0]]} and rank {first[fp]} (data-parallel replicas of one mesh, DDP x TP): a "
+                        f"tensor must live on one mesh; put it on a mesh spanning the replicas (e.g. (dp_replicate, tp) "
+                        f"with Replicate() on dp_replicate) before saving"
+                    )
                 raise SaveError(
                     f"step {step}: tensor {t['name']!r} differs between ranks that hold it: rank {first[have[1][0]]} has "
                     f"{_show(have[0])}, rank {first[fp]} has {_show(t)}; a key must have one dtype, shape and layout "
@@ -117,6 +125,11 @@ def has_partial(structure: dict, world_size: int) -> bool:
             except ValueError:
                 return True  # malformed: let the union name it
     return False
+
+
+def _same_but_ranks(a: Any, b: Any) -> bool:
+    keys = ("kind", "mesh", "placements")
+    return isinstance(a, dict) and isinstance(b, dict) and a.get("kind") == "mesh" and all(a.get(k) == b.get(k) for k in keys)
 
 
 def _show(t: dict[str, Any]) -> str:
