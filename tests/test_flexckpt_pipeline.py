@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import glob
+from contextlib import nullcontext
 import inspect
 import math
 import uuid
@@ -300,3 +301,45 @@ def test_group_records_carry_one_structure_per_stage_and_rank_0_builds_the_union
         for r in writers[:3]:
             alone = WritePlan([s for s in specs if s.name == spec.name], world, PlanRules(1 << 20))
             assert alone.rank_plan(r).nbytes == plan.rank_plan(r).nbytes
+
+
+def test_a_stage_structure_is_sent_again_until_a_save_carrying_it_commits(tmp_path, monkeypatch):
+    """Rank 0's first commit fails before it reads any record: the next save's records carry
+    the stages' structures again (a rank stops sending its structure only once it sees a
+    save that carried it committed), so that save commits with the union."""
+    import flexckpt.checkpointer as checkpointer_module
+
+    real, calls = checkpointer_module.gather, []
+
+    def failing_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("storage hiccup")
+        return real(*a, **k)
+
+    monkeypatch.setattr(checkpointer_module, "gather", failing_once)
+    url, run = str(tmp_path / "pp"), uuid.uuid4().hex[:8]
+    stage = [MeshLayout((2,), ("S0",), offset=2 * s) for s in range(2)]
+    cks = [Checkpointer(url, rank=r, world_size=4, run_id=run, commit_timeout=20) for r in range(4)]
+    states = {r: {"model": _sharded(r, 4, {f"layers.{r // 2}.w": ((6, 5), stage[r // 2])})} for r in range(4)}
+    outcome = {}
+    for step in (1, 2, 3):
+        hs = {}
+        for r in (1, 2, 3, 0):
+            hs[r] = cks[r].save(step, states[r])
+            hs[r].wait_staged()
+        try:
+            hs[0].result(timeout=60)
+            outcome[step] = "ok"
+        except SaveError as e:
+            outcome[step] = str(e)
+        for r in (1, 2, 3):  # they learn of the commit, or of rank 0's failure, from storage
+            with pytest.raises(SaveError, match="rank 0 failed while committing") if step == 1 else nullcontext():
+                hs[r].result(timeout=60)
+    for ck in cks:
+        ck.close()
+    assert outcome == {1: "save of step 1 failed: storage hiccup", 2: "ok", 3: "ok"}
+    assert [("structure" in d) for d in _records(url, 2)] == [True] * 3  # step 1 never committed: sent again
+    assert [("structure" in d) for d in _records(url, 3)] == [False] * 3
+    with Checkpointer(url) as ck:
+        assert sorted(ck.contents(step=2).tensors) == ["model/layers.0.w", "model/layers.1.w"]

@@ -162,6 +162,7 @@ class _PlanEntry:
     parts: list = field(default_factory=list)  # per piece: None (all of it) or (start, stop) of the local flat piece
     published: bool = False  # the structure went out in a record (the first save with it)
     partial: bool = False  # holds a tensor on a mesh spanning part of the world (a pipeline stage's)
+    published_in: tuple | None = None  # (step, attempt) whose record carried the structure, until seen committed
 
 
 @dataclass(eq=False)
@@ -536,7 +537,18 @@ class Checkpointer:
         e = job.entry
         # the first save with a structure: at most a group, or a pipeline stage's (rank 0
         # builds the union of the stages' structures from these, one per fingerprint)
-        structure = e.structure_bytes if not e.published and (self.world_size <= GROUP or e.partial) else None
+        # (sent again until a save that carried it is seen committed: rank 0 may never have
+        # read it, its commit having failed)
+        send = not e.published
+        if e.published_in is not None and not self.is_coordinator:
+            step, attempt = e.published_in
+            if self.storage.exists(f"{step_dir(step)}/{committed_name(attempt)}"):
+                e.published_in = None
+            else:
+                send = True
+        structure = None
+        if send and (self.world_size <= GROUP or e.partial):
+            structure, e.published_in = e.structure_bytes, (job.step, job.attempt)
         e.published = True
         return record_doc(run_id=self.run_id, attempt=job.attempt, step=job.step, world_size=self.world_size,
                           entries={self.rank: job.line}, lanes=job.lanes, structure=structure,

@@ -45,8 +45,9 @@ def union_structure(
         r = ranks_of[missing[0]][0]
         raise SaveError(
             f"step {step}: rank {r} saved a different state structure than rank 0 (its structure hashes to "
-            f"{missing[0]}, rank 0's to {own_fp}) and holds no tensor on a mesh spanning part of the world; ranks may "
-            f"differ only by tensors on meshes of their own (a pipeline stage's DTensors)"
+            f"{missing[0]}, rank 0's to {own_fp}), and that structure is not in the records (a rank sends it only "
+            f"while it holds a tensor on a mesh spanning part of the world); ranks may differ only by tensors on "
+            f"meshes of their own (a pipeline stage's DTensors)"
         )
     first = {fp: ranks_of[fp][0] for fp in fps}
     tensors: dict[str, tuple[dict, list[str]]] = {}  # name -> (its json, fingerprints holding it)
