@@ -67,8 +67,9 @@ def record_doc(
     """A record: one rank's line (``entries[rank] = [fingerprint, table checksum, table
     bytes, stored bytes, values checksum, values bytes]``) and lanes, or a group's, merged by its leader. Lane values may
     be already-encoded JSON (bytes), spliced in without re-encoding. ``structure`` (a
-    rank's first save with a structure, in a world of at most GROUP ranks) lets rank 0 name
-    the keys that differ if the fingerprints do. ``keyed`` holds the bytes values by key:
+    rank's first save with a structure, in a world of at most GROUP ranks or when the rank
+    is a pipeline stage's) lets rank 0 name the keys that differ if the fingerprints do, or
+    build the union of the stages' structures (:mod:`flexckpt.stages`). ``keyed`` holds the bytes values by key:
     ``[lowest rank holding it, base64 of the bytes]`` (see :func:`keyed_entries`).
     ``structures`` (a group's record): the structures its ranks' records carried, one per
     fingerprint (a pipeline stage's ranks share one), for rank 0's union of them."""
