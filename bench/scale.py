@@ -164,6 +164,10 @@ def write_balance(world: int, variant: str) -> float:
     loads = sharded_loads(plan.specs, world, plan.rules)
     for i, r in plan.replicated_writer.items():
         loads[r] += plan.specs[i].numel * itemsize(plan.specs[i].dtype)
+    from flexckpt.plan import _mesh_loads
+    for spec, geo in zip(plan.specs, plan._geometry):  # a stage's tensors: left out of the balancer's loads
+        if part_of_world(spec.layout, world):
+            np.add.at(loads, *_mesh_loads(spec.layout, spec.shape, geo.first, geo.replicas, itemsize(spec.dtype)))
     return float(loads.max() / loads.mean())
 
 
