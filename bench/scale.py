@@ -13,6 +13,9 @@ layers in 4 pipeline stages of W/4 ranks, each stage a (fsdp W/32, tp 8) mesh of
 ranks (``MeshLayout(offset=first rank of the stage)``); column-parallel q/k/v/up/gate
 ``(SS0:8, S0)``, row-parallel o/down ``(S0, S1)``, norms ``(S0, R)``, the embedding on
 stage 0 ``(SS0:8, S0)``. (At W < 32 the degrees shrink: tp = min(8, W), pp = min(4, W / tp).)
+Under PP each rank holds only its stage's tensors: its plan and first save use that stage's
+structure, and rank 0 builds the union of the 4 stages' structures at commit (timed as
+"union").
 
 Measured per world size and variant:
 - plan per rank: time and peak traced memory (tracemalloc) of the plan one rank builds
@@ -62,7 +65,7 @@ from flexckpt.commit import (
     wait_for,
 )
 from flexckpt.manifest import GROUP, group_name, parse_manifest, record_name, step_dir
-from flexckpt.plan import WritePlan, make_write_plan, sharded_loads
+from flexckpt.plan import WritePlan, make_write_plan, part_of_world, sharded_loads
 from flexckpt.storage import Storage
 from flexckpt.structure import TensorSpec
 from flexckpt.chunktable import _HEADER
@@ -107,6 +110,36 @@ def tp_structure(world: int, d: int, ffn: int, vocab: int) -> list[TensorSpec]:
     return specs
 
 
+def own_stage(specs: list[TensorSpec], world: int, rank: int) -> list[TensorSpec]:
+    """The tensors rank ``rank`` holds under PP: those of its stage's meshes (and any on the
+    whole world)."""
+    return [s for s in specs if not part_of_world(s.layout, world) or s.layout.coordinate(rank) is not None]
+
+
+def union_cost(world: int) -> tuple[float, int]:
+    """Rank 0's union of the ``tp`` variant's stage structures (one per stage, as the records
+    carry them), checked, and the union's plan with rank 0's part: seconds, tensors."""
+    from flexckpt.stages import union_structure
+    from flexckpt.structure import fingerprint
+    specs = structure(world, "tp")
+    pp, _fsdp, _tp = tp_degrees(world)
+    per = world // pp
+    stages = []
+    for s in range(pp):
+        mine = own_stage(specs, world, s * per)
+        stages.append({"tensors": sorted((t.to_json() for t in mine), key=lambda d: d["name"]),
+                       "plain": ["step"], "lanes": [], "per_rank": []})
+    fps = [fingerprint(st) for st in stages]
+    entries = {r: [fps[r // per]] for r in range(world)}
+    gc.collect()
+    t0 = time.perf_counter()
+    union = union_structure(entries, 1, fps[0], stages[0], dict(zip(fps, stages)), world)
+    specs_u = specs if union is None else union[0]  # one stage: no union to build
+    plan = WritePlan(specs_u, world, make_write_plan([], world, CHUNK).rules)
+    plan.rank_plan(0)
+    return time.perf_counter() - t0, len(specs_u)
+
+
 def structure(world: int, variant: str, d: int = 4096, ffn: int = 16384, vocab: int = 128256) -> list[TensorSpec]:
     if variant == "tp":
         return tp_structure(world, d, ffn, vocab)
@@ -131,11 +164,17 @@ def write_balance(world: int, variant: str) -> float:
     loads = sharded_loads(plan.specs, world, plan.rules)
     for i, r in plan.replicated_writer.items():
         loads[r] += plan.specs[i].numel * itemsize(plan.specs[i].dtype)
+    from flexckpt.plan import _mesh_loads
+    for spec, geo in zip(plan.specs, plan._geometry):  # a stage's tensors: left out of the balancer's loads
+        if part_of_world(spec.layout, world):
+            np.add.at(loads, *_mesh_loads(spec.layout, spec.shape, geo.first, geo.replicas, itemsize(spec.dtype)))
     return float(loads.max() / loads.mean())
 
 
 def plan_cost(world: int, variant: str, rank: int) -> tuple[float, float, int]:
     specs = structure(world, variant)
+    if variant == "tp":  # under PP a rank knows its own stage's tensors only
+        specs = own_stage(specs, world, rank)
     gc.collect()
     tracemalloc.start()
     t0 = time.perf_counter()
@@ -151,12 +190,12 @@ def first_save(world: int, variant: str, rank: int, root: str) -> float:
     """Seconds inside the first ``save()`` of rank ``rank`` of ``world`` (walk, plan, queue);
     the copy and the write run behind it, and its commit is not awaited."""
     specs = structure(world, variant, d=256, ffn=1024)
+    if variant == "tp":  # under PP a rank holds its own stage's tensors only
+        specs = own_stage(specs, world, rank)
     state: dict = {"data": ByLane({str(rank): LANE_VALUE}), "rng": PerRank({"state": "x" * 5000}), "step": 1}
     for s in specs:
         state[s.name] = (torch.zeros(s.shape) if isinstance(s.layout, Replicate)
                          else ShardedTensor.empty(s.shape, s.layout, rank=rank, world_size=world))
-        # (variant tp: a rank outside a stage holds an empty piece of its tensors; under real
-        # PP it would not have them at all, which the structure of one save cannot say yet)
     folder = os.path.join(root, f"save-{world}-{variant}-{rank}")
     ck = Checkpointer(folder, rank=rank, world_size=world, run_id="sim", commit_timeout=0.1, fsync=False, exit_timeout=5)
     gc.collect()
@@ -285,7 +324,7 @@ def commit_time(world: int, variant: str, root: str, args: argparse.Namespace) -
     entries, lanes = gather(coordinator, step=step, run_id="job", attempt=attempt, world_size=world, own=own(0),
                             timeout=120, max_delay=0.1)
     check_fingerprints(entries, step, "f" * 32, {}, {})
-    assert other_live_job(coordinator, step, attempt, time.time() - 3600) is None
+    assert other_live_job(coordinator, attempt, time.time() - 3600) is None
     m = build_manifest(step=step, run_id="job", attempt=attempt, plan=plan, fingerprint="f" * 32, codec="none",
                        entries=entries, plain={"step": step}, lanes=lanes, per_rank_keys=["rng"])
     commit(coordinator, m, fsync=False)
@@ -373,6 +412,10 @@ def main() -> int:
                 sizes[world] = len(data)
                 meta = [load_metadata(data, world, variant, r) for r in sorted({0, max(0, world // 4 - 1)})] if world >= 2 else []
                 c = commit_time(world, variant, os.path.join(root, f"c{world}"), args)
+                if variant == "tp":
+                    ut, un = union_cost(world)
+                    print(f"tp     W={world:>6}: union of {tp_degrees(world)[0]} stage structures ({un} tensors) "
+                          f"and its plan at rank 0: {ut:.3f} s", flush=True)
                 rows.append((variant, world, max(t0, t1), max(mem0, mem1), write_balance(world, variant), s0, s1, len(data), meta, c))
                 r = rows[-1]
                 print(f"{variant:6s} W={world:>6}: plan {r[2]:.3f} s / {r[3]:.1f} MiB (rank 0: {chunks0} chunks); "

@@ -67,7 +67,8 @@ from flexckpt.manifest import (
     table_name,
     values_name,
 )
-from flexckpt.plan import RankPlan, WritePlan, make_write_plan
+from flexckpt.plan import RankPlan, WritePlan, make_write_plan, part_of_world
+from flexckpt.stages import has_partial, union_structure
 from flexckpt.staging import BufferPool, StagingBuffer, copies_for, staging_device
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import Walk, encode_plain, excluder, fingerprint, walk
@@ -161,6 +162,8 @@ class _PlanEntry:
     per_rank_keys: list[str] = field(default_factory=list)
     parts: list = field(default_factory=list)  # per piece: None (all of it) or (start, stop) of the local flat piece
     published: bool = False  # the structure went out in a record (the first save with it)
+    partial: bool = False  # holds a tensor on a mesh spanning part of the world (a pipeline stage's)
+    published_in: tuple | None = None  # (step, attempt) whose record carried the structure, until seen committed
 
 
 @dataclass(eq=False)
@@ -290,6 +293,10 @@ class Checkpointer:
         self._pool = BufferPool(max_in_flight)
         self._plan_key: list | None = None
         self._plan_entry: _PlanEntry | None = None
+        # the coordinator: every structure the records carried (fingerprint -> structure), and
+        # the last union of differing ones (pipeline stages) with its plan
+        self._structures: dict[str, dict] = {}
+        self._union: tuple | None = None
         self._plan_ids = 0
         self._stage_q: queue.Queue = queue.Queue()
         self._write_q: queue.Queue = queue.Queue()
@@ -442,6 +449,7 @@ class Checkpointer:
             parts=parts,
             device=staging_device({w.tensors[i].device for i in order}),
             per_rank_keys=sorted(w.per_rank),
+            partial=any(part_of_world(s.layout, self.world_size) for s in plan.specs),
         )
         self._plan_key, self._plan_entry = w.key, entry
         return entry
@@ -533,7 +541,20 @@ class Checkpointer:
 
     def _record(self, job: _Job) -> bytes:
         e = job.entry
-        structure = e.structure_bytes if not e.published and self.world_size <= GROUP else None
+        # the first save with a structure: at most a group, or a pipeline stage's (rank 0
+        # builds the union of the stages' structures from these, one per fingerprint)
+        # (sent again until a save that carried it is seen committed: rank 0 may never have
+        # read it, its commit having failed)
+        send = not e.published
+        if e.published_in is not None and not self.is_coordinator:
+            step, attempt = e.published_in
+            if self.storage.exists(f"{step_dir(step)}/{committed_name(attempt)}"):
+                e.published_in = None
+            else:
+                send = True
+        structure = None
+        if send and (self.world_size <= GROUP or e.partial):
+            structure, e.published_in = e.structure_bytes, (job.step, job.attempt)
         e.published = True
         return record_doc(run_id=self.run_id, attempt=job.attempt, step=job.step, world_size=self.world_size,
                           entries={self.rank: job.line}, lanes=job.lanes, structure=structure,
@@ -545,7 +566,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         try:
             e = job.entry
-            structures: dict[str, dict] = {}
+            structures = self._structures
             keyed: dict[str, list] = {}
             entries, lanes = gather(
                 self.storage, step=job.step, run_id=self.run_id, attempt=job.attempt, world_size=self.world_size,
@@ -553,7 +574,7 @@ class Checkpointer:
                 structures=structures, keyed=keyed,
             )
             job.handle.timings["gather_s"] = time.perf_counter() - t0
-            check_fingerprints(entries, job.step, e.fingerprint, e.structure, structures)
+            plan, fp = self._union_plan(e, entries, job.step)
             other = other_live_job(self.storage, job.attempt, self._since)
             if other is not None:
                 raise SaveError(
@@ -562,7 +583,7 @@ class Checkpointer:
                     f"was deleted and this step is not committed; give each job its own URL"
                 )
             manifest = build_manifest(
-                step=job.step, run_id=self.run_id, attempt=job.attempt, plan=e.plan, fingerprint=e.fingerprint,
+                step=job.step, run_id=self.run_id, attempt=job.attempt, plan=plan, fingerprint=fp,
                 codec=self.compression.codec, entries=entries, plain=job.plain, lanes=lanes,
                 per_rank_keys=e.per_rank_keys, keyed=write_keyed(self.storage, job.step, job.attempt, keyed, self.fsync),
             )
@@ -587,6 +608,30 @@ class Checkpointer:
         their steps alone (a save registers in save(), before its writer makes a folder)."""
         with self._lock:
             return {(h.step, h.attempt) for h in self._handles if not h.done()}
+    def _union_plan(self, e: _PlanEntry, entries: dict[int, list], step: int) -> tuple[WritePlan, str]:
+        """The plan and fingerprint the manifest holds: rank 0's own, or, when ranks saved
+        different structures (pipeline stages), their union's (see :mod:`flexckpt.stages`),
+        kept while the set of fingerprints stays the same."""
+        fps = frozenset(line[0] for line in entries.values())
+        if fps == {e.fingerprint}:
+            return e.plan, e.fingerprint
+        if self._union is not None and self._union[0] == (fps, e.fingerprint):
+            return self._union[1], self._union[2]
+        structures = {fp: self._structures[fp] for fp in fps if fp in self._structures}
+        if not e.partial and not any(has_partial(st, self.world_size) for st in structures.values()):
+            check_fingerprints(entries, step, e.fingerprint, e.structure, structures)  # no stages: names what differs
+        try:
+            union = union_structure(entries, step, e.fingerprint, e.structure, structures, self.world_size)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SaveError(f"step {step}: a record carries a malformed structure: {exc}") from None
+        assert union is not None
+        specs, _structure, fp = union
+        plan = WritePlan(specs, self.world_size, e.plan.rules)
+        if plan.rank_pieces(self.rank)[1] != e.rank_plan.nbytes:  # the rules make them equal: a bug if not
+            raise SaveError(f"step {step}: the union of the ranks' structures plans rank {self.rank}'s stream at "
+                            f"{plan.rank_pieces(self.rank)[1]} bytes, its own plan at {e.rank_plan.nbytes}")
+        self._union = ((fps, e.fingerprint), plan, fp)
+        return plan, fp
 
     def _lead(self, job: _Job) -> None:
         """A group leader (not rank 0): gather the group's records into one for rank 0."""

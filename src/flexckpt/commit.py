@@ -63,15 +63,20 @@ READ_CONCURRENCY = 64  # records read in parallel (an object store serves these 
 # -- records -----------------------------------------------------------------------------------
 def record_doc(
     *, run_id: str, attempt: str, step: int, world_size: int, entries: dict[int, list], lanes: dict[str, Any],
-    structure: bytes | None = None, keyed: dict[str, list] | None = None,
+    structure: bytes | None = None, keyed: dict[str, list] | None = None, structures: dict[str, dict] | None = None,
 ) -> bytes:
     """A record: one rank's line (``entries[rank] = [fingerprint, table checksum, table
     bytes, stored bytes, values checksum, values bytes]``) and lanes, or a group's, merged by its leader. Lane values may
     be already-encoded JSON (bytes), spliced in without re-encoding. ``structure`` (a
-    rank's first save with a structure, in a world of at most GROUP ranks) lets rank 0 name
-    the keys that differ if the fingerprints do. ``keyed`` holds the bytes values by key:
-    ``[lowest rank holding it, base64 of the bytes]`` (see :func:`keyed_entries`)."""
-    extra = {"structure": orjson.Fragment(structure)} if structure is not None else {}
+    rank's first save with a structure, in a world of at most GROUP ranks or when the rank
+    is a pipeline stage's) lets rank 0 name the keys that differ if the fingerprints do, or
+    build the union of the stages' structures (:mod:`flexckpt.stages`). ``keyed`` holds the bytes values by key:
+    ``[lowest rank holding it, base64 of the bytes]`` (see :func:`keyed_entries`).
+    ``structures`` (a group's record): the structures its ranks' records carried, one per
+    fingerprint (a pipeline stage's ranks share one), for rank 0's union of them."""
+    extra: dict[str, Any] = {"structure": orjson.Fragment(structure)} if structure is not None else {}
+    if structures:
+        extra["structures"] = structures
     return orjson.dumps({**extra,
         "format": RECORD_FORMAT,
         "version": VERSION,
@@ -150,6 +155,10 @@ def merge_records(
     for doc in docs:
         if structures is not None and isinstance(doc.get("structure"), dict) and len(doc["ranks"]) == 1:
             structures[str(next(iter(doc["ranks"].values()))[0])] = doc["structure"]
+        if structures is not None and isinstance(doc.get("structures"), dict):  # a group's, one per fingerprint
+            for fp, st in doc["structures"].items():
+                if isinstance(st, dict):
+                    structures.setdefault(fp, st)
         for key, want in (("run_id", run_id), ("attempt", attempt), ("step", step), ("world_size", world_size)):
             if doc[key] != want:
                 raise SaveError(f"step {step}: a record has {key}={doc[key]!r}, expected {want!r}")
@@ -208,10 +217,13 @@ def lead_group(
                      failed=lambda: failure_message(storage, step, attempt))
     docs = [parse_record(own, "own record")] + [found[r] for r in sorted(found)]
     keyed: dict[str, list] = {}
+    seen: dict[str, dict] = {}
     entries, lanes = merge_records(docs, step=step, run_id=run_id, attempt=attempt, world_size=world_size,
-                                   structures=structures, keyed=keyed)
+                                   structures=seen, keyed=keyed)
+    if structures is not None:
+        structures.update(seen)
     return record_doc(run_id=run_id, attempt=attempt, step=step, world_size=world_size, entries=entries, lanes=lanes,
-                      keyed=keyed)
+                      keyed=keyed, structures=seen)
 
 
 def gather(
@@ -232,7 +244,7 @@ def gather(
                          failed=lambda: failure_message(storage, step, attempt))
         docs += [found[g] for g in sorted(found)]
     entries, lanes = merge_records(docs, step=step, run_id=run_id, attempt=attempt, world_size=world_size,
-                                   keyed=keyed)
+                                   keyed=keyed, structures=structures)
     missing = sorted(set(range(world_size)) - set(entries))
     if missing:
         raise SaveError(f"step {step}: no record of ranks {missing[:20]}")

@@ -13,10 +13,17 @@ loads: this rank's local tensor, a flexshard layout and the global shape.
     any number of dims -> ``MeshLayout(mesh shape, placements, rank table)``: each rank's
     piece is an n-D box (TP ``Shard(1)``, FSDP x TP ``(_StridedShard(0, sf), Shard(0))``)
 
+A mesh may span part of the world (a pipeline stage's, a ``dp_replicate`` slice) and each
+parameter may have a mesh of its own (experts on ``(efsdp, ep)``, the rest on the dp
+mesh): its rank table becomes the layout's (``MeshLayout`` with ``offset``/``ranks``),
+ranks outside it hold nothing of the tensor, and a rank's position is read from that table
+(``DeviceMesh.mesh``, a local tensor: no collective). The Replicate/Shard/HybridShard
+shortcuts above apply only to meshes numbering the whole world in order.
+
 ``Partial`` is refused (redistribute first), as is a placement that leaves a rank a
-strided set of rows (a lone ``_StridedShard`` from a view op) and a mesh that does not
-span the checkpoint's world; on the calling thread of ``save()``/``load()``. A rank's
-position is read from the mesh's own rank table. Nothing here communicates.
+strided set of rows (a lone ``_StridedShard`` from a view op) and a rank table reaching
+past the checkpoint's world; on the calling thread of ``save()``/``load()``. Nothing here
+communicates.
 """
 from __future__ import annotations
 
@@ -39,8 +46,8 @@ except ImportError:  # a torch build without distributed: no DTensor can reach u
     DTensor = DReplicate = DShard = DStrided = DPartial = None  # type: ignore[assignment, misc]
 
 SUPPORTED = (
-    "Shard(d), _StridedShard(d, sf) and Replicate() on a mesh of up to 3 dims that spans every rank, "
-    "each rank's piece one box"
+    "Shard(d), _StridedShard(d, sf) and Replicate() on a mesh of up to 3 dims whose ranks lie in the "
+    "checkpoint's world (all of it or part: a pipeline stage), each rank's piece one box"
 )
 
 
@@ -63,6 +70,8 @@ def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[tor
         layout, want = _mapping(mesh_shape, table_id, coordinate, tuple(value.placements), shape, rank, world_size)
     except ValueError as e:
         raise ValueError(f"cannot checkpoint DTensor {name!r} on {where} placements {tuple(value.placements)}: {e}") from None
+    if coordinate is None and local.numel() == 0 and tuple(local.shape) != want:
+        local = local.reshape(want)  # a rank outside the tensor's mesh: torch gives it an empty tensor
     if tuple(local.shape) != want:
         raise ValueError(
             f"DTensor {name!r} on {where} placements {tuple(value.placements)}: this rank's local tensor has shape "
@@ -104,18 +113,18 @@ def _mapping(mesh_shape: tuple, table_id: int, coordinate: tuple | None, placeme
     the DTensor cannot be mapped."""
     table = _TABLES[table_id]
     codes = tuple(_code(p) for p in placements)
-    if sorted(table) != list(range(world_size)):
-        raise ValueError(f"the mesh does not span the checkpoint's world of {world_size} ranks; supported: {SUPPORTED}")
-    if coordinate is None:
-        raise ValueError(f"this rank is not in the mesh; supported: {SUPPORTED}")
-    in_order = table == tuple(range(world_size))
+    if not all(0 <= r < world_size for r in table):
+        raise ValueError(f"the mesh's rank table reaches rank {max(table)}, outside the checkpoint's world of "
+                         f"{world_size} ranks; supported: {SUPPORTED}")
     mesh_layout = MeshLayout(mesh_shape, codes, table)
     if mesh_layout.coordinate(rank) != coordinate:
+        where = "is not in the mesh" if coordinate is None else f"is at {coordinate}"
         raise ValueError(f"the mesh's rank table puts rank {rank} at {mesh_layout.coordinate(rank)}, but the mesh "
-                         f"says {coordinate}; the checkpointer's rank must be the process group's rank")
+                         f"says this rank {where}; the checkpointer's rank must be the process group's rank")
     box = mesh_layout.box(shape, world_size, rank)
     layout: Layout = mesh_layout
-    if all(c == "R" for c in codes):
+    in_order = table == tuple(range(world_size))  # the whole world, in order: flexshard's own layouts
+    if in_order and all(c == "R" for c in codes):
         layout = Replicate()
     elif in_order and codes == ("S0",):
         layout = Shard(0)

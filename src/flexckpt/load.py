@@ -24,6 +24,7 @@ from flexckpt.codec import decompress_into
 from flexckpt.dtypes import dtype_from_name, dtype_name
 from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
 from flexckpt.manifest import Manifest, keyed_name, step_dir
+from flexckpt.plan import part_of_world
 from flexckpt.readplan import Fetch, coalesce, plan_reads
 from flexckpt.stall import bounded
 from flexckpt.storage import RangeReader, Storage
@@ -51,9 +52,12 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict: bool) -> set[str]:
+def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict: bool,
+                elsewhere: set[str] = frozenset()) -> set[str]:  # type: ignore[assignment]
+    """``elsewhere``: saved keys another rank of the target may want (another pipeline
+    stage's), never unexpected here."""
     missing = sorted(target - saved)
-    unexpected = sorted(saved - target)
+    unexpected = sorted(saved - target - elsewhere)
     if strict and missing:
         raise StructureMismatch(
             f"checkpoint step {step} has no {kind} {missing[:10]}{' ...' if len(missing) > 10 else ''} that the "
@@ -66,6 +70,16 @@ def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict:
             f"the state to load into does not have; pass strict=False to ignore them"
         )
     return target & saved
+
+
+def _elsewhere(manifest: Manifest, w: Walk, saved: set[str], world_size: int) -> set[str]:
+    """Saved tensors that may be another pipeline stage's, not this rank's: every one when
+    this rank is a stage (it holds a tensor on a mesh spanning part of the target world),
+    else those saved on a mesh spanning part of the saved world. (A key this rank wants and
+    the checkpoint lacks is still an error, naming it.)"""
+    if any(part_of_world(s.layout, world_size) for s in w.specs):
+        return saved
+    return {n for n in saved if part_of_world(manifest.tensors[n].layout, manifest.world_size)}
 
 
 class PendingLoad:
@@ -86,7 +100,8 @@ class PendingLoad:
         self.stats = LoadStats()
         step = manifest.step
         names = {s.name: i for i, s in enumerate(w.specs)}
-        keep = _check_keys("tensors", set(names), kept(manifest.tensors), step, strict)
+        saved = kept(manifest.tensors)
+        keep = _check_keys("tensors", set(names), saved, step, strict, _elsewhere(manifest, w, saved, world_size))
         self.stats.skipped = sorted(set(names) - keep)
         self.targets: list[tuple[int, Part]] = []  # (walk index, wanted part: a box, or a flat range)
         for name in sorted(keep):

@@ -584,7 +584,8 @@ def _parse_values(doc: dict, where: str) -> tuple[dict, dict]:
 
 
 def _parse_rules(raw: Any, where: str, version: int) -> PlanRules:
-    rules_version = RULES_VERSION if version >= 3 else 2
+    rules_version = (raw.get("version") if isinstance(raw, dict) and raw.get("version") in (3, RULES_VERSION)
+                     else RULES_VERSION) if version >= 3 else 2
     if not isinstance(raw, dict) or raw.get("version") != rules_version or rules_version not in READ_RULES_VERSIONS:
         raise _fail(where, f"plan rules {_show(raw)} are not version {rules_version} (the rules this flexckpt computes "
                            f"for a version-{version} manifest)")

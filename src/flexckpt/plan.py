@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import zlib
 import heapq
 import itertools
 import math
@@ -36,8 +37,11 @@ ALIGN = 64  # every piece starts on a 64-byte boundary of its stream (any dtype 
 MIN_CHUNK = 64 << 10  # pieces at least this big get chunks of their own
 CHUNKS_PER_PIECE = 16  # ... about this many, so a load that wants part of a piece reads little more
 HYBRID_PART_BYTES = 1 << 20  # a HybridShard piece is written in parts of about this size, spread over its replicas
-RULES_VERSION = 3  # version of the rules below; recorded in every manifest
-READ_RULES_VERSIONS = (2, 3)  # 3 adds who writes a MeshLayout box; 2 is the same rules without it
+RULES_VERSION = 4  # version of the rules below; recorded in every manifest
+# 3 adds who writes a MeshLayout box; 2 is the same rules without it; 4 makes the writers of
+# a tensor on a mesh spanning part of the world (a pipeline stage's) a function of that
+# tensor alone, so that ranks with different structures plan alike (see part_of_world)
+READ_RULES_VERSIONS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -349,11 +353,23 @@ def _geometries(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules) 
         elif isinstance(layout, MeshLayout):
             replicas = math.prod(layout.mesh[m] for m in layout.replicate_dims())
             boxes = layout.size // replicas
+            if rules.version >= 4 and part_of_world(layout, world_size):
+                # the tensor's own name picks its first writer: no other tensor counts
+                out.append(_Geometry("mesh", n, 0, 1, replicas, boxes, zlib.crc32(spec.name.encode()) % replicas))
+                continue
             out.append(_Geometry("mesh", n, 0, 1, replicas, boxes, cursor % replicas))
             cursor += boxes
         else:
             out.append(_Geometry("other", n))
     return out
+
+
+def part_of_world(layout: object, world_size: int) -> bool:
+    """A mesh spanning part of the world (a pipeline stage's, a ``dp_replicate`` slice):
+    under rules 4 its tensors' writers depend on nothing else (not on the other tensors of
+    the structure, which another stage does not know), and the balancer of replicated
+    tensors leaves their bytes out. Ranks outside the mesh hold and write nothing of it."""
+    return isinstance(layout, MeshLayout) and layout.size < world_size
 
 
 class _Ranks(Sequence[RankPlan]):
@@ -396,7 +412,7 @@ def sharded_loads(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules
     loads = np.zeros(w, dtype=np.int64)
     for spec, geo in zip(specs, _geometries(specs, w, rules)):
         n, size = geo.n, itemsize(spec.dtype)
-        if not n or geo.kind == "replicate":
+        if not n or geo.kind == "replicate" or (rules.version >= 4 and part_of_world(spec.layout, w)):
             continue
         if geo.kind == "rows":
             full, rest = divmod(n, geo.span)
@@ -501,5 +517,5 @@ def cut_chunks(pieces: list[Piece], total: int, chunk_bytes: int, rules: PlanRul
 
 __all__ = [
     "ALIGN", "Chunk", "PlanRules", "Piece", "RankPlan", "WritePlan", "cut_chunks", "make_write_plan",
-    "piece_chunk_bytes", "sharded_loads",
+    "part_of_world", "piece_chunk_bytes", "sharded_loads",
 ]
