@@ -608,6 +608,7 @@ class Checkpointer:
         their steps alone (a save registers in save(), before its writer makes a folder)."""
         with self._lock:
             return {(h.step, h.attempt) for h in self._handles if not h.done()}
+
     def _union_plan(self, e: _PlanEntry, entries: dict[int, list], step: int) -> tuple[WritePlan, str]:
         """The plan and fingerprint the manifest holds: rank 0's own, or, when ranks saved
         different structures (pipeline stages), their union's (see :mod:`flexckpt.stages`),
