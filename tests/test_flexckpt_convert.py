@@ -185,3 +185,43 @@ def test_import_dcp_of_several_batches_into_a_url_with_a_newer_step_completes(tm
         target = {k: torch.zeros(64) for k in tensors} | {"step": 0}
         assert ck.load(target, step=3) == 3
     assert all(torch.equal(target[k], v) for k, v in tensors.items()) and target["step"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_import_dcp_onto_a_mesh_target_loads_bit_exact_and_a_bad_target_is_one_line(tmp_path):
+    # issue 15 point 6: import-dcp lays the tensors out as --world/--mesh/--layout say
+    import torch.distributed.checkpoint as dcp
+
+    from flexckpt.commit import read_manifest
+    from flexckpt.storage import Storage
+    from flexshard import MeshLayout, ShardedTensor
+
+    g = torch.Generator().manual_seed(0)
+    model = {"wq": torch.randn(8, 6, generator=g), "wo": torch.randn(4, 10, generator=g).to(torch.bfloat16)}
+    dcp.save({"model": model, "bias": torch.arange(5.0), "step": 7}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    url = str(tmp_path / "ckpt")
+    rc, out = _cli(["import-dcp", str(tmp_path / "dcp"), url, "--world", "4", "--mesh", "fsdp=2,tp=2",
+                    "--layout", "model/*=S0,S1", "--budget-mib", "0"])
+    assert rc == 0, out
+    m = read_manifest(Storage(url), 7)
+    assert m.world_size == 4
+    for n in ("model/wq", "model/wo"):
+        assert m.tensors[n].layout == MeshLayout((2, 2), ("S0", "S1")), (n, m.tensors[n].layout)
+    for r in range(4):
+        state = {"model": {k: ShardedTensor.empty(v.shape, MeshLayout((2, 2), ("S0", "S1")), v.dtype, rank=r, world_size=4)
+                           for k, v in model.items()}, "bias": torch.zeros(5), "step": 0}
+        with Checkpointer(url, rank=r, world_size=4, run_id=f"reader{r}") as ck:
+            assert ck.load(state, step=7) == 7
+        for k, v in model.items():
+            want = ShardedTensor.from_global(v, MeshLayout((2, 2), ("S0", "S1")), r, 4).local
+            got = state["model"][k].local
+            assert got.dtype == v.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (r, k)
+        assert torch.equal(state["bias"], torch.arange(5.0)) and state["step"] == 7
+    bad = [["--world", "4", "--mesh", "fsdp=3,tp=2", "--layout", "model/*=S0,S1"],
+           ["--mesh", "fsdp=2,tp=2", "--layout", "model/*=S0,S1"],
+           ["--world", "4", "--mesh", "fsdp=2,tp=2", "--layout", "nothing/*=S0,S1"]]
+    for extra in bad:
+        rc, out = _cli(["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "bad"), *extra])
+        assert rc == 2 and out.count("\n") == 1 and out.startswith("flexckpt: "), (extra, out)
+        with Checkpointer(str(tmp_path / "bad"), run_id="look") as ck:
+            assert ck.steps() == [], extra  # nothing committed

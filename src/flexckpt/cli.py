@@ -7,7 +7,8 @@
                                                   what each rank of another world would read
     flexckpt reshard SRC DST --world N [--mesh M] [--layout P=K]
                                                   rewrite a checkpoint for another world size
-    flexckpt import-dcp DCP_DIR URL [--step N]    a torch.distributed.checkpoint folder as a checkpoint
+    flexckpt import-dcp DCP_DIR URL [--step N] [--world N [--mesh M] [--layout P=K]]
+                                                  a torch.distributed.checkpoint folder as a checkpoint
     flexckpt export-dcp URL DCP_DIR [--step N]    a checkpoint as a torch.distributed.checkpoint folder
     flexckpt export-safetensors URL OUT_DIR [--select GLOB] [--strip-prefix P] [--dtype bf16|fp16|fp32]
         [--max-shard-size 5GB]                    consolidated weights, Hugging Face layout

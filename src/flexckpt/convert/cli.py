@@ -33,12 +33,35 @@ def _mib(n: float) -> str:
 def cmd_import_dcp(args: argparse.Namespace) -> int:
     from flexckpt.convert.dcp import import_dcp
 
-    r = import_dcp(args.dcp_dir, args.url, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
+    if args.world is None:
+        if args.mesh is not None or args.layout:
+            raise CheckpointError("import-dcp: --mesh and --layout lay tensors out for --world N ranks; give --world")
+        r = import_dcp(args.dcp_dir, args.url, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
+    else:
+        r = _import_for_world(args, import_dcp)
     print(f"imported {r.tensors} tensors ({_mib(r.nbytes)}) from {args.dcp_dir} as step {r.step} "
           f"(step from {r.step_source}) under {args.url}")
     for what in r.left_out:
         print(f"  left out: {what}")
     return 0
+
+
+def _import_for_world(args: argparse.Namespace, import_dcp: Any) -> Any:
+    """Import into a temporary folder, then reshard it to --world (--mesh, --layout) at URL."""
+    import math
+    import tempfile
+
+    from flexckpt.cli import _writable_folder, cmd_reshard
+
+    if args.mesh is not None and math.prod(args.mesh) != args.world:
+        raise CheckpointError(f"--mesh {args.mesh} spans {math.prod(args.mesh)} ranks, --world is {args.world}; "
+                              "make them agree")
+    _writable_folder(args.url)
+    with tempfile.TemporaryDirectory(prefix="flexckpt-import-", dir=args.tmp_dir) as tmp:
+        r = import_dcp(args.dcp_dir, tmp, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
+        cmd_reshard(argparse.Namespace(src=tmp, dst=args.url, step=r.step, world=args.world, layout=args.layout,
+                                       mesh=args.mesh, compression=None))
+    return r
 
 
 def cmd_export_dcp(args: argparse.Namespace) -> int:
@@ -77,11 +100,24 @@ def _command(sub: Any, name: str, fn: Any, src: str, dst: str, help: str, descri
 
 
 def add_parsers(sub: Any) -> None:
-    _command(sub, "import-dcp", cmd_import_dcp, "dcp_dir", "url",
+    from flexckpt.cli import parse_mesh
+
+    p = _command(sub, "import-dcp", cmd_import_dcp, "dcp_dir", "url",
              help="a torch.distributed.checkpoint folder as a flexckpt checkpoint",
              description="Write a checkpoint saved by torch.distributed.checkpoint.save (any world size, FSDP2 or "
              "plain) as one flexckpt step that loads at any world size. The step is --step, else a top-level plain "
-             "'step' value of the checkpoint, else 0. " + TRUST + " " + NO_CHECKSUMS)
+             "'step' value of the checkpoint, else 0. With --world N (and --mesh, --layout as for reshard) the tensors "
+             "are laid out for N ranks, e.g. --world 4 --mesh fsdp=2,tp=2 --layout 'model/*=S0,S1': the import is "
+             "staged in a temporary folder (a full copy; --tmp-dir) and then resharded to URL. "
+             "(export-dcp and export-safetensors write whole tensors: they take no target.) "
+             + TRUST + " " + NO_CHECKSUMS)
+    p.add_argument("--world", type=int, help="lay the tensors out for this many ranks (default: as loaded anywhere)")
+    p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND",
+                   help="glob PATTERN=KIND (repeatable; needs --world), as for reshard: replicate, shard, owned, "
+                   "block[:SIZE], hybrid:GROUP[:BLOCK], or one placement per --mesh dim (R, S<d>, SS<d>:<sf>)")
+    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="NAME=SIZE,...",
+                   help="target device mesh (e.g. fsdp=2,tp=2), row-major over ranks; sizes multiply to --world")
+    p.add_argument("--tmp-dir", metavar="DIR", help="where the import is staged with --world (default: the system's)")
     _command(sub, "export-dcp", cmd_export_dcp, "url", "dcp_dir",
              help="a flexckpt checkpoint as a torch.distributed.checkpoint folder",
              description="Write one committed step (the newest unless --step) as a DCP checkpoint that "
