@@ -212,17 +212,21 @@ def _dtensors(world_mesh, layouts: dict, shapes: dict, fill: bool) -> dict:
         if isinstance(codes[0], tuple):
             mesh = init_device_mesh("cpu", codes[0])
             codes = codes[1]
-        coord = mesh.get_coordinate()
-        shape = shapes[name]
-        placements = [_torch_placement(c) for c in codes]
-        sizes, offsets = torch_piece(shape, tuple(mesh.mesh.shape), list(coord), placements)
-        if fill:
-            local = _global(name, shape)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].clone()
-        else:
-            local = torch.full(sizes, float("nan"))
-        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-        out[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+        out[name] = dtensor_on(mesh, name, shapes[name], codes, fill)
     return out
+
+
+def dtensor_on(mesh, name: str, shape: tuple, codes, fill: bool):
+    """``name``'s DTensor on ``mesh`` with placement ``codes``: this rank's piece of its
+    global values (``fill``), or NaN (a load target)."""
+    placements = [_torch_placement(c) for c in codes]
+    sizes, offsets = torch_piece(shape, tuple(mesh.mesh.shape), list(mesh.get_coordinate()), placements)
+    if fill:
+        local = _global(name, shape)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].clone()
+    else:
+        local = torch.full(sizes, float("nan"))
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def save_on_mesh(url: str, mesh: tuple, layouts: dict, shapes: dict = GLOBAL) -> str:

@@ -14,7 +14,6 @@ import functools
 import glob
 from contextlib import nullcontext
 import inspect
-import math
 import uuid
 
 import orjson
@@ -22,15 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as torch_piece
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from flexckpt import Checkpointer
 from flexckpt.errors import SaveError, StructureMismatch
 from flexshard import MeshLayout, ShardedTensor
 from test_flexckpt_distributed import LOCAL_QUERIES
-from test_flexckpt_mesh import _bits_equal, _global, _torch_placement
+from test_flexckpt_mesh import _bits_equal, _global, dtensor_on
 
 LAYERS = 4
 
@@ -56,14 +53,7 @@ def _stage_model(rank: int, world: int, stages: int, ep: int, fill: bool, layers
             want[f"layers.{i}.experts.w1"] = (emesh, (4, 6, 5), (f"SS0:{e}", "S0"))
             want[f"layers.{i}.experts.w2"] = (emesh, (4, 5, 6), ("S1", "S0"))
         for name, (mesh, shape, codes) in want.items():
-            placements = [_torch_placement(c) for c in codes]
-            sizes, offsets = torch_piece(shape, tuple(mesh.mesh.shape), list(mesh.get_coordinate()), placements)
-            if fill:
-                local = _global(name, shape)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].clone()
-            else:
-                local = torch.full(sizes, float("nan"))
-            stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-            out[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+            out[name] = dtensor_on(mesh, name, shape, codes, fill)
     return out
 
 
