@@ -389,11 +389,7 @@ class Checkpointer:
         step_dir(step)  # validates the step
         w = walk(state, self.rank, self.world_size)
         entry = self._plan_for(w)
-        srcs = [w.tensors[i] if part is None else w.tensors[i].reshape(-1)[part[0] : part[1]]
-                for i, part in zip(entry.order, entry.parts)]
-        plain = {k: encode_plain(v) for k, v in w.plain.items()} if self.is_coordinator else {}
-        lanes = {k: orjson.dumps(v.values) for k, v in w.lanes.items()}
-        per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
+        srcs, plain, lanes, per_rank = self._capture(w, entry)
         # every rank numbers its saves of a step alike: attempt k of step s is the same save
         # on every rank, and its files, records and markers are its own
         n = self._attempts[step] = self._attempts.get(step, 0) + 1
@@ -414,6 +410,17 @@ class Checkpointer:
         self._stage_q.put(job)
         handle.save_seconds = time.perf_counter() - t0
         return handle
+
+    def _capture(self, w: Walk, entry: _PlanEntry) -> tuple[list, dict, dict, dict]:
+        """What a save takes on the calling thread: the source of each piece this rank
+        writes, and the plain (the coordinator's), per-lane and per-rank values encoded now
+        (the pipeline moves on after the call)."""
+        srcs = [w.tensors[i] if part is None else w.tensors[i].reshape(-1)[part[0] : part[1]]
+                for i, part in zip(entry.order, entry.parts)]
+        plain = {k: encode_plain(v) for k, v in w.plain.items()} if self.is_coordinator else {}
+        lanes = {k: orjson.dumps(v.values) for k, v in w.lanes.items()}
+        per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
+        return srcs, plain, lanes, per_rank
 
     def save_local(self, step: int, state: dict) -> SaveHandle | None:
         """A fast-tier save of ``state`` as ``step`` (see ``local=``); None when skipped

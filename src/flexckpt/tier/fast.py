@@ -37,9 +37,9 @@ from flexckpt.checksum import ALGORITHM
 from flexckpt.manifest import (
     FORMAT, VERSION, SavedTensor, attempt_id, data_name, parse_manifest, seal, step_dir, table_name, values_name,
 )
-from flexckpt.staging import StagingBuffer
+from flexckpt.staging import StagingBuffer, copies_for
 from flexckpt.storage import Storage
-from flexckpt.structure import encode_plain, fingerprint, walk
+from flexckpt.structure import fingerprint, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import (
     Decision, Held, choose, done_name, keep_steps, makedirs, pack, remove_bundle, scan, unpack,
@@ -138,7 +138,6 @@ class FastTier:
         self._attempts: dict[int, int] = {}
         self._space_checked = config.state_bytes is not None
         self._thread: threading.Thread | None = None
-        self._cuda_stream = None
         self._copies: dict = {}
         self._dead_partners: set[int] = set()
         self._seq: dict[int, int] = {}
@@ -199,11 +198,8 @@ class FastTier:
         if not self._space_checked:
             self._check_space(entry.rank_plan.nbytes)
             self._space_checked = True
-        srcs = [w.tensors[i] if part is None else w.tensors[i].reshape(-1)[part[0] : part[1]]
-                for i, part in zip(entry.order, entry.parts)]
-        plain = {k: encode_plain(v) for k, v in w.plain.items()} if self.rank == 0 else {}
-        lanes = {k: orjson.Fragment(orjson.dumps(v.values)) for k, v in w.lanes.items()}  # now: the pipeline moves on
-        per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
+        srcs, plain, lanes, per_rank = ckpt._capture(w, entry)  # now: the pipeline moves on
+        lanes = {k: orjson.Fragment(v) for k, v in lanes.items()}
         n = self._attempts[step] = self._attempts.get(step, 0) + 1
         attempt = attempt_id(self.run_id, self.session, n)
         handle = SaveHandle(step, None, attempt)
@@ -296,26 +292,13 @@ class FastTier:
         h._done.set()
 
     def _copier(self, e: Any) -> Any:
-        """The staging copy for ``e``'s pieces, marked ready here on the training thread;
-        the same copy the checkpointer's own staging makes (whichever staging API this
-        tree's ``flexckpt.staging`` has: ``copies_for`` once the device work is merged)."""
-        from flexckpt import staging
-
-        if hasattr(staging, "copies_for"):
-            device = e.device
-            if device not in self._copies:
-                self._copies[device] = staging.copies_for(device)
-            copies = self._copies[device]
-            ready = copies.ready()
-            return lambda dsts, srcs: copies.copy(dsts, srcs, ready)
-        cuda = None
-        if e.cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-            if self._cuda_stream is None:
-                self._cuda_stream = torch.cuda.Stream()
-            cuda = (self._cuda_stream, ready)
-        return lambda dsts, srcs: staging.copy_into(dsts, srcs, cuda)
+        """The staging copy for ``e``'s pieces, marked ready here on the training thread:
+        the checkpointer's own staging copies (``flexckpt.staging.copies_for``)."""
+        if e.device not in self._copies:
+            self._copies[e.device] = copies_for(e.device)
+        copies = self._copies[e.device]
+        ready = copies.ready()
+        return lambda dsts, srcs: copies.copy(dsts, srcs, ready)
 
     def _saved_structure(self, e: Any) -> tuple[str, dict]:
         """The world-independent fingerprint of a plan's structure, and (for saved rank 0's
@@ -563,13 +546,4 @@ def compat_fingerprint(structure: dict) -> str:
 
 
 def _on_gpu(e: Any) -> bool:
-    device = getattr(e, "device", None)
-    return device.type == "cuda" if device is not None else bool(e.cuda)
-
-
-def encode_per_rank(value: Any) -> Any:
-    """The checkpointer's encoding of a per-rank value (in ``writer`` once the value work is
-    merged, in ``load`` before)."""
-    from flexckpt import load, writer
-
-    return (getattr(writer, "encode_per_rank", None) or load.encode_per_rank)(value)
+    return e.device.type == "cuda"
