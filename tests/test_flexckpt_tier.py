@@ -495,3 +495,16 @@ def test_a_step_whose_stage_structure_no_marker_carries_is_not_restored_from_the
     d = choose([held], "L", both, [5])
     assert (d.source, d.step) == ("tier", 7)
     assert choose([held], "L", compat_union([st("a"), st("b"), st("c")]), []).source == "none"  # another structure
+
+
+def test_bytes_values_of_a_fast_step_merge_by_key_and_unequal_copies_name_the_key():
+    from flexckpt.tier.fast import _merged_keyed
+    from flexckpt.tier.inventory import Decision
+
+    def step(*keyed):
+        return Decision("tier", 7, "run.0000abcd.1", len(keyed), docs={r: {"keyed": k} for r, k in enumerate(keyed)})
+
+    same = {"data/dp_rank_0": [0, "AAE="]}
+    assert _merged_keyed(step(same, {"data/dp_rank_0": [1, "AAE="]}, {})) == same  # the lowest rank's copy
+    with pytest.raises(ValueError, match=r"bytes value 'data/dp_rank_0' differs between saved ranks 0 and 1"):
+        _merged_keyed(step(same, {"data/dp_rank_0": [1, "AAI="]}))
