@@ -508,3 +508,16 @@ def test_bytes_values_of_a_fast_step_merge_by_key_and_unequal_copies_name_the_ke
     assert _merged_keyed(step(same, {"data/dp_rank_0": [1, "AAE="]}, {})) == same  # the lowest rank's copy
     with pytest.raises(ValueError, match=r"bytes value 'data/dp_rank_0' differs between saved ranks 0 and 1"):
         _merged_keyed(step(same, {"data/dp_rank_0": [1, "AAI="]}))
+
+
+def test_a_bytes_value_is_restored_from_the_tier_and_its_file_goes_after_the_load(tmp_path):
+    ck = _one(tmp_path)
+    state = {**make_state(0, 1, 4), "loader": {"dp_rank_0": _loader_bytes(0, 4)}}
+    ck.save_local(4, state).result(60)
+    atexit.unregister(ck._atexit)
+    ck2 = _one(tmp_path)
+    target = {**make_state(0, 1, 0, zero=True), "loader": {"dp_rank_0": b""}}
+    assert ck2.load(target) == 4 and ck2.tier.last_recovery.source == "tier", ck2.tier.last_recovery.reason
+    assert target["loader"] == {"dp_rank_0": _loader_bytes(0, 4)} and torch.equal(target["w"].local, state["w"].local)
+    assert not [f for _d, _s, fs in os.walk(ck2.tier.root) for f in fs if f == "keyed.values"]
+    ck2.close()
