@@ -121,9 +121,8 @@ def choose(
     inventories: list[list[Held]], lineage: str, fingerprint: str, persistent: list[int]
 ) -> Decision:
     """The newest step complete across the surviving nodes (every saved rank held by some
-    node, same lineage, the union of its saved structures matching ``fingerprint``, see
-    :func:`compat_union`), or the newest persistent step when that is newer or nothing in
-    the tier is complete. Steps are never mixed."""
+    node, same lineage and fingerprint), or the newest persistent step when that is newer
+    or nothing in the tier is complete. Steps are never mixed."""
     found: dict[tuple[int, str, int], dict[int, list[int]]] = {}
     docs: dict[tuple[int, str, int], dict[int, dict]] = {}
     foreign = 0
@@ -136,7 +135,7 @@ def choose(
             found.setdefault(key, {}).setdefault(h.rank, []).append(who)
             docs.setdefault(key, {})[h.rank] = h.doc
     complete = [k for k, ranks in found.items() if len(ranks) == k[2] and set(ranks) == set(range(k[2]))]
-    whys = []
+    whys = []  # the fingerprint is the union of the target ranks' structures; a step's, of its saved ranks'
     for k in sorted(complete, key=lambda k: (k[0], attempt_order(k[1]))):
         fp, why = saved_compat(docs[k])
         if fp != fingerprint:
