@@ -422,15 +422,15 @@ def _train_pp(rank, world, url, root, nodes, steps):
     while not {h.rank for h in scan(ck.tier.storage) if h.step == steps} >= expected:
         assert time.monotonic() < deadline, "copies did not arrive"
         time.sleep(0.02)
+    dist.barrier()  # every node now holds its ranks' files and their sources' copies
     carried = sorted(h.rank for h in scan(ck.tier.storage) if h.step == steps and "structure" in h.doc)
-    dist.barrier()
     atexit.unregister(ck._atexit)  # killed: no close, no clean-up
     return carried
 
 
 def _restart_pp(rank, world, url, root, nodes, steps):
-    """One stage at W=2: the tier's step bit for bit with no byte from the store; then a
-    target with a layer no stage saved: the tier cannot serve it, says so, and the
+    """One stage at W=2: the tier's step bit for bit with no byte from the store; again at
+    2 stages of one rank; then a target with a layer no stage saved: the tier cannot serve it, says so, and the
     persistent load names the layer."""
     from flexckpt.errors import StructureMismatch
 
@@ -445,6 +445,11 @@ def _restart_pp(rank, world, url, root, nodes, steps):
     rec = ck.tier.last_recovery
     out = {"step": step, "differ": exact, "persistent_bytes": read[0], "data": state["data"], "want_data": want["data"],
            "step_value": state["step"], "source": rec.source, "reason": rec.reason, "parts": rec.parts}
+    # again at 2 stages of 1 rank: the target ranks' structures differ too (their union is gathered)
+    state, want = _pp_state(rank, world, 2, 0, zero=True), _pp_state(rank, world, 2, steps)
+    out["two_stages"] = (ck.load(state), ck.tier.last_recovery.source, read[0], sorted(state["model"]),
+                         [n for n, t in want["model"].items() if not torch.equal(state["model"][n].full_tensor(), t.full_tensor())],
+                         state["data"] == want["data"])
     odd = _pp_state(rank, world, 1, 0, zero=True, layers=PP_LAYERS + 1)
     try:
         ck.load(odd)
@@ -458,7 +463,8 @@ def _restart_pp(rank, world, url, root, nodes, steps):
 
 def test_pipeline_stages_with_bytes_values_restore_from_the_tier_at_one_stage_and_half_the_world(tmp_path):
     """2 stages x 2 ranks on nodes A (stage 0) and B (stage 1), each node holding the other's
-    copies; node B lost, the job restarts at one stage on W=2 (node A and a new node C)."""
+    copies; node B lost, the job restarts on W=2 (node A and a new node C), at one stage and
+    at two."""
     url, root = str(tmp_path / "store"), str(tmp_path / "nodes")
     carried = run_workers(_train_pp, 4, url, root, ["A", "A", "B", "B"], 3, timeout=TIMEOUT)
     # each node holds all 4 bundles; the markers of saved rank 0 and of stage 1's lowest rank carry the structures
@@ -467,6 +473,8 @@ def test_pipeline_stages_with_bytes_values_restore_from_the_tier_at_one_stage_an
     res = run_workers(_restart_pp, 2, url, root, ["A", "C"], 3, timeout=TIMEOUT)
     for rank, r in enumerate(res):
         assert (r["step"], r["differ"], r["persistent_bytes"], r["source"]) == (3, [], 0, "tier"), r
+        layers = [f"layers.{i}.{p}" for i in (2 * rank, 2 * rank + 1) for p in ("norm", "w")]
+        assert r["two_stages"] == (3, "tier", 0, layers, [], True), r["two_stages"]
         assert r["data"] == r["want_data"] == {f"dp_rank_{rank}": _loader_bytes(rank, 3)} and r["step_value"] == 3
         assert r["odd_source"] == "persistent" and "of another lineage or structure ignored" in r["odd_reason"], r
         assert "layers.4" in r["odd"] and "persistent" not in r["odd"], r["odd"]
