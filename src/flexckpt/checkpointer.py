@@ -281,7 +281,6 @@ class Checkpointer(SavePipeline, Committer):
         handle.save_seconds = time.perf_counter() - t0
         return handle
 
-
     def save_local(self, step: int, state: dict) -> SaveHandle | None:
         """A fast-tier save of ``state`` as ``step`` (see ``local=``); None when skipped
         because the previous fast save is still in flight (counted in ``tier.skipped``)."""

@@ -46,6 +46,8 @@ from flexshard import part_of
 
 @dataclass(eq=False)
 class PlanEntry:
+    """A state structure's plan on this rank, kept while the structure stays the same."""
+
     id: int
     plan: WritePlan
     rank_plan: RankPlan
@@ -64,6 +66,8 @@ class PlanEntry:
 
 @dataclass(eq=False)
 class SaveJob:
+    """One persistent save on its way through the stager, writer and commit threads."""
+
     step: int
     handle: SaveHandle
     entry: PlanEntry
