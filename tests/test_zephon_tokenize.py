@@ -80,13 +80,13 @@ def test_accumulator_hands_out_documents_in_input_order_when_a_later_chunk_finis
     calls = []
 
     class SlowFirstCall:
-        eos_id = gpt2.eos_id
+        eos_id, cuts = gpt2.eos_id, False
 
-        def encode(self, batch):
+        def encode(self, batch, eos=None):
             calls.append(len(calls))
             if len(calls) == 1:
                 time.sleep(0.3)
-            out = gpt2.encode(batch)
+            out = gpt2.encode(batch, eos)
             finished.append(batch[0])
             return out
 
@@ -118,10 +118,10 @@ def test_accumulator_tokenizes_only_what_is_asked_for_until_its_readahead_starts
     submitted = []
 
     class InlinePool:
-        def submit(self, fn, batch):
+        def submit(self, fn, batch, *args):
             submitted.append(len(batch))
             future = Future()
-            future.set_result(fn(batch))
+            future.set_result(fn(batch, *args))
             return future
 
     acc = Accumulator(SourceReader(plan, 0, 0, 1, 0, 0), load_tokenizer("gpt2"), InlinePool(), chunk_bytes=1,
