@@ -74,14 +74,14 @@ def next_cut(text: str, start: int, at_least: int) -> int:
     return found.start() + 1 if found else len(text)
 
 
-def cuts_at_spaces(tok: Tokenizer) -> bool:
+def cuts_at_spaces(spec: dict) -> bool:
     """Whether ``next_cut``'s cuts keep the tokens of a whole text: no normalizer, GPT-2's
     byte-level pre-tokenizer (its regex has no look-behind or anchor, so matching from a
     pre-token start goes on as it does in the whole text; a space between letters always
     starts one, and ``add_prefix_space`` adds nothing to a text that starts with a space),
     a BPE model without dropout (it encodes each pre-token alone), and no added token that
-    holds a space or strips one. Any other tokenizer reads whole documents."""
-    spec = json.loads(tok.to_str())
+    holds a space or strips one. ``spec``: the tokenizer's JSON description, parsed. Any
+    other tokenizer reads whole documents."""
     pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
     added_ok = all(
         not (a.get("lstrip") or a.get("rstrip") or a.get("single_word"))
@@ -152,8 +152,9 @@ def _eos_id(tok: Tokenizer, tokenizer_id: str, eos: str | int | None) -> int:
 def load_tokenizer(tokenizer_id: str, eos: str | int | None = None) -> LoadedTokenizer:
     """Load a tokenizer by id ("gpt2"), path of a ``tokenizer.json`` (or its folder), or hub id."""
     tok = _resolve(tokenizer_id)
-    digest = hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
-    return LoadedTokenizer(tokenizer_id, tok, _eos_id(tok, tokenizer_id, eos), digest, cuts_at_spaces(tok))
+    spec = tok.to_str()
+    digest = hashlib.sha256(spec.encode("utf-8")).hexdigest()
+    return LoadedTokenizer(tokenizer_id, tok, _eos_id(tok, tokenizer_id, eos), digest, cuts_at_spaces(json.loads(spec)))
 
 
 class TokenizerPool:
