@@ -92,7 +92,10 @@ class Accumulator:
         where: list[tuple[int, int, int, bool]] = []
         texts: list[str] = []
         nbytes = 0
-        while nbytes < self.chunk_bytes and len(texts) < _MAX_CHUNK_DOCS:
+        # before the readahead starts (a start or a restore building its first window), a quarter
+        # chunk at a time: the text tokenized past what the window needs is then a quarter chunk
+        chunk = self.chunk_bytes if self.readahead_bytes else max(1, self.chunk_bytes // 4)
+        while nbytes < chunk and len(texts) < _MAX_CHUNK_DOCS:
             place, text, size = self._next_part()
             where.append(place)
             texts.append(text)
