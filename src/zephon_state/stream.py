@@ -45,8 +45,8 @@ class SourceStream:
             if self._doc.last:
                 raise StateError(
                     f"cursor of lane {lane} starts {state.offset} tokens into a document of source {source} that "
-                    f"has {self._doc.base + len(self._doc.tokens)} tokens from its token {state.base}; the data "
-                    "or tokenizer differs from the checkpoint's"
+                    f"has {self._doc.base + len(self._doc.tokens)} tokens; the data or tokenizer differs from the "
+                    "checkpoint's"
                 )
             skip -= len(self._doc.tokens)
             self._doc = acc.next_document()

@@ -54,7 +54,7 @@ class LoadedTokenizer:
         lengths = np.fromiter((len(e) + d for e, d in zip(encodings, ends_doc)), np.int64, len(encodings))
         ends = np.cumsum(lengths)
         flat = np.empty(int(ends[-1]) if len(ends) else 0, np.int32)
-        for e, start, d in zip(encodings, (ends - lengths).tolist(), ends_doc):
+        for e, start in zip(encodings, (ends - lengths).tolist()):
             flat[start : start + len(e)] = e.ids
         flat[ends[np.asarray(ends_doc, dtype=bool)] - 1] = self.eos_id
         return flat, lengths
