@@ -30,6 +30,7 @@ then calls :meth:`load_state_dict`, which re-gathers the parameters from the mas
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, Mapping
 
@@ -131,6 +132,9 @@ class ShardedOptimizer:
         self.step_count = 0
         self.stats = WireStats()
         self.ns_flops = 0  # Newton-Schulz FLOPs this rank has run
+        # wall seconds of the last reduce_gradients / step's update / parameter gather on
+        # this rank (host time: on CUDA what was queued, unless the caller synchronizes)
+        self.phase_s: dict[str, float] = {"reduce": 0.0, "update": 0.0, "gather": 0.0}
         self.mx_params: dict[str, MXBlocks] = {}
         self._plan = BucketPlan.for_layouts([(e.shape, e.layout) for e in self.entries], self.world_size)
         self._grad_bucket = torch.zeros(self._plan.padded, dtype=torch.float32, device=self.device)
@@ -177,6 +181,7 @@ class ShardedOptimizer:
         (``Owned``: the owner gets the whole matrix; row layouts: each rank its rows).
         One all-to-all moves ``(W-1)/W`` of the gradient bytes per rank; the sum runs in
         rank order; with ``average_gradients`` it is then divided by the world size."""
+        t0 = time.perf_counter()
         w, plan = self.world_size, self._plan
         send, recv = self._comm_buffers()
         for r in range(w):
@@ -194,6 +199,7 @@ class ShardedOptimizer:
         reduce_scatter_bucket(plan, send, self.group, self.stats, out=self._grad_bucket, scratch=recv)
         if self.sharding.average_gradients and w > 1:
             self._grad_bucket.div_(w)
+        self.phase_s["reduce"] = time.perf_counter() - t0
 
     def set_reduced_gradients(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Take this rank's pieces of gradients that are already reduced (the same whole
@@ -231,6 +237,7 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Update masters and optimizer state from the reduced gradients, then re-gather
         the parameters on every rank."""
+        t0 = time.perf_counter()
         self.step_count += 1
         fsdp_updates = []
         for e in self.entries:
@@ -247,7 +254,9 @@ class ShardedOptimizer:
                 fsdp_updates.append((e, momentum_update(e.grad, e.state["momentum_buffer"].local, self.muon)))
         if fsdp_updates:
             self._fsdp_newton_schulz(fsdp_updates)
+        t1 = time.perf_counter()
         self.gather_parameters()
+        self.phase_s["update"], self.phase_s["gather"] = t1 - t0, time.perf_counter() - t1
 
     def _fsdp_newton_schulz(self, updates: list) -> None:
         """Baseline: gather every matrix's update (bf16), orthogonalize all of them on
@@ -274,12 +283,12 @@ class ShardedOptimizer:
             return
         w, plan = self.world_size, self._plan
         dtype = self.entries[0].param.dtype
-        mine, gathered, scratch = None, None, None
-        if dtype == torch.float32:  # reuse the gradient buffers, idle by now
-            scratch, gathered = self._comm_buffers()
-            mine = scratch[self.rank]
+        mine, gathered = None, None
+        if dtype == torch.float32:  # reuse a gradient buffer, idle by now
+            gathered = self._comm_buffers()[1]
+            mine = gathered[self.rank]
         mine = plan.pack([e.master.local.to(dtype) for e in self.entries], self.rank, out=mine)
-        gathered = all_gather_bucket(plan, mine, self.group, self.stats, out=gathered, scratch=scratch)
+        gathered = all_gather_bucket(plan, mine, self.group, self.stats, out=gathered)
         for i, e in enumerate(self.entries):
             flat = e.param.detach().view(-1)
             for r in range(w):
