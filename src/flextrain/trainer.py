@@ -349,7 +349,7 @@ class Trainer:
                 row = {"step": self.step, "loss": loss_total / labels, "tokens": int(labels),
                        "lr": o.muon_lr * scale, "lr_adamw": o.adamw_lr * scale, "global_batch_sha256": digest,
                        "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "world": self.world,
-                       "optim_s": opt_s}
+                       "optim_s": opt_s, **{f"optim_{k}_s": v for k, v in self.opt.phase_s.items()}}
                 if save:
                     last_save = self.step
                     handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,
