@@ -16,11 +16,13 @@ Byte model (checked against the bytes gloo writes to its sockets in the tests):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from flexshard.buckets import BucketPlan
+from flexshard.ranges import FlatRange
 from flexshard.world import current_world
 
 
@@ -152,6 +154,57 @@ def reduce_scatter_bucket(
     padding = sum(plan.padding(r) for r in range(world) if r != rank)
     _record(stats, "reduce_scatter", (world - 1) * plan.padded * item, padding * item)
     return acc
+
+
+def reduce_scatter_pieces(
+    plan: BucketPlan,
+    ranges: Sequence[Sequence[FlatRange]],
+    flats: Sequence[torch.Tensor],
+    group: "dist.ProcessGroup | None" = None,
+    stats: WireStats | None = None,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`reduce_scatter_bucket` without the send buffer: piece ``ranges[r][i]`` of the
+    flat tensor ``flats[i]`` goes straight from that tensor's memory to rank ``r`` (a
+    point-to-point send per piece, all in flight at once), into segment ``plan.slot(r, i)``
+    of its receive buffer ``scratch`` (``(W, plan.padded)``, the dtype of ``flats``). The
+    segments are added in rank order, as there, into ``out[:plan.total(rank)]``. Sends
+    only the pieces' bytes (no padding); for gloo, whose all-to-all needs one packed buffer."""
+    rank, world = current_world(group)
+    _check_plan(plan, world)
+    if len(ranges) != world or any(len(row) != plan.entries for row in ranges) or len(flats) != plan.entries:
+        raise ValueError(f"need {world} rows of {plan.entries} ranges and {plan.entries} tensors")
+    dtype, device = flats[0].dtype, flats[0].device
+    if out is None:
+        out = torch.empty(plan.padded, dtype=dtype, device=device)
+    if scratch is None:
+        scratch = torch.empty((world, plan.padded), dtype=dtype, device=device)
+    elif tuple(scratch.shape) != (world, plan.padded) or scratch.dtype != dtype:
+        raise ValueError(f"scratch must be {(world, plan.padded)} {dtype}, got {tuple(scratch.shape)} {scratch.dtype}")
+    for i, flat in enumerate(flats):
+        src, dst = ranges[rank][i], plan.slot(rank, i)
+        if len(src) != len(dst):
+            raise ValueError(f"entry {i}: rank {rank} holds {len(src)} elements, the plan says {len(dst)}")
+        scratch[rank, dst.start : dst.stop].copy_(flat[src.start : src.stop])
+    works, sent = [], 0
+    for k in range(1, world):  # shifted pairs, pieces in entry order on every pair
+        to, frm = (rank + k) % world, (rank - k) % world
+        for i, flat in enumerate(flats):
+            src, dst = ranges[to][i], plan.slot(rank, i)
+            if len(src):
+                works.append(dist.isend(as_bytes(flat[src.start : src.stop]), _peer(group, to), group=group))
+                sent += len(src) * flat.element_size()
+            if len(dst):
+                works.append(dist.irecv(as_bytes(scratch[frm, dst.start : dst.stop]), _peer(group, frm), group=group))
+    for w in works:
+        w.wait()
+    total = plan.total(rank)
+    acc = out[:total].copy_(scratch[0, :total])
+    for r in range(1, world):
+        acc.add_(scratch[r, :total])
+    _record(stats, "reduce_scatter", sent)
+    return out
 
 
 def broadcast_bytes(

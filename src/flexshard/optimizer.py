@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from flexshard.adamw import AdamWConfig, adamw_step_
 from flexshard.buckets import BucketPlan
-from flexshard.collectives import WireStats, all_gather_bucket, reduce_scatter_bucket
+from flexshard.collectives import (WireStats, all_gather_bucket, native_all_gather, reduce_scatter_bucket,
+                                   reduce_scatter_pieces)
 from flexshard.gather import check_blocks_stay_whole, pack_mx, unpack_mx
 from flexshard.layout import BlockShard, Layout, Owned, Shard, local_shape, row_numel
 from flexshard.muon import MuonConfig, apply_update, momentum_update, muon_step_
@@ -137,6 +138,9 @@ class ShardedOptimizer:
         self.phase_s: dict[str, float] = {"reduce": 0.0, "update": 0.0, "gather": 0.0}
         self.mx_params: dict[str, MXBlocks] = {}
         self._plan = BucketPlan.for_layouts([(e.shape, e.layout) for e in self.entries], self.world_size)
+        # _ranges[r][i]: the flat range of entry i that rank r holds
+        self._ranges = [[e.layout.flat_range(e.shape, self.world_size, r) for e in self.entries]
+                        for r in range(self.world_size)]
         self._grad_bucket = torch.zeros(self._plan.padded, dtype=torch.float32, device=self.device)
         for i, e in enumerate(self.entries):
             r = self._plan.slot(self.rank, i)
@@ -179,24 +183,32 @@ class ShardedOptimizer:
     def reduce_gradients(self) -> None:
         """Reduce every parameter's ``.grad`` over the group into this rank's pieces
         (``Owned``: the owner gets the whole matrix; row layouts: each rank its rows).
-        One all-to-all moves ``(W-1)/W`` of the gradient bytes per rank; the sum runs in
+        ``(W-1)/W`` of the gradient bytes per rank go on the wire (on gloo each piece
+        straight from its ``.grad``, else one all-to-all of packed buckets); the sum runs in
         rank order; with ``average_gradients`` it is then divided by the world size."""
         t0 = time.perf_counter()
         w, plan = self.world_size, self._plan
-        send, recv = self._comm_buffers()
-        for r in range(w):
-            send[r, plan.total(r) :].zero_()
-        for i, e in enumerate(self.entries):
+        flats = []
+        for e in self.entries:
             if e.param.grad is None:
                 raise ValueError(
                     f"parameter {e.name!r} has no gradient; every parameter given to ShardedOptimizer must "
                     f"receive one each step on every rank (or leave it out of the optimizer)"
                 )
-            flat = e.param.grad.detach().reshape(-1)
+            flats.append(e.param.grad.detach().reshape(-1))
+        send, recv = self._comm_buffers()
+        if w > 1 and not native_all_gather(self.group) and all(f.dtype == torch.float32 for f in flats):
+            # gloo: every piece goes from the gradient's own memory to its rank (no pack)
+            reduce_scatter_pieces(plan, self._ranges, flats, self.group, self.stats, out=self._grad_bucket,
+                                  scratch=recv)
+        else:
             for r in range(w):
-                src, dst = e.layout.flat_range(e.shape, w, r), plan.slot(r, i)
-                send[r, dst.start : dst.stop].copy_(flat[src.start : src.stop])
-        reduce_scatter_bucket(plan, send, self.group, self.stats, out=self._grad_bucket, scratch=recv)
+                send[r, plan.total(r) :].zero_()
+            for i, flat in enumerate(flats):
+                for r in range(w):
+                    src, dst = self._ranges[r][i], plan.slot(r, i)
+                    send[r, dst.start : dst.stop].copy_(flat[src.start : src.stop])
+            reduce_scatter_bucket(plan, send, self.group, self.stats, out=self._grad_bucket, scratch=recv)
         if self.sharding.average_gradients and w > 1:
             self._grad_bucket.div_(w)
         self.phase_s["reduce"] = time.perf_counter() - t0
@@ -292,7 +304,7 @@ class ShardedOptimizer:
         for i, e in enumerate(self.entries):
             flat = e.param.detach().view(-1)
             for r in range(w):
-                dst, src = e.layout.flat_range(e.shape, w, r), plan.slot(r, i)
+                dst, src = self._ranges[r][i], plan.slot(r, i)
                 flat[dst.start : dst.stop].copy_(gathered[r, src.start : src.stop])
 
     def _comm_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
