@@ -117,6 +117,42 @@ def all_gather_bucket(
     return out
 
 
+def all_gather_pieces(
+    ranges: Sequence[Sequence[FlatRange]],
+    mine: Sequence[torch.Tensor],
+    whole: Sequence[torch.Tensor],
+    group: "dist.ProcessGroup | None" = None,
+    stats: WireStats | None = None,
+) -> None:
+    """Every rank's pieces into the whole tensors, with no bucket: this rank's piece
+    ``mine[i]`` (contiguous, ``ranges[rank][i]`` of entry ``i``) goes straight from its
+    memory to every peer, and each peer's piece lands straight in ``whole[i]`` (flat,
+    contiguous, one dtype with ``mine``) at ``ranges[peer][i]``; this rank's own piece is
+    copied in. Point-to-point sends, all in flight at once; a rank sends ``(W - 1)`` times
+    the bytes it holds (no padding)."""
+    rank, world = current_world(group)
+    if len(ranges) != world or len(mine) != len(whole) or any(len(row) != len(mine) for row in ranges):
+        raise ValueError(f"need {world} rows of {len(mine)} ranges, {len(mine)} pieces and {len(mine)} tensors")
+    for i, (piece, flat) in enumerate(zip(mine, whole)):
+        own = ranges[rank][i]
+        if piece.numel() != len(own) or piece.dtype != flat.dtype:
+            raise ValueError(f"entry {i}: piece of {piece.numel()} {piece.dtype}, the range holds {len(own)} {flat.dtype}")
+        flat[own.start : own.stop].copy_(piece.reshape(-1))
+    works, sent = [], 0
+    for k in range(1, world):  # shifted pairs, pieces in entry order on every pair
+        to, frm = (rank + k) % world, (rank - k) % world
+        for i, (piece, flat) in enumerate(zip(mine, whole)):
+            if piece.numel():
+                works.append(dist.isend(as_bytes(piece), _peer(group, to), group=group))
+                sent += piece.numel() * piece.element_size()
+            src = ranges[frm][i]
+            if len(src):
+                works.append(dist.irecv(as_bytes(flat[src.start : src.stop]), _peer(group, frm), group=group))
+    for w in works:
+        w.wait()
+    _record(stats, "all_gather", sent)
+
+
 def _peer(group: "dist.ProcessGroup | None", group_rank: int) -> int:
     """The global rank point-to-point calls take for a rank of ``group``."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)

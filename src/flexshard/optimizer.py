@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from flexshard.adamw import AdamWConfig, adamw_step_
 from flexshard.buckets import BucketPlan
-from flexshard.collectives import (WireStats, all_gather_bucket, native_all_gather, reduce_scatter_bucket,
-                                   reduce_scatter_pieces)
+from flexshard.collectives import (WireStats, all_gather_bucket, all_gather_pieces, native_all_gather,
+                                   reduce_scatter_bucket, reduce_scatter_pieces)
 from flexshard.gather import check_blocks_stay_whole, pack_mx, unpack_mx
 from flexshard.layout import BlockShard, Layout, Owned, Shard, local_shape, row_numel
 from flexshard.muon import MuonConfig, apply_update, momentum_update, muon_step_
@@ -288,13 +288,19 @@ class ShardedOptimizer:
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """Every rank's parameters from the masters' pieces: one all-gather (an ``Owned``
-        matrix travels from its owner, row pieces from every rank), in the parameters' own
-        dtype or, with ``compute_copy="mxfp8"``, as MXFP8 blocks dequantized on arrival."""
+        matrix travels from its owner, row pieces from every rank; on gloo with fp32
+        parameters each piece goes from the master straight into the parameters), in the
+        parameters' own dtype or, with ``compute_copy="mxfp8"``, as MXFP8 blocks dequantized on arrival."""
         if self.sharding.compute_copy == "mxfp8":
             self._gather_mx()
             return
         w, plan = self.world_size, self._plan
         dtype = self.entries[0].param.dtype
+        if w > 1 and dtype == torch.float32 and not native_all_gather(self.group):
+            # gloo, fp32: each master piece goes straight into every rank's parameter (no pack, no unpack)
+            all_gather_pieces(self._ranges, [e.master.local for e in self.entries],
+                              [e.param.detach().view(-1) for e in self.entries], self.group, self.stats)
+            return
         mine, gathered = None, None
         if dtype == torch.float32:  # reuse a gradient buffer, idle by now
             gathered = self._comm_buffers()[1]
