@@ -128,8 +128,8 @@ def part_optim(work: Path, steps: int) -> None:
     print(f"\n## Optimizer time in the trainer (reduce + step + gather per step), Owned Muon vs --placement fsdp, "
           f"preset {preset}, {reps} run(s) of {steps // 2} steps per placement, interleaved; steps 1-2 of each run "
           f"left out; rank 0", flush=True)
-    print("| D | placement | steps | optim p50 | optim p99 | optim mean | reduce p50 | update p50 | gather p50 | step p50 | owned saves (p50) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| D | placement | steps | optim p50 | optim p99 | optim mean | reduce p50 | update p50 | gather p50 | sync p50 | step p50 | owned saves (p50) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for world in worlds:
         rows: dict[str, list[dict]] = {"owned": [], "fsdp": []}
         loads = []
@@ -146,11 +146,12 @@ def part_optim(work: Path, steps: int) -> None:
         for placement, body in rows.items():
             opt = [r["optim_s"] for r in body]
             p50[placement] = statistics.median(opt)
-            ph = {k: statistics.median(r.get(f"optim_{k}_s", float("nan")) for r in body) for k in ("reduce", "update", "gather")}
+            ph = {k: statistics.median(r.get(f"{k}_s", float("nan")) for r in body)
+                  for k in ("optim_reduce", "optim_update", "optim_gather", "sync")}
             saves = f"{1 - p50['owned'] / p50['fsdp']:.1%}" if placement == "fsdp" else ""
             print(f"| {world} | {placement} | {len(opt)} | {p50[placement] * 1e3:.1f} ms | {p(opt, 99) * 1e3:.1f} ms | "
-                  f"{statistics.mean(opt) * 1e3:.1f} ms | {ph['reduce'] * 1e3:.1f} ms | {ph['update'] * 1e3:.1f} ms | "
-                  f"{ph['gather'] * 1e3:.1f} ms | {statistics.median(r['step_s'] for r in body) * 1e3:.0f} ms | {saves} |",
+                  f"{statistics.mean(opt) * 1e3:.1f} ms | {ph['optim_reduce'] * 1e3:.1f} ms | {ph['optim_update'] * 1e3:.1f} ms | "
+                  f"{ph['optim_gather'] * 1e3:.1f} ms | {ph['sync'] * 1e3:.1f} ms | {statistics.median(r['step_s'] for r in body) * 1e3:.0f} ms | {saves} |",
                   flush=True)
         print(f"load average (1 min) at the start of each run and at the end, D={world}: "
               + ", ".join(f"{x:.1f}" for x in loads), flush=True)
