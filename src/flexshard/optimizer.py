@@ -67,9 +67,10 @@ class ShardingConfig:
       parameters (the MXBlocks stay available in :attr:`ShardedOptimizer.mx_params`);
     - ``mx_blocks``: block orientation for 2-D parameters in ``"mxfp8"`` mode (1-D ones
       use ``"row"`` blocks, which are 32 consecutive elements);
-    - ``persistent_buffers``: keep the two ``(W, padded bucket)`` communication buffers
-      between steps (about twice the parameters' bytes per rank) instead of allocating
-      them every step; fresh buffers this size cost page faults on every step.
+    - ``persistent_buffers``: keep the ``(W, padded bucket)`` communication buffers
+      between steps (each about the parameters' bytes per rank; gloo with fp32 parameters
+      needs one, other cases two) instead of allocating them every step; fresh buffers
+      this size cost page faults on every step.
     """
 
     placement: Literal["owned", "fsdp"] = "owned"
@@ -145,7 +146,7 @@ class ShardedOptimizer:
         for i, e in enumerate(self.entries):
             r = self._plan.slot(self.rank, i)
             e.grad = self._grad_bucket[r.start : r.stop].view(e.master.local.shape)
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
         if sharding.compute_copy == "mxfp8":
             self._check_mx_gather()
 
@@ -196,12 +197,13 @@ class ShardedOptimizer:
                     f"receive one each step on every rank (or leave it out of the optimizer)"
                 )
             flats.append(e.param.grad.detach().reshape(-1))
-        send, recv = self._comm_buffers()
+        recv = self._comm_buffer(1)
         if w > 1 and not native_all_gather(self.group) and all(f.dtype == torch.float32 for f in flats):
             # gloo: every piece goes from the gradient's own memory to its rank (no pack)
             reduce_scatter_pieces(plan, self._ranges, flats, self.group, self.stats, out=self._grad_bucket,
                                   scratch=recv)
         else:
+            send = self._comm_buffer(0)
             for r in range(w):
                 send[r, plan.total(r) :].zero_()
             for i, flat in enumerate(flats):
@@ -303,7 +305,7 @@ class ShardedOptimizer:
             return
         mine, gathered = None, None
         if dtype == torch.float32:  # reuse a gradient buffer, idle by now
-            gathered = self._comm_buffers()[1]
+            gathered = self._comm_buffer(1)
             mine = gathered[self.rank]
         mine = plan.pack([e.master.local.to(dtype) for e in self.entries], self.rank, out=mine)
         gathered = all_gather_bucket(plan, mine, self.group, self.stats, out=gathered)
@@ -313,16 +315,15 @@ class ShardedOptimizer:
                 dst, src = self._ranges[r][i], plan.slot(r, i)
                 flat[dst.start : dst.stop].copy_(gathered[r, src.start : src.stop])
 
-    def _comm_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two fp32 ``(W, padded)`` buffers: what this rank sends, what it receives."""
-        if self._buffers is not None:
-            return self._buffers
-        shape = (self.world_size, self._plan.padded)
-        buffers = (torch.empty(shape, dtype=torch.float32, device=self.device),
-                   torch.empty(shape, dtype=torch.float32, device=self.device))
+    def _comm_buffer(self, which: int) -> torch.Tensor:
+        """fp32 ``(W, padded)`` buffer 0 (what this rank sends, for the packed reduce) or 1
+        (what it receives), made when first needed (gloo's bucket-free paths need only 1)."""
+        if self._buffers[which] is not None:
+            return self._buffers[which]
+        buf = torch.empty((self.world_size, self._plan.padded), dtype=torch.float32, device=self.device)
         if self.sharding.persistent_buffers:
-            self._buffers = buffers
-        return buffers
+            self._buffers[which] = buf
+        return buf
 
     def _gather_mx(self) -> None:
         w, bs = self.world_size, self.sharding.block_size
