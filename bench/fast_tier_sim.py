@@ -30,12 +30,12 @@ import random
 
 DAY = 86400.0
 # measured on the loaded 2-core machine (bench/RESULTS.md, issue 17): save_latency at 50 MiB
-# a rank (W=2, 0.6 s steps, 100 saves: mean trainer wait 9.8 ms flexckpt, 18.6 ms with a fast
-# save every step; a fast save's stage + write + copy p50 0.128 + 0.479 + 0.497 s) and
-# fast_tier at 256 MiB a rank (recovery 1.515 s fast, 3.448 s persistent store model)
-WAIT_PERSISTENT = 0.0098
-WAIT_FAST = 0.0088
-FAST_DURATION = 1.10
+# a rank (W=2, 0.6 s steps, 100 saves, median of 3 runs: mean trainer wait 5.9 ms flexckpt,
+# 11.0 ms with a fast save every step; a fast save's stage + write + copy p50 0.083 + 0.286 +
+# 0.331 s) and fast_tier at 256 MiB a rank (recovery 1.515 s fast, 3.448 s persistent store model)
+WAIT_PERSISTENT = 0.0059
+WAIT_FAST = 0.0051
+FAST_DURATION = 0.70
 REC_FAST = 1.515
 REC_PERSISTENT = 3.448
 MTBF_16K = 54 * DAY / 419  # Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs
