@@ -6,6 +6,8 @@ it is up to date. Needs nothing but Python 3.10+.
     python3 dev.py demo-checkpoint # the checkpoint-only demo (flexckpt: save at 2, load at 1 and 4)
     python3 dev.py test [args]     # the whole test suite (extra args go to pytest)
     python3 dev.py test-torchtitan # torchtitan's trainer with flexckpt and zephon: the full matrix
+    python3 dev.py test-tierkill [--random N] # SIGKILL during fast-tier copies: every chosen point + N random (60)
+    python3 dev.py test-nodeloss   # flextrain, 12 lanes, 4 nodes: loses a node, resumes on 3 and 2 ranks (fast tier)
     python3 dev.py bench NAME ...  # a benchmark from bench/ (see bench/README.md)
     python3 dev.py shell CMD ...   # run CMD inside the environment
 """
@@ -73,6 +75,11 @@ def main(argv: list[str]) -> int:
         cmd = [py, "-m", "pytest", *rest]
     elif task == "test-torchtitan":
         cmd = [py, str(ROOT / "tests" / "torchtitan_matrix.py"), *rest]
+    elif task == "test-tierkill":
+        cmd = [py, str(ROOT / "tests" / "tier_kill_trials.py"), "--chosen", *(rest or ["--random", "60"])]
+    elif task == "test-nodeloss":
+        env["FLEXTRAIN_NODELOSS"] = "1"
+        cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_flextrain_nodeloss.py"), "-q", "-s", *rest]
     elif task == "bench":
         if not rest:
             print("usage: python3 dev.py bench NAME [args]; see bench/README.md")
@@ -82,7 +89,7 @@ def main(argv: list[str]) -> int:
         cmd = [py, *rest] if rest and rest[0].endswith(".py") else rest or [py]
         cmd = [str(VENV / "bin" / cmd[0]) if (VENV / "bin" / cmd[0]).exists() else cmd[0], *cmd[1:]]
     else:
-        print(f"unknown task {task!r}; expected demo, demo-checkpoint, test, test-torchtitan, bench or shell\n{__doc__}")
+        print(f"unknown task {task!r}; expected demo, demo-checkpoint, test, test-torchtitan, test-tierkill, test-nodeloss, bench or shell\n{__doc__}")
         return 2
     return subprocess.call(cmd, cwd=ROOT, env=env)
 

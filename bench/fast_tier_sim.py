@@ -8,9 +8,17 @@ interval is at least d. A failure costs the restart R, the recovery time, and th
 since the last checkpoint it can restore from (half an interval on average). The fast
 tier restores a fraction q of failures (one node lost, or several outside one replica
 group); the others (two nodes of one replica group, a restart on new nodes) go to the
-persistent step. Costs are the measured ones of ``bench fast_tier`` at 256 MiB a rank,
-scaled linearly with the state per GPU. Intervals are chosen to maximise the effective
-fraction (grid search); a Monte Carlo run of 400 simulated days checks the closed form.
+persistent step. Intervals are chosen to maximise the effective fraction (grid search);
+a Monte Carlo run of 400 simulated days checks the closed form.
+
+The costs are measured, and scaled linearly with the state per GPU:
+- trainer wait per save (``c``): ``bench save_latency --libs flexckpt flexckpt-tier`` (W=2,
+  50 MiB a rank, 0.6 s steps): the mean wait per persistent save (``flexckpt``), and what a
+  fast save every step adds to it (``flexckpt-tier`` minus ``flexckpt``);
+- a fast save's duration (``d_f``, stage + write to tmpfs + copy to the partner): the same run;
+- recovery (``rec``): ``bench fast_tier`` at 256 MiB a rank, from the fast tier (a lost
+  node's files fetched from its partner) and from the persistent store model;
+- a persistent save's duration ``d_p``: the state over the store's bandwidth per GPU.
 
     python3 dev.py bench fast_tier_sim [--plot bench/fast_tier_sim.png]
 """
@@ -21,6 +29,15 @@ import math
 import random
 
 DAY = 86400.0
+# measured on the loaded 2-core machine (bench/RESULTS.md, issue 17): save_latency at 50 MiB
+# a rank (W=2, 0.6 s steps, 100 saves, median of 3 runs: mean trainer wait 5.9 ms flexckpt,
+# 11.0 ms with a fast save every step; a fast save's stage + write + copy p50 0.083 + 0.286 +
+# 0.331 s) and fast_tier at 256 MiB a rank (recovery 1.515 s fast, 3.448 s persistent store model)
+WAIT_PERSISTENT = 0.0059
+WAIT_FAST = 0.0051
+FAST_DURATION = 0.70
+REC_FAST = 1.515
+REC_PERSISTENT = 3.448
 MTBF_16K = 54 * DAY / 419  # Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs
 
 
@@ -66,18 +83,28 @@ def main(argv=None) -> int:
     p.add_argument("--q", type=float, default=0.9, help="fraction of failures the fast tier restores (0.9)")
     p.add_argument("--store-gbps", type=float, default=0.12, help="persistent write GB/s per GPU (Llama 3: 2 TB/s / 16K)")
     p.add_argument("--persistent-cost", type=float, default=1.0,
-                   help="trainer cost of a persistent save relative to a fast one (1: this library's async saves)")
+                   help="multiplies the measured trainer wait of a persistent save (1: this library's async saves)")
+    # measured (loaded 2-core machine; bench/RESULTS.md, issue 17)
+    p.add_argument("--costs-mib", type=float, default=50.0, help="state per rank the waits and d_f were measured at (50)")
+    p.add_argument("--wait-persistent", type=float, default=WAIT_PERSISTENT,
+                   help=f"trainer wait per persistent save, s (save_latency flexckpt mean; {WAIT_PERSISTENT})")
+    p.add_argument("--wait-fast", type=float, default=WAIT_FAST,
+                   help=f"trainer wait a fast save adds, s (save_latency flexckpt-tier minus flexckpt mean; {WAIT_FAST})")
+    p.add_argument("--fast-duration", type=float, default=FAST_DURATION,
+                   help=f"a fast save's stage + write + copy, s (save_latency flexckpt-tier p50; {FAST_DURATION})")
+    p.add_argument("--recovery-mib", type=float, default=256.0, help="state per rank the recoveries were measured at (256)")
+    p.add_argument("--rec-fast", type=float, default=REC_FAST, help=f"recovery from the fast tier, s (bench fast_tier; {REC_FAST})")
+    p.add_argument("--rec-persistent", type=float, default=REC_PERSISTENT,
+                   help=f"recovery from the persistent store model, s (bench fast_tier; {REC_PERSISTENT})")
     p.add_argument("--plot", default="", help="write a PNG of effective time against the persistent interval")
     args = p.parse_args(argv)
-    # measured at 256 MiB a rank (bench fast_tier, loaded 2-core machine; see bench/RESULTS.md)
-    base = {"c_f": 0.31, "d_f": 4.8, "rec_f": 1.5, "c_p": 0.31, "rec_p": 3.4}
     rows = []
     curves = []
     for gib in args.gib:
-        k = gib / 0.25
-        a = {"c_f": base["c_f"] * k, "d_f": base["d_f"] * k, "rec_f": base["rec_f"] * k, "c_p": base["c_p"] * k * args.persistent_cost,
-             "rec_p": base["rec_p"] * k, "d_p": gib * (1 << 30) / (args.store_gbps * 1e9), "restart": args.restart,
-             "q": args.q}
+        kc, kr = gib * 1024 / args.costs_mib, gib * 1024 / args.recovery_mib
+        a = {"c_f": args.wait_fast * kc, "d_f": args.fast_duration * kc, "rec_f": args.rec_fast * kr,
+             "c_p": args.wait_persistent * kc * args.persistent_cost, "rec_p": args.rec_persistent * kr,
+             "d_p": gib * (1 << 30) / (args.store_gbps * 1e9), "restart": args.restart, "q": args.q}
         for gpus in (16384, 100000):
             mtbf = MTBF_16K * 16384 / gpus
             e_p, tp_p, _ = best(a, mtbf, fast=False)
@@ -89,6 +116,9 @@ def main(argv=None) -> int:
     print(f"# effective training time, Llama 3 failure rate scaled (MTBF 16K = {MTBF_16K / 3600:.2f} h), restart "
           f"{args.restart:g} s, fast tier restores {args.q:.0%} of failures, store {args.store_gbps} GB/s per GPU, "
           f"persistent save cost x{args.persistent_cost:g}")
+    print(f"# measured inputs: trainer wait {args.wait_persistent * 1000:.1f} ms a persistent save, +{args.wait_fast * 1000:.1f} ms "
+          f"a fast save, a fast save takes {args.fast_duration:.2f} s (at {args.costs_mib:g} MiB a rank); recovery "
+          f"{args.rec_fast:.2f} s fast / {args.rec_persistent:.2f} s persistent (at {args.recovery_mib:g} MiB a rank)")
     print("| state/GPU | GPUs | MTBF | persistent only: eff (MC) | its interval | fast + persistent: eff (MC) | "
           "persistent / fast interval |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -19,6 +19,10 @@ What each library's trainer wait is made of (time inside save() + time at the fe
   previous write) and, as the fence, acquiring ``manager.lock()`` (the library's guard
   for the optimizer step; released after it). Its staging runs on its own thread.
 - ``flexckpt``: ``Checkpointer.save(...)`` and ``handle.wait_staged()``.
+- ``flexckpt-tier``: the same, plus ``Checkpointer.save_local(...)`` (the fast tier: node
+  memory and a copy on a peer node, each rank an emulated node) every step, and its
+  ``wait_staged()`` at the fence; a fast save due while the last is still copying is
+  skipped (counted, never waited for).
 """
 from __future__ import annotations
 
@@ -48,6 +52,8 @@ VARIANTS: dict[str, str] = {
     "staging_completion waited before the optimizer step",
     "tc": "torch_checkpointing CheckpointManager, async saver (staging thread + writer subprocess)",
     "flexckpt": "flexckpt Checkpointer(max_in_flight=1, fsync=True)",
+    "flexckpt-tier": "flexckpt + a fast-tier save every step (LocalTier in /dev/shm, each rank its own node, "
+    "one copy on the next), fence on both saves' staging",
 }
 PEERS = ["dcp", "dcp-cache", "dcp-nocoll", "dcp-stager", "tc"]
 
@@ -336,7 +342,14 @@ class FlexSaver:
     def __init__(self, variant: str, root: str, local: dict[str, torch.Tensor], specs: Sequence[TensorSpec], rank: int, world: int,
                  profile: bool = False, state_kind: str = "sharded", **options: Any) -> None:
         from flexckpt import Checkpointer
+        from flexckpt.tier import LocalTier
         from flexshard import Shard, ShardedTensor
+
+        self.fast = variant == "flexckpt-tier"
+        if self.fast:  # every rank its own emulated node; the tier's folders beside the run's, in /dev/shm
+            os.environ["FLEXCKPT_NODE"] = f"n{rank}"
+            options["local"] = LocalTier(dir=os.path.join("/dev/shm", f"flexckpt-bench-{os.path.basename(root)}", "{node}"),
+                                         every=1, replicas=1, keep_last=2, timeout=120, lineage=root)
 
         self.profile = _install_profile() if profile else None
 
@@ -362,14 +375,18 @@ class FlexSaver:
             token["done"].append(time.perf_counter())
 
     def save(self, step: int) -> dict:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         h = self.ckpt.save(step, self.state)
-        token = {"t0": t0, "save_s": time.perf_counter() - t0, "h": h, "done": []}
+        hf = self.ckpt.save_local(step, self.state) if self.fast else None  # None: skipped, the last still copying
+        token = {"t0": t0, "save_s": time.perf_counter() - t0, "h": h, "hf": hf, "done": [],
+                 "save_cpu_s": time.thread_time() - c0}  # the training thread's own CPU time in the calls
         self._watch.put(token)
         return token
 
     def fence(self, token: dict) -> None:
         token["h"].wait_staged()
+        if token["hf"] is not None:
+            token["hf"].wait_staged()
         return None
 
     def done_at(self, token: dict) -> float | None:
@@ -377,7 +394,13 @@ class FlexSaver:
 
     def timings(self, token: dict) -> dict[str, float]:
         h = token["h"]
-        return {"save_s": h.save_seconds, "fence_s": h.fence_seconds, **h.timings}
+        out = {"save_s": h.save_seconds, "fence_s": h.fence_seconds, **h.timings, "save_cpu_s": token["save_cpu_s"]}
+        if self.fast:  # the fast save's own phases (its tier thread), 0 when skipped
+            hf = token["hf"]
+            out["fast_skipped"] = float(hf is None)
+            for k in ("stage_s", "write_s", "replicate_s"):
+                out["fast_" + k] = hf.timings.get(k, 0.0) if hf is not None and hf.done() else 0.0
+        return out
 
     def profile_totals(self) -> dict[str, tuple[float, int]]:
         if self.profile is None:
@@ -386,6 +409,8 @@ class FlexSaver:
 
     def finish(self) -> None:
         self.ckpt.wait()
+        if self.fast:
+            self.ckpt.tier.wait()
         self._watch.put(None)
         self._watcher.join(10)
 
@@ -397,6 +422,13 @@ class FlexSaver:
 
     def close(self) -> None:
         self.ckpt.close()
+        if self.fast:  # the emulated node's folder (the tier's own went at close)
+            node = os.path.dirname(self.ckpt.tier.root)
+            shutil.rmtree(node, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(node))
+            except OSError:
+                pass  # the other rank's node is still there
 
 
 def make_saver(variant: str, root: str, local: dict[str, torch.Tensor], specs: Sequence[TensorSpec], rank: int, world: int,
@@ -407,6 +439,6 @@ def make_saver(variant: str, root: str, local: dict[str, torch.Tensor], specs: S
         if state_kind != "sharded":
             raise ValueError(f"the torch_checkpointing saver has no {state_kind!r} state; use --libs without tc")
         return TcSaver(variant, root, local, specs, rank, world)
-    if variant == "flexckpt":
+    if variant in ("flexckpt", "flexckpt-tier"):
         return FlexSaver(variant, root, local, specs, rank, world, state_kind=state_kind, **(flex_options or {}))
     raise ValueError(f"unknown library {variant!r}; expected one of {', '.join(VARIANTS)}")

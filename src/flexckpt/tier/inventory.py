@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 
 from flexckpt.manifest import parse_step_dir, step_dir
@@ -201,17 +202,19 @@ def keep_steps(storage: Storage, keep: int) -> None:
             storage.remove_tree(n)
 
 
-def pack(doc: dict, files: "list[bytes | memoryview]") -> bytearray:
+def pack(doc: dict, files: "list[bytes | memoryview]") -> np.ndarray:
     """A transfer's payload: the marker document, then the files it names, in order (one
-    copy of the bytes, into one writable buffer that a tensor can wrap)."""
+    copy of the bytes, into one writable buffer that a tensor can wrap). numpy allocates it
+    unzeroed and copies without holding the GIL: a ``bytearray`` zeroes and copies holding
+    it (about 0.3 s for 50 MiB on a loaded core), and the training thread waited that long."""
     meta = orjson.dumps(doc)
-    out = bytearray(4 + len(meta) + sum(memoryview(f).nbytes for f in files))
-    out[:4] = len(meta).to_bytes(4, "little")
-    out[4 : 4 + len(meta)] = meta
+    sizes = [memoryview(f).nbytes for f in files]
+    out = np.empty(4 + len(meta) + sum(sizes), dtype=np.uint8)
+    out[:4] = np.frombuffer(len(meta).to_bytes(4, "little"), dtype=np.uint8)
+    out[4 : 4 + len(meta)] = np.frombuffer(meta, dtype=np.uint8)
     pos = 4 + len(meta)
-    for f in files:
-        n = memoryview(f).nbytes
-        out[pos : pos + n] = f
+    for f, n in zip(files, sizes):
+        out[pos : pos + n] = np.frombuffer(f, dtype=np.uint8)
         pos += n
     return out
 
