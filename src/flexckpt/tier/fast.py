@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import torch
 import torch.distributed as dist
 
 from flexckpt.checksum import checksum
@@ -414,6 +415,7 @@ class FastTier:
         pending = None
         view = StepView(self.storage, {})
         asks: dict[int, list[Ask]] = {}
+        self._into: dict[tuple[str, int], np.ndarray] = {}  # asked ranges received straight into a target
         try:
             manifest = self._store_manifest(ckpt, decision) if decision.missing else self._manifest(decision, w)
             manifest.files.bind(view, step_dir(decision.step))
@@ -447,7 +449,7 @@ class FastTier:
                 work.wait(datetime.timedelta(seconds=self.timeout))
         except Exception as exc:  # noqa: BLE001
             error = error or exc
-        sends = []
+        sends, self._into = [], {}
         report.timings["drain_s"] = time.perf_counter() - t4
         report.fetched_bytes = sum(t.nbytes for t in transfers if t.receiver == self.rank)
         report.sent_bytes = sum(t.nbytes for t in transfers if t.server == self.rank)
@@ -538,6 +540,7 @@ class FastTier:
         m, attempt = manifest, manifest.attempt
         targets = [(m.tensors[pending.walk.specs[i].name], rng) for i, rng in pending.targets]
         ranges = ranges_needed(m, targets, set(m.files))
+        into = [_bytes_of(pending.walk.tensors[i]) for i, _rng in pending.targets]
         reading = {saved_rank(f): f for f in ranges}
         if pending.per_rank:  # at the saved world size: this rank's own per-rank values
             reading.setdefault(self.rank, "")
@@ -557,8 +560,11 @@ class FastTier:
             else:  # parts[s] is named once fetchplan.assign has picked the peer
                 asks[s] = [Ask(rel, 0, n) for rel, n in files if n]
                 if data:
-                    asks[s] += [Ask(data, off, n) for off, n in ranges[data]]
+                    asks[s] += [Ask(data, r.offset, r.length) for r in ranges[data]]
                     files.append((data, e.stored_nbytes))
+                    for r in ranges[data]:
+                        if r.target >= 0 and into[r.target] is not None:
+                            self._into[(f"{folder}/{data}", r.offset)] = into[r.target][r.target_pos : r.target_pos + r.length]
                 for rel, n in files:
                     view.routes[f"{folder}/{rel}"] = Received(f"{folder}/{rel}", n, "a peer")
         return asks, parts
@@ -587,7 +593,7 @@ class FastTier:
                 continue
             try:
                 box = Incoming(self.group, self.global_ranks[t.server], step, t.saved, [a.length for a in t.asks],
-                               self.timeout)
+                               self.timeout, [self._into.get((f"{folder}/{a.rel}", a.offset)) for a in t.asks])
             except Exception as exc:  # noqa: BLE001
                 error = error or exc
                 continue
@@ -597,6 +603,13 @@ class FastTier:
                 file.where = f"rank {t.server} on node {self.node_names[t.server]}"
                 file.add(a.offset, box.buffers[i], functools.partial(box.ready, i))
         return sends, incoming, error
+
+
+def _bytes_of(t: Any) -> np.ndarray | None:
+    """A target tensor's bytes, where a load reads straight into it (CPU, contiguous)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _mapped(path: str, offset: int, length: int) -> np.ndarray:

@@ -74,7 +74,18 @@ class _RawFiles(Mapping):
         return len(self.names)
 
 
-def ranges_needed(manifest: Manifest, targets: list, files: set[str]) -> dict[str, list[tuple[int, int]]]:
+class Range(NamedTuple):
+    """A range of a file that the load reads at once. ``target >= 0``: its bytes land,
+    whole and in order, at byte ``target_pos`` of target ``target`` (they can be received
+    there directly)."""
+
+    offset: int
+    length: int
+    target: int = -1
+    target_pos: int = 0
+
+
+def ranges_needed(manifest: Manifest, targets: list, files: set[str]) -> dict[str, list[Range]]:
     """For each data file in ``files`` (names as the manifest gives them), the byte ranges
     the load of ``targets`` (``(SavedTensor, part)`` pairs, as ``plan_reads`` takes) reads
     of it, when the file is stored uncompressed."""
@@ -82,10 +93,21 @@ def ranges_needed(manifest: Manifest, targets: list, files: set[str]) -> dict[st
         raise ValueError(f"byte ranges are planned on uncompressed files; this step's codec is {manifest.codec!r}")
     raw = dataclasses.replace(manifest, files=_RawFiles(manifest))
     reads = [cr for cr in plan_reads(raw, targets) if cr.file in files]
-    out: dict[str, list[tuple[int, int]]] = {}
+    out: dict[str, list[Range]] = {}
     for f in coalesce(reads, FETCH_BYTES):
-        out.setdefault(f.file, []).append((f.offset, f.length))
+        out.setdefault(f.file, []).append(Range(f.offset, f.length, *_lands_whole(f.reads)))
     return out
+
+
+def _lands_whole(reads: tuple) -> tuple[int, int]:
+    """(target, position) when consecutive chunks fill one stretch of one target, else (-1, 0)."""
+    first = reads[0].copies[0]
+    at = first.target_pos
+    for cr in reads:
+        if not cr.whole or cr.copies[0].target != first.target or cr.copies[0].target_pos != at:
+            return -1, 0
+        at += cr.chunk.raw_length
+    return first.target, first.target_pos
 
 
 def assign(asks: list[dict[int, list[Ask]]], holders: dict[int, list[int]]) -> list[Transfer]:

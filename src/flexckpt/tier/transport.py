@@ -152,11 +152,12 @@ def serve(group: "dist.ProcessGroup", dst: int, step: int, saved: int, payloads:
 class Incoming:
     """The ranges one transfer brings: the header is awaited at once (a server that could
     not read its files sends no payload, and a receive never waits for what will not come);
-    then one receive per range is posted, each into a buffer of its own. ``ready(i)`` waits
-    for range ``i``."""
+    then one receive per range is posted, into ``into[i]`` where given (a stretch of the
+    target tensor the range lands in whole), else into a buffer of its own. ``ready(i)``
+    waits for range ``i``."""
 
     def __init__(self, group: "dist.ProcessGroup", src: int, step: int, saved: int, lengths: list[int],
-                 timeout: float) -> None:
+                 timeout: float, into: "list[np.ndarray | None] | None" = None) -> None:
         self.src, self.timeout = src, timeout
         h = torch.zeros(6, dtype=torch.int64)
         _wait(dist.irecv(h, src, group=group), timeout)
@@ -168,7 +169,7 @@ class Incoming:
         if (got_step, got_saved, count, nbytes) != (step, saved, len(lengths), sum(lengths)):
             raise ValueError(f"rank {src} sends step {got_step}, saved rank {got_saved}, {count} ranges, {nbytes} bytes; "
                              f"expected step {step}, saved rank {saved}, {len(lengths)} ranges, {sum(lengths)} bytes")
-        self.buffers = [np.empty(n, dtype=np.uint8) for n in lengths]
+        self.buffers = [b if b is not None else np.empty(n, dtype=np.uint8) for n, b in zip(lengths, into or [None] * len(lengths))]
         self._works = [dist.irecv(torch.from_numpy(b), src, group=group) for b in self.buffers]
         self._done = [False] * len(lengths)
         self._lock = threading.Lock()
