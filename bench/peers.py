@@ -312,6 +312,7 @@ class _Timers:
 
 def _install_profile() -> _Timers:
     import flexckpt.checkpointer as ck
+    import flexckpt.committer as committer
     import flexckpt.staging as stg
     import flexckpt.writer as wr
 
@@ -325,7 +326,7 @@ def _install_profile() -> _Timers:
     timers.wrap(wr, "compress", "compress (none: slicing)")
     timers.wrap(os, "write", "os.write")
     timers.wrap(os, "fsync", "os.fsync")
-    timers.wrap(ck, "gather", "commit: gather records")
+    timers.wrap(committer, "gather", "commit: gather records")
     return timers
 
 

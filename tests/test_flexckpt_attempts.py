@@ -348,7 +348,7 @@ def test_retention_never_removes_the_folder_a_save_is_creating(tmp_path, monkeyp
     # here: the writer stops between the two mkdirs until retention ran (or is held off).
     import threading
 
-    import flexckpt.checkpointer as cpmod
+    import flexckpt.committer as cpmod
     from flexckpt.manifest import step_dir
 
     ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=2, commit_timeout=30)
@@ -402,7 +402,8 @@ def test_retention_leaves_a_step_with_a_save_in_flight_alone(tmp_path, monkeypat
     # committing while attempt 2 is in flight. Retention must not take attempt 2's folder.
     import threading
 
-    import flexckpt.checkpointer as cpmod
+    import flexckpt.committer as cpmod
+    import flexckpt.save_pipeline as pipemod
     from flexckpt.manifest import step_dir
 
     ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=1, commit_timeout=30)
@@ -410,7 +411,7 @@ def test_retention_leaves_a_step_with_a_save_in_flight_alone(tmp_path, monkeypat
         ck.save(5, {"w": torch.full((64,), 50.0), "step": 5}).result(timeout=30)
         ck.wait()
     writing, retention_ran = threading.Event(), threading.Event()
-    real_write, real_commit, real_retention = cpmod.write_data_file, cpmod.commit, cpmod.apply_retention
+    real_write, real_commit, real_retention = pipemod.write_data_file, cpmod.commit, cpmod.apply_retention
     last = f"{step_dir(5)}/job."
 
     def write_data_file(storage, rel, *args, **kwargs):
@@ -429,7 +430,7 @@ def test_retention_leaves_a_step_with_a_save_in_flight_alone(tmp_path, monkeypat
         if newest == first:
             retention_ran.set()
 
-    monkeypatch.setattr(cpmod, "write_data_file", write_data_file)
+    monkeypatch.setattr(pipemod, "write_data_file", write_data_file)
     monkeypatch.setattr(cpmod, "commit", commit)
     monkeypatch.setattr(cpmod, "apply_retention", retention)
     h_first = ck.save(first, {"w": torch.full((64,), float(first)), "step": first})
@@ -449,7 +450,7 @@ def test_another_ranks_writer_survives_retention_removing_its_empty_step_folder(
     # empty folder; rank 1 makes it again instead of failing with ENOENT
     import threading
 
-    import flexckpt.checkpointer as cpmod
+    import flexckpt.committer as cpmod
     from flexckpt.manifest import step_dir
 
     cps = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job", keep_last=1, commit_timeout=30)

@@ -253,7 +253,7 @@ def test_group_leaders_gather_records_so_rank_0_reads_one_per_group(tmp_path):
 
 
 def test_hybrid_shard_parts_round_trip_when_pieces_are_cut_small(tmp_path, monkeypatch):
-    import flexckpt.checkpointer as ckmod
+    import flexckpt.save_pipeline as ckmod
 
     monkeypatch.setattr(ckmod, "make_write_plan", lambda specs, w, c: WritePlan(specs, w, PlanRules(c, hybrid_part_bytes=64)))
     world = 4

@@ -297,7 +297,7 @@ def test_a_stage_structure_is_sent_again_until_a_save_carrying_it_commits(tmp_pa
     """Rank 0's first commit fails before it reads any record: the next save's records carry
     the stages' structures again (a rank stops sending its structure only once it sees a
     save that carried it committed), so that save commits with the union."""
-    import flexckpt.checkpointer as checkpointer_module
+    import flexckpt.committer as checkpointer_module
 
     real, calls = checkpointer_module.gather, []
 

@@ -38,8 +38,10 @@ from flexckpt.commit import read_manifest
 from flexckpt.load import PendingLoad
 from flexckpt.checksum import ALGORITHM
 from flexckpt.manifest import (
-    FORMAT, VERSION, SavedTensor, attempt_id, data_name, parse_manifest, seal, step_dir, table_name, values_name,
+    FORMAT, VERSION, SavedTensor, data_name, parse_manifest, seal, step_dir, table_name, values_name,
 )
+from flexckpt.handle import SaveHandle
+from flexckpt.save_pipeline import Attempts
 from flexckpt.staging import StagingBuffer, copies_for
 from flexckpt.storage import Storage
 from flexckpt.structure import fingerprint, walk
@@ -141,7 +143,7 @@ class FastTier:
         self._busy = threading.Event()
         self._jobs: queue.Queue = queue.Queue()
         self._buffer = StagingBuffer()
-        self._attempts: dict[int, int] = {}
+        self._attempts = Attempts(self.run_id, self.session)  # numbered as persistent saves are, counted apart
         self._space_checked = config.state_bytes is not None
         self._thread: threading.Thread | None = None
         self._copies: dict = {}
@@ -189,8 +191,6 @@ class FastTier:
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, ckpt: Any, step: int, state: dict) -> Any:
-        from flexckpt.checkpointer import SaveHandle
-
         if self._closed:
             raise RuntimeError("this fast tier is closed")
         step_dir(step)
@@ -206,8 +206,7 @@ class FastTier:
             self._space_checked = True
         srcs, plain, lanes, per_rank = ckpt._capture(w, entry)  # now: the pipeline moves on
         lanes = {k: orjson.Fragment(v) for k, v in lanes.items()}
-        n = self._attempts[step] = self._attempts.get(step, 0) + 1
-        attempt = attempt_id(self.run_id, self.session, n)
+        attempt = self._attempts.next(step)
         handle = SaveHandle(step, None, attempt)
         cuda = self._copier(entry)
         self._busy.set()

@@ -1,0 +1,70 @@
+"""What the ranks agree on with a collective, outside the save path: at load, the step
+(rank 0 picks, everyone gets it) and whether any rank failed; at construction, rank 0's
+random ids (see ``Checkpointer._resolve_run_id``). With a process group, on its ranks."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from flexckpt.errors import LoadError
+
+log = logging.getLogger("flexckpt")
+
+
+def distributed(world_size: int) -> bool:
+    return world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def collective_device(group: "dist.ProcessGroup | None") -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def global_rank(group_rank: int, group: "dist.ProcessGroup | None") -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def agree_step(rank: int, world_size: int, group: "dist.ProcessGroup | None", steps: Callable[[], list[int]],
+               url: str, step: int | None, before: int | None) -> int:
+    """The step every rank loads: ``step`` if committed, else the newest committed one (or
+    the newest before ``before``), chosen from rank 0's listing (``steps``)."""
+    value = -3
+    if rank == 0 or not distributed(world_size):
+        try:
+            listed = steps()
+            if before is not None:
+                older = [s for s in listed if s < before]
+                value = older[-1] if older else -1
+            elif step is None:
+                value = listed[-1] if listed else -1
+            else:
+                value = step if step in listed else -2
+        except Exception:  # noqa: BLE001 - reported to every rank below
+            log.exception("flexckpt: listing checkpoints under %s failed", url)
+            value = -3
+    if distributed(world_size):
+        t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
+        dist.broadcast(t, src=global_rank(0, group), group=group)
+        value = int(t.item())
+    if value == -1:
+        where = f" before step {before}" if before is not None else ""
+        raise LoadError(f"no committed checkpoint{where} under {url}")
+    if value == -2:
+        raise LoadError(f"step {step} is not a committed checkpoint under {url}; committed: {steps()}")
+    if value == -3:
+        raise LoadError(f"could not list checkpoints under {url} (see rank 0's log)")
+    return value
+
+
+def first_failed_rank(rank: int, world_size: int, group: "dist.ProcessGroup | None", failed: bool) -> int | None:
+    """The lowest rank whose load failed (``failed`` on it), or None: one all-reduce."""
+    if not distributed(world_size):
+        return rank if failed else None
+    t = torch.tensor([rank if failed else world_size], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    first = int(t.item())
+    return None if first >= world_size else first

@@ -1,0 +1,72 @@
+"""A save in flight, as the caller holds it: the fence (``wait_staged``) and the result.
+Both tiers hand one out (``Checkpointer.save`` and ``save_local``)."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from flexckpt.errors import SaveError
+
+
+class SaveHandle:
+    """One save in flight. ``wait_staged()`` is the fence after which the caller may
+    change the state; ``result()`` returns once the checkpoint is committed."""
+
+    def __init__(self, step: int, wait_commit: "Any", attempt: str = "") -> None:
+        self.step = step
+        self.attempt = attempt  # this save attempt's folder inside the step folder
+        self.save_seconds = 0.0  # time spent inside save()
+        self.fence_seconds = 0.0  # time spent inside wait_staged()
+        self.timings: dict[str, float] = {}
+        self._staged = threading.Event()
+        self._fence_called = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._wait_commit = wait_commit  # non-coordinators: poll storage for the manifest
+
+    @property
+    def trainer_wait(self) -> float:
+        """Seconds the training thread spent on this save: inside save() plus at the fence."""
+        return self.save_seconds + self.fence_seconds
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until the state has been copied out (a failed staging also releases the
+        fence; the failure is reported by :meth:`result`). Returns False on timeout."""
+        t0 = time.perf_counter()
+        self._fence_called.set()
+        ok = self._staged.wait(timeout)
+        self.fence_seconds += time.perf_counter() - t0
+        return ok
+
+    def staged(self) -> bool:
+        return self._staged.is_set()
+
+    def done(self) -> bool:
+        """This rank's part is finished (on rank 0: the checkpoint is committed)."""
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self, timeout: float | None = None) -> int:
+        """Wait until the checkpoint is committed; return its step or raise ``SaveError``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} not finished after {timeout} s")
+        if self._error is not None:
+            raise SaveError(f"save of step {self.step} failed: {self._error}") from self._error
+        if self._wait_commit is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._wait_commit(self.step, left)
+        return self.step
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._staged.set()
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "done" if self.done() else "staged" if self.staged() else "staging"
+        return f"SaveHandle(step={self.step}, {state})"
