@@ -11,6 +11,7 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -416,3 +417,62 @@ def test_a_fast_save_due_while_the_last_is_in_flight_is_skipped_and_counted(tmp_
     assert ck.save_local(3, make_state(0, 1, 3)).result(30) == 3 and ck.tier.skipped == 1
     assert sorted(h.step for h in scan(ck.tier.storage)) == [1, 3]
     ck.close()
+
+
+# -- recovery's byte ranges and step view (one process) -------------------------------------------
+def test_asked_ranges_are_the_chunks_the_ordinary_load_reads_and_land_in_their_target(tmp_path):
+    """A step saved by 1 rank, read as rank 1 of 2: the ranges asked of each data file are
+    what the ordinary load reads of it (counted through the storage layer), and each lands
+    whole in one stretch of the target, so it can be received there directly."""
+    from flexckpt.commit import read_manifest
+    from flexckpt.load import PendingLoad
+    from flexckpt.structure import walk
+    from flexckpt.tier.fetchplan import ranges_needed
+
+    ck = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, chunk_bytes=1024)
+    ck.save(3, {"w": ShardedTensor.from_global(global_tensor("w", 3), Shard(0), 0, 1)}).result(60)
+    ck.close()
+    target = {"w": ShardedTensor.from_global(torch.zeros(SHAPES["w"]), Shard(0), 1, 2)}
+    m = read_manifest(ck.storage, 3)
+    pending = PendingLoad(ck.storage, m, walk(target, 1, 2), 1, 2, True)
+    targets = [(m.tensors[pending.walk.specs[i].name], rng) for i, rng in pending.targets]
+    ranges = ranges_needed(m, targets, set(m.files))
+    read: dict = {}
+    orig = RangeReader.read_scatter
+
+    def counting(self, offset, outs):
+        read[os.path.basename(self.path)] = read.get(os.path.basename(self.path), 0) + sum(o.nbytes for o in outs)
+        return orig(self, offset, outs)
+
+    RangeReader.read_scatter = counting
+    try:
+        pending.read(1)
+    finally:
+        RangeReader.read_scatter = orig
+    # rows 48..95 are bytes [7680, 15360) of the file; chunks of 1024 bytes: [7168, 15360) is read
+    assert {os.path.basename(f): sum(r.length for r in rs) for f, rs in ranges.items()} == read == {"r00000.data": 8192}
+    assert os.path.getsize(os.path.join(ck.storage.root, "step-000000000003", list(m.files)[0])) == 15360
+    # the first chunk is half wanted (to a buffer); the rest lands whole at byte 512 of the target
+    assert [tuple(r) for rs in ranges.values() for r in rs] == [(7168, 1024, -1, 0), (8192, 7168, 0, 512)]
+
+
+def test_step_view_reads_received_ranges_and_refuses_others(tmp_path):
+    from flexckpt.errors import MissingFile
+    from flexckpt.tier.view import Received, StepView
+
+    waited = []
+    f = Received("step-1/a/r00001.data", 100, "rank 3 on node n3")
+    f.add(60, np.arange(20, dtype=np.uint8), lambda: waited.append(60))
+    f.add(10, np.arange(30, dtype=np.uint8), lambda: waited.append(10))
+    view = StepView(Storage(str(tmp_path)), {"step-1/a/r00001.data": f})
+    out = np.zeros(5, dtype=np.uint8)
+    view.open_reader("step-1/a/r00001.data").read_into(35, memoryview(out))
+    assert out.tolist() == [25, 26, 27, 28, 29] and waited == [10] and view.size("step-1/a/r00001.data") == 100
+    with pytest.raises(MissingFile, match=r"r00001.data from rank 3 on node n3: bytes \[40, 45\) were not asked for"):
+        view.open_reader("step-1/a/r00001.data").read_into(38, memoryview(np.zeros(7, dtype=np.uint8)))
+    # a range received straight into its place is not copied onto itself
+    target = np.arange(20, dtype=np.uint8)
+    g = Received("x", 20, "a peer")
+    g.add(0, target, lambda: None)
+    g.read_scatter(0, [memoryview(target)[:8], memoryview(target)[8:]])
+    assert target.tolist() == list(range(20))

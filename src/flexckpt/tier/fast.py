@@ -8,9 +8,13 @@ sends a copy to each partner (``transport.send``). A fast save that falls due wh
 previous one is still in flight is skipped and counted, never waited for.
 
 Recover (``recover``, every rank, at ``load()``): one all-gather of the nodes' inventories
-on the tier's group, the newest step complete across the surviving nodes, files a rank
-needs and its node lacks fetched from a rank whose node holds them (one more all-gather
-of the needs, then send/recv), then the ordinary load over the node's folder.
+on the tier's group, the newest step complete across the surviving nodes (or partly held,
+its missing saved ranks served by the store's same save), then one all-gather of what each
+rank asks of its peers: only the byte ranges its load reads of files its node lacks. The
+ordinary load then runs over a ``StepView``: the node's folder, the ranges as they arrive
+(sent with send/recv), the store's files of missing ranks. Timings by phase go to
+``last_recovery.timings``: inventory, plan (manifest, read plan, asks), post (sends and
+receives posted), read (the load; ``wait_peer_s`` of it waiting for ranges), drain.
 """
 from __future__ import annotations
 

@@ -95,19 +95,24 @@ def ranges_needed(manifest: Manifest, targets: list, files: set[str]) -> dict[st
     reads = [cr for cr in plan_reads(raw, targets) if cr.file in files]
     out: dict[str, list[Range]] = {}
     for f in coalesce(reads, FETCH_BYTES):
-        out.setdefault(f.file, []).append(Range(f.offset, f.length, *_lands_whole(f.reads)))
+        out.setdefault(f.file, []).extend(_split(f.reads))
     return out
 
 
-def _lands_whole(reads: tuple) -> tuple[int, int]:
-    """(target, position) when consecutive chunks fill one stretch of one target, else (-1, 0)."""
-    first = reads[0].copies[0]
-    at = first.target_pos
+def _split(reads: tuple) -> list[Range]:
+    """One load read's chunks as ranges: runs of whole chunks that fill one stretch of one
+    target (received there), and runs of the others (received into a buffer)."""
+    out: list[Range] = []
     for cr in reads:
-        if not cr.whole or cr.copies[0].target != first.target or cr.copies[0].target_pos != at:
-            return -1, 0
-        at += cr.chunk.raw_length
-    return first.target, first.target_pos
+        c = cr.copies[0] if cr.whole else None
+        last = out[-1] if out else None
+        if last is not None and last.offset + last.length == cr.chunk.offset and (
+                (c is None and last.target < 0)
+                or (c is not None and last.target == c.target and last.target_pos + last.length == c.target_pos)):
+            out[-1] = last._replace(length=last.length + cr.chunk.length)
+        else:
+            out.append(Range(cr.chunk.offset, cr.chunk.length, *((c.target, c.target_pos) if c else (-1, 0))))
+    return out
 
 
 def assign(asks: list[dict[int, list[Ask]]], holders: dict[int, list[int]]) -> list[Transfer]:
