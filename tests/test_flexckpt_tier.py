@@ -476,3 +476,26 @@ def test_step_view_reads_received_ranges_and_refuses_others(tmp_path):
     g.add(0, target, lambda: None)
     g.read_scatter(0, [memoryview(target)[:8], memoryview(target)[8:]])
     assert target.tolist() == list(range(20))
+
+
+def test_the_stores_step_serves_missing_parts_only_when_it_is_the_same_save(tmp_path):
+    """Same attempt, plan and files (manifest lines) as the tier's bundles: accepted. Another
+    attempt, or a held rank whose files differ: refused, naming why."""
+    import dataclasses
+
+    from flexckpt.tier.inventory import choose
+
+    ck = _one(tmp_path)
+    state = make_state(0, 1, 4)
+    ck.save(4, state).result(60)
+    ck.save_local(4, state).result(60)
+    held = scan(ck.tier.storage)
+    d = choose([held], ck.tier.lineage, held[0].doc["fingerprint"], [4])
+    assert (d.source, d.step, d.missing) == ("tier", 4, [])
+    assert ck.tier._store_manifest(ck, d).attempt == d.attempt  # a persistent and a fast save of a step: attempt 1 each
+    with pytest.raises(ValueError, match=r"step 4 is not the save the fast tier holds part of \(it is save attempt "):
+        ck.tier._store_manifest(ck, dataclasses.replace(d, attempt=d.attempt[:-1] + "2"))
+    doc = dict(d.docs[0], line=[*d.docs[0]["line"][:3], d.docs[0]["line"][3] + 1, *d.docs[0]["line"][4:]])
+    with pytest.raises(ValueError, match=r"the files of saved rank\(s\) \[0\] differ"):
+        ck.tier._store_manifest(ck, dataclasses.replace(d, docs={0: doc}))
+    ck.close()
