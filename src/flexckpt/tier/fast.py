@@ -55,7 +55,7 @@ from flexckpt.tier.inventory import (
 )
 from flexckpt.tier.placement import node_name, nodes_of, partners, sources
 from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_rank
-from flexckpt.tier.transport import Header, Inbox, Incoming, digest, send, serve
+from flexckpt.tier.transport import Header, Inbox, Incoming, announce, digest, send, send_range
 from flexckpt.tier.view import Received, StepView
 from flexckpt.writer import table_bytes, values_bytes, write_data_file
 
@@ -449,7 +449,7 @@ class FastTier:
             for box in incoming:
                 box.wait_all()
             for work in sends:
-                work.wait(datetime.timedelta(seconds=self.timeout))
+                (work[0] if isinstance(work, tuple) else work).wait(datetime.timedelta(seconds=self.timeout))
         except Exception as exc:  # noqa: BLE001
             error = error or exc
         sends, self._into = [], {}
@@ -572,6 +572,19 @@ class FastTier:
                     view.routes[f"{folder}/{rel}"] = Received(f"{folder}/{rel}", n, "a peer")
         return asks, parts
 
+    def _readable(self, t: Transfer, folder: str) -> bool:
+        """Whether this node's files hold every range ``t`` asks for (else the receiver is told)."""
+        try:
+            for a in t.asks:
+                size = os.path.getsize(self.storage.path(f"{folder}/{a.rel}"))
+                if size < a.offset + a.length:
+                    raise ValueError(f"{folder}/{a.rel} is {size} bytes, asked for [{a.offset}, {a.offset + a.length})")
+            return True
+        except Exception as exc:  # noqa: BLE001
+            log.error("flexckpt fast tier rank %d: cannot read saved rank %d's files for rank %d: %s",
+                      self.rank, t.saved, t.receiver, exc)
+            return False
+
     def _exchange(self, step: int, transfers: list[Transfer], view: StepView) -> tuple[list, list[Incoming], Any]:
         """Post the sends this rank serves (straight from its node's files, mapped), then
         set up the receives it awaits, each range landing in the view's ``Received`` file.
@@ -580,16 +593,24 @@ class FastTier:
         folder = step_dir(step)
         error: BaseException | None = None
         sends: list = []
-        for t in transfers:
-            if t.server != self.rank:
-                continue
+        mine = [t for t in transfers if t.server == self.rank]
+        ok = {t: self._readable(t, folder) for t in mine}
+        first: dict[int, Transfer] = {}
+        for t in mine:
+            first.setdefault(t.receiver, t)
+        for t in first.values():  # each receiver's first header at once: it sets up while ranges are mapped
+            sends.append(announce(self.group, self.global_ranks[t.receiver], step, t.saved,
+                                  [a.length for a in t.asks] if ok[t] else None))
+        for t in mine:  # per receiver, a transfer's header and ranges in order: messages pair by order
+            if first[t.receiver] is not t:
+                sends.append(announce(self.group, self.global_ranks[t.receiver], step, t.saved,
+                                      [a.length for a in t.asks] if ok[t] else None))
             try:
-                payloads = [_mapped(self.storage.path(f"{folder}/{a.rel}"), a.offset, a.length) for a in t.asks]
-            except Exception as exc:  # noqa: BLE001 - the receiver is told, and fails
-                log.error("flexckpt fast tier rank %d: cannot read saved rank %d's files for rank %d: %s",
-                          self.rank, t.saved, t.receiver, exc)
-                payloads = None
-            sends += serve(self.group, self.global_ranks[t.receiver], step, t.saved, payloads)
+                for a in t.asks if ok[t] else ():
+                    payload = _mapped(self.storage.path(f"{folder}/{a.rel}"), a.offset, a.length)
+                    sends.append((send_range(self.group, self.global_ranks[t.receiver], payload), payload))
+            except Exception as exc:  # noqa: BLE001 - checked above; the receiver times out on what is missing
+                error = error or exc
         incoming: list[Incoming] = []
         for t in transfers:
             if t.receiver != self.rank:

@@ -134,19 +134,20 @@ def _fetch_header(step: int, saved: int, count: int, nbytes: int, ok: bool) -> t
     return torch.tensor([FETCH_MAGIC, step, saved, count, nbytes, int(ok)], dtype=torch.int64)
 
 
-def serve(group: "dist.ProcessGroup", dst: int, step: int, saved: int, payloads: "list[np.ndarray] | None") -> list:
-    """Send ``dst`` (a global rank) a header, then each asked range as one message (from the
-    caller's buffers, which must live until the returned works finish). ``payloads`` None:
-    the files could not be read here; the header says so and nothing follows. No checksum
-    travels: the load verifies every chunk against its table, every table against the
-    manifest."""
-    n = sum(p.nbytes for p in payloads) if payloads is not None else 0
-    works = [dist.isend(_fetch_header(step, saved, len(payloads or ()), n, payloads is not None), dst, group=group)]
+def announce(group: "dist.ProcessGroup", dst: int, step: int, saved: int, lengths: "list[int] | None") -> "dist.Work":
+    """Send ``dst`` (a global rank) the header of a transfer of ranges of ``lengths`` bytes,
+    which ``send_range`` then sends one message each. ``lengths`` None: the files could not
+    be read here; the header says so and nothing follows. No checksum travels: the load
+    verifies every chunk against its table, every table against the manifest."""
+    ok = lengths is not None
+    return dist.isend(_fetch_header(step, saved, len(lengths or ()), sum(lengths or ()), ok), dst, group=group)
+
+
+def send_range(group: "dist.ProcessGroup", dst: int, payload: np.ndarray) -> "dist.Work":
+    """One announced range (the caller keeps ``payload`` alive until the work finishes)."""
     with warnings.catch_warnings():  # a read-only mapping of a tier file: sent, never written
         warnings.simplefilter("ignore", UserWarning)
-        for p in payloads or ():
-            works.append(dist.isend(torch.from_numpy(p), dst, group=group))
-    return works
+        return dist.isend(torch.from_numpy(payload), dst, group=group)
 
 
 class Incoming:
