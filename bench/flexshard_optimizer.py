@@ -13,10 +13,16 @@ the owner balance, and the reduction with the ceiling ``1 - 1/W`` that removing 
 Newton-Schulz alone would allow.
 
     python3 dev.py bench flexshard_optimizer [--layers 20] [--d 512] [--runs 5] [--worlds 2 4]
+    python3 dev.py bench flexshard_optimizer --flextrain-preset small --worlds 4 --runs 9
+
+``--flextrain-preset`` takes flextrain's model of that preset instead (its parameters,
+Muon on the blocks' matrices, AdamW on embedding, head and norms, as the trainer builds
+it) and adds the per-phase medians (reduce, update, gather) and the AdamW share.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -43,20 +49,31 @@ def shapes(layers: int, d: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _worker(rank: int, world: int, layers: int, d: int, runs: int) -> dict:
+def preset_model(preset: str) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """Parameter shapes of flextrain's model for ``preset`` and the ones it gives Muon."""
+    from flextrain.config import load_config
+    from flextrain.model import Transformer
+
+    model = Transformer(load_config(preset).model)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}, model.hidden_matrices()
+
+
+def _worker(rank: int, world: int, layers: int, d: int, runs: int, preset: str | None = None) -> dict:
     g = torch.Generator().manual_seed(0)
     params = {}
-    for name, shape in shapes(layers, d).items():
-        p = (torch.randn(shape, generator=g) / d**0.5).requires_grad_()
+    table, muon_params = (shapes(layers, d), None) if preset is None else preset_model(preset)
+    for name, shape in table.items():
+        p = (torch.randn(shape, generator=g) / shape[-1] ** 0.5).requires_grad_()
         params[name] = p
     gl = torch.Generator().manual_seed(1 + rank)  # each rank its own local gradients
     for p in params.values():
         p.grad = torch.randn(p.shape, generator=gl)
     opts = {
-        placement: ShardedOptimizer(params, MuonConfig(lr=0.02), sharding=ShardingConfig(placement=placement))
+        placement: ShardedOptimizer(params, MuonConfig(lr=0.02), sharding=ShardingConfig(placement=placement),
+                                    muon_params=muon_params)
         for placement in ("owned", "fsdp")
     }
-    out = {p: {"times": [], "sent": [], "written": [], "ns": [], "padding": []} for p in opts}
+    out = {p: {"times": [], "sent": [], "written": [], "ns": [], "padding": [], "phases": []} for p in opts}
     for run in range(runs + 1):  # the first run warms up and is not counted
         for placement, opt in opts.items():
             opt.stats.reset()
@@ -77,6 +94,7 @@ def _worker(rank: int, world: int, layers: int, d: int, runs: int) -> dict:
             rec["padding"].append(opt.stats.padding_bytes)
             rec["written"].append(None if w0 is None else w1 - w0)
             rec["ns"].append(opt.ns_flops)
+            rec["phases"].append(dict(opt.phase_s))
     out["load_ratio"] = opts["owned"].load_ratio()
     out["total_bytes"] = sum(p.numel() * 4 for p in params.values())
     return out
@@ -88,18 +106,28 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--flextrain-preset", default=None, help="flextrain's model of this preset (tiny, small) instead")
     args = ap.parse_args()
-    total_mb = sum(a * b for a, b in shapes(args.layers, args.d).values()) * 4 / 2**20
-    print(f"optimizer phase: {len(shapes(args.layers, args.d))} Muon matrices, {total_mb:.0f} MiB fp32, "
-          f"d={args.d}, {args.layers} layers, gloo, 1 thread per rank, median of {args.runs} runs "
-          f"(+1 warm-up), {os.cpu_count()} CPUs on this machine")
+    if args.flextrain_preset:
+        table, muon = preset_model(args.flextrain_preset)
+        n_all = sum(math.prod(s) for s in table.values())
+        n_muon = sum(math.prod(table[n]) for n in muon)
+        print(f"optimizer phase: flextrain preset {args.flextrain_preset!r}: {len(muon)} Muon matrices "
+              f"({n_muon / 1e6:.2f}M elements), AdamW on {len(table) - len(muon)} tensors "
+              f"({(n_all - n_muon) / 1e6:.2f}M elements, {1 - n_muon / n_all:.1%}), gloo, 1 thread per rank, "
+              f"median of {args.runs} runs (+1 warm-up), {os.cpu_count()} CPUs on this machine")
+    else:
+        total_mb = sum(a * b for a, b in shapes(args.layers, args.d).values()) * 4 / 2**20
+        print(f"optimizer phase: {len(shapes(args.layers, args.d))} Muon matrices, {total_mb:.0f} MiB fp32, "
+              f"d={args.d}, {args.layers} layers, gloo, 1 thread per rank, median of {args.runs} runs "
+              f"(+1 warm-up), {os.cpu_count()} CPUs on this machine")
     header = (f"{'W':>2} {'placement':>9} {'time s':>8} {'sent MiB/rank':>14} {'written MiB/rank':>17} "
               f"{'NS GFLOP/rank':>14} {'NS balance':>10}")
     print(header)
     print("-" * len(header))
     summary = []
     for world in args.worlds:
-        res = run_workers(_worker, world, args.layers, args.d, args.runs, timeout=600)
+        res = run_workers(_worker, world, args.layers, args.d, args.runs, args.flextrain_preset, timeout=600)
         row = {}
         for placement in ("owned", "fsdp"):
             t = statistics.median(res[0][placement]["times"])
@@ -109,7 +137,9 @@ def main() -> None:
                   if all(x is not None for w in written for x in w) else float("nan"))
             ns = max(statistics.median(r[placement]["ns"]) for r in res) / 1e9
             bal = f"{res[0]['load_ratio']:.3f}" if placement == "owned" else "-"
-            print(f"{world:>2} {placement:>9} {t:>8.3f} {sent:>14.1f} {wr:>17.1f} {ns:>14.1f} {bal:>10}")
+            phases = {k: statistics.median(ph[k] for ph in res[0][placement]["phases"]) for k in ("reduce", "update", "gather")}
+            print(f"{world:>2} {placement:>9} {t:>8.3f} {sent:>14.1f} {wr:>17.1f} {ns:>14.1f} {bal:>10}   "
+                  + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()) + " (rank 0)")
             row[placement] = (t, sent, ns)
         summary.append((world, row))
     print()

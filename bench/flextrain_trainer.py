@@ -2,6 +2,7 @@
 Owned-Muon vs FSDP optimizer time, and zephon's restore cost against lanes per rank.
 
     python3 dev.py bench flextrain_trainer [--steps 60] [--parts ckpt,restart,optim,lanes]
+    python3 dev.py bench flextrain_trainer --parts optim --preset small --worlds 4 --reps 3 --steps 40
 
 Sizes: `tiny` (GPT-2 vocabulary, d=128, 2 layers), T=128, global batch 8, micro batch 2,
 one torch thread per rank, checkpoints to a local folder. Each part prints a table.
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from flextrain.launch import metrics, train  # noqa: E402
 
+OPTIM = {"preset": "tiny", "worlds": (2, 4), "reps": 1}  # the optim part's settings (--preset, --worlds, --reps)
 SIZES = ["data.max_length=128", "data.global_batch=8", "data.micro_batch=2", "eval_every=100000"]
 
 
@@ -122,21 +124,37 @@ def part_restart(work: Path, steps: int) -> None:
 
 
 def part_optim(work: Path, steps: int) -> None:
-    print(f"\n## Optimizer time in the trainer (reduce + step + gather), Owned Muon vs --placement fsdp, "
-          f"{steps // 2} steps, median per step", flush=True)
-    print("| D | owned | fsdp | owned saves | step owned | step fsdp |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for world in (2, 4):
-        med = {}
-        for placement in ("owned", "fsdp"):
-            run = work / f"optim-{placement}-d{world}"
-            train(world, run, SIZES + [f"steps={steps // 2}", f"ckpt_every={steps}", f"optim.placement={placement}"])
-            rows = metrics(run)
-            body = [rows[s] for s in sorted(rows) if s > 2]
-            med[placement] = (statistics.median(r["optim_s"] for r in body), statistics.median(r["step_s"] for r in body))
-        o, f = med["owned"], med["fsdp"]
-        print(f"| {world} | {o[0] * 1e3:.1f} ms | {f[0] * 1e3:.1f} ms | {1 - o[0] / f[0]:.0%} | "
-              f"{o[1] * 1e3:.0f} ms | {f[1] * 1e3:.0f} ms |")
+    preset, worlds, reps = OPTIM["preset"], OPTIM["worlds"], OPTIM["reps"]
+    print(f"\n## Optimizer time in the trainer (reduce + step + gather per step), Owned Muon vs --placement fsdp, "
+          f"preset {preset}, {reps} run(s) of {steps // 2} steps per placement, interleaved; steps 1-2 of each run "
+          f"left out; rank 0", flush=True)
+    print("| D | placement | steps | optim p50 | optim p99 | optim mean | reduce p50 | update p50 | gather p50 | sync p50 | step p50 | owned saves (p50) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for world in worlds:
+        rows: dict[str, list[dict]] = {"owned": [], "fsdp": []}
+        loads = []
+        for rep in range(reps):
+            for placement in (("owned", "fsdp") if rep % 2 == 0 else ("fsdp", "owned")):
+                run = work / f"optim-{preset}-{placement}-d{world}-{rep}"
+                loads.append(os.getloadavg()[0])
+                train(world, run, SIZES + [f"steps={steps // 2}", f"ckpt_every={steps}", f"optim.placement={placement}"],
+                      preset=preset)
+                got = metrics(run)
+                rows[placement] += [got[s] for s in sorted(got) if s > 2]
+        loads.append(os.getloadavg()[0])
+        p50 = {}
+        for placement, body in rows.items():
+            opt = [r["optim_s"] for r in body]
+            p50[placement] = statistics.median(opt)
+            ph = {k: statistics.median(r.get(f"{k}_s", float("nan")) for r in body)
+                  for k in ("optim_reduce", "optim_update", "optim_gather", "sync")}
+            saves = f"{1 - p50['owned'] / p50['fsdp']:.1%}" if placement == "fsdp" else ""
+            print(f"| {world} | {placement} | {len(opt)} | {p50[placement] * 1e3:.1f} ms | {p(opt, 99) * 1e3:.1f} ms | "
+                  f"{statistics.mean(opt) * 1e3:.1f} ms | {ph['optim_reduce'] * 1e3:.1f} ms | {ph['optim_update'] * 1e3:.1f} ms | "
+                  f"{ph['optim_gather'] * 1e3:.1f} ms | {ph['sync'] * 1e3:.1f} ms | {statistics.median(r['step_s'] for r in body) * 1e3:.0f} ms | {saves} |",
+                  flush=True)
+        print(f"load average (1 min) at the start of each run and at the end, D={world}: "
+              + ", ".join(f"{x:.1f}" for x in loads), flush=True)
 
 
 def part_lanes(work: Path, steps: int) -> None:
@@ -147,30 +165,47 @@ def part_lanes(work: Path, steps: int) -> None:
           "per step, stopped half-way through a shuffle window)", flush=True)
     print("A restore re-tokenizes and re-packs each hosted lane's current window (buffer rows) and skips the rows "
           "consumed; 'steady' is the pipeline's own rate over four windows after its first batch (its readahead holds one).")
-    print("| L/D | buffer | restore to first batch | window tokens replayed | replay tokens/s | steady tokens/s | replay/steady |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("'tokenized' counts the tokens the restore's tokenizer calls produced (exact, unlike the times on a shared machine); "
+          "'CPU' is the same ratio over the process's CPU seconds (all its threads) instead of wall seconds, less "
+          "sensitive to other load.")
+    print("| L/D | buffer | restore to first batch | window tokens replayed | tokenized | replay tokens/s | steady tokens/s "
+          "| replay/steady | replay/steady, CPU |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    from zephon_state.tokenize import LoadedTokenizer
+
+    encode, tokenized = LoadedTokenizer.encode, [0]
+
+    def counting(self, *args):
+        flat, lengths = encode(self, *args)
+        tokenized[0] += len(flat)
+        return flat, lengths
+
     for buffer in (64, 256):
         for lanes in (1, 4, 16, 64):
             d = DataConfig(max_length=128, shuffle_buffer=buffer, lanes=lanes, global_batch=lanes, micro_batch=lanes)
             window_tokens = lanes * buffer * d.max_length
             with build_pipeline(d, 0, 0, 1) as pipe:
                 next(pipe)
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.process_time()
                 for _ in range(4 * buffer):  # four windows per lane: past what the readahead had ready
                     next(pipe)
                 steady = 4 * window_tokens / (time.perf_counter() - t)
+                steady_cpu = 4 * window_tokens / (time.process_time() - cpu)
                 for _ in range(buffer // 2):
                     next(pipe)
                 state = pipe.state_dict()
             with build_pipeline(d, 0, 0, 1) as fresh:
                 fresh.calibration()  # sources loaded and calibrated, as at any start
-                t = time.perf_counter()
+                LoadedTokenizer.encode, tokenized[0] = counting, 0
+                t, cpu = time.perf_counter(), time.process_time()
                 fresh.load_state_dict(state)
                 next(fresh)
-                restore_s = time.perf_counter() - t
+                restore_s, replayed = time.perf_counter() - t, tokenized[0]
+                replay_cpu = window_tokens / (time.process_time() - cpu)
+                LoadedTokenizer.encode = encode
             rate = window_tokens / restore_s
-            print(f"| {lanes} | {buffer} | {restore_s:.2f} s | {window_tokens:,} | {rate:,.0f} | {steady:,.0f} | "
-                  f"{rate / steady:.2f} |", flush=True)
+            print(f"| {lanes} | {buffer} | {restore_s:.2f} s | {window_tokens:,} | {replayed:,} | {rate:,.0f} | "
+                  f"{steady:,.0f} | {rate / steady:.2f} | {replay_cpu / steady_cpu:.2f} |", flush=True)
 
 
 def part_mxfp8(work: Path, steps: int) -> None:
@@ -196,7 +231,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--parts", default="ckpt,mxfp8,restart,optim,lanes")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench_trainer"))
+    ap.add_argument("--preset", default="tiny", help="model preset of the optim part (tiny, small)")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="D of the optim part")
+    ap.add_argument("--reps", type=int, default=1, help="runs per placement in the optim part, interleaved")
     args = ap.parse_args()
+    OPTIM.update(preset=args.preset, worlds=tuple(args.worlds), reps=args.reps)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

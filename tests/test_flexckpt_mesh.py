@@ -500,3 +500,25 @@ def test_pipeline_stages_on_meshes_of_their_own_reload_at_one_and_four_stages_an
     with Checkpointer(url, rank=0, world_size=2, run_id="pp") as ck:
         with pytest.raises(StructureMismatch, match=r"has no tensors \['model/layers.4.w'\].*strict=False"):
             ck.load({"model": target})
+
+
+def test_an_empty_piece_of_any_shape_is_taken_as_the_rank_s_empty_box():
+    """3 experts at ep 4 then FSDP2's Shard(1) on efsdp: rank 3 holds no expert, and
+    fully_shard hands its piece as [0, 0, 8], not the box's [0, 4, 8] (seen in a gloo run).
+    A non-empty piece of the wrong shape is still refused."""
+    from torch.distributed.tensor import Shard as DShard
+
+    from flexckpt.dtensor import dtensor_leaf
+
+    def leaf(local):
+        def make(mesh):
+            d = DTensor.from_local(local, mesh, [DShard(1), DShard(0)], run_check=False, shape=torch.Size((3, 4, 8)),
+                                   stride=(32, 8, 1))
+            return dtensor_leaf(d, "experts.w1", 3, 4)
+        return _in_fake_world(3, 4, (1, 4), make)
+
+    got, layout, shape = leaf(torch.empty(0, 0, 8))
+    assert tuple(got.shape) == (0, 4, 8) and layout == MeshLayout((1, 4), ("S1", "S0")) and shape == (3, 4, 8)
+    with pytest.raises(ValueError, match=r"local tensor has shape \[1, 4, 8\], but its mesh coordinate gives it a piece of "
+                                         r"shape \[0, 4, 8\]"):
+        leaf(torch.zeros(1, 4, 8))

@@ -499,3 +499,182 @@ def test_the_stores_step_serves_missing_parts_only_when_it_is_the_same_save(tmp_
     with pytest.raises(ValueError, match=r"the files of saved rank\(s\) \[0\] differ"):
         ck.tier._store_manifest(ck, dataclasses.replace(d, docs={0: doc}))
     ck.close()
+
+# -- pipeline stages and bytes values -----------------------------------------------------------
+PP_LAYERS = 4
+
+
+def _pp_global(name: str, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn((6, 5) if name.endswith(".w") else (5,), generator=g) + step
+
+
+def _loader_bytes(dp: int, step: int) -> bytes:
+    """torchtitan's data loader state: pickled bytes under ``dp_rank_<d>``, the same on
+    every stage of a data-parallel replica (never unpickled by flexckpt)."""
+    return bytes([dp, step % 256]) + b"\x80\x04loader" * (3 + dp)
+
+
+def _pp_state(rank: int, world: int, stages: int, step: int, zero: bool = False, layers: int = PP_LAYERS) -> dict:
+    """This rank's stage: layer ``i`` on stage ``i * stages // layers``, a weight ``Shard(0)``
+    and a norm ``Replicate()`` on the stage's dp mesh (spanning part of the world when
+    ``stages`` > 1); the loader's bytes under the rank's dp rank; the step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard, distribute_tensor
+
+    per = world // stages
+    mesh = init_device_mesh("cpu", (stages, per), mesh_dim_names=("pp", "dp"))["dp"]
+    stage, dp = rank // per, rank % per
+    model = {}
+    for i in range(layers):
+        if i * stages // layers != stage:
+            continue
+        for name, placement in ((f"layers.{i}.w", DShard(0)), (f"layers.{i}.norm", DReplicate())):
+            t = _pp_global(name, step)
+            model[name] = distribute_tensor(torch.zeros_like(t) if zero else t, mesh, [placement])
+    return {"model": model, "data": {f"dp_rank_{dp}": b"" if zero else _loader_bytes(dp, step)}, "step": -1 if zero else step}
+
+
+def _persistent_reads(url: str) -> list:
+    """Bytes read from the persistent store ``url`` from now on in this process (a one-item list)."""
+    read = [0]
+    orig_bytes, orig_into, orig_scatter = Storage.read_bytes, RangeReader.read_into, RangeReader.read_scatter
+
+    def read_bytes(self, rel, limit=None):
+        out = orig_bytes(self, rel, limit)
+        read[0] += len(out) if self.url == url else 0
+        return out
+
+    def read_into(self, offset, out):
+        read[0] += memoryview(out).nbytes if self.storage.url == url else 0
+        return orig_into(self, offset, out)
+
+    def read_scatter(self, offset, outs):
+        read[0] += sum(memoryview(o).nbytes for o in outs) if self.storage.url == url else 0
+        return orig_scatter(self, offset, outs)
+
+    Storage.read_bytes, RangeReader.read_into, RangeReader.read_scatter = read_bytes, read_into, read_scatter
+    return read
+
+
+def _train_pp(rank, world, url, root, nodes, steps):
+    """2 stages x 2 ranks: persistent at step 1, fast every step; killed after the last."""
+    os.environ["FLEXCKPT_NODE"] = nodes[rank]
+    ck = Checkpointer(url, local=tier(root, nodes[rank]))
+    for step in range(1, steps + 1):
+        state = _pp_state(rank, world, 2, step)
+        if step == 1:
+            ck.save(step, state).result(60)
+        ck.save_local(step, state).result(60)
+    expected = {rank} | set(ck.tier.sources)
+    deadline = time.monotonic() + 90
+    while not {h.rank for h in scan(ck.tier.storage) if h.step == steps} >= expected:
+        assert time.monotonic() < deadline, "copies did not arrive"
+        time.sleep(0.02)
+    dist.barrier()  # every node now holds its ranks' files and their sources' copies
+    carried = sorted(h.rank for h in scan(ck.tier.storage) if h.step == steps and "structure" in h.doc)
+    atexit.unregister(ck._atexit)  # killed: no close, no clean-up
+    return carried
+
+
+def _restart_pp(rank, world, url, root, nodes, steps):
+    """One stage at W=2: the tier's step bit for bit with no byte from the store; again at
+    2 stages of one rank; then a target with a layer no stage saved: the tier cannot serve it, says so, and the
+    persistent load names the layer."""
+    from flexckpt.errors import StructureMismatch
+
+    os.environ["FLEXCKPT_NODE"] = nodes[rank]
+    read = _persistent_reads(url)
+    ck = Checkpointer(url, local=tier(root, nodes[rank]))
+    state = _pp_state(rank, world, 1, 0, zero=True)
+    read[0] = 0
+    step = ck.load(state)
+    want = _pp_state(rank, world, 1, steps)
+    exact = [n for n, t in want["model"].items() if not torch.equal(state["model"][n].full_tensor(), t.full_tensor())]
+    rec = ck.tier.last_recovery
+    out = {"step": step, "differ": exact, "persistent_bytes": read[0], "data": state["data"], "want_data": want["data"],
+           "step_value": state["step"], "source": rec.source, "reason": rec.reason, "parts": rec.parts}
+    # again at 2 stages of 1 rank: the target ranks' structures differ too (their union is gathered)
+    state, want = _pp_state(rank, world, 2, 0, zero=True), _pp_state(rank, world, 2, steps)
+    out["two_stages"] = (ck.load(state), ck.tier.last_recovery.source, read[0], sorted(state["model"]),
+                         [n for n, t in want["model"].items() if not torch.equal(state["model"][n].full_tensor(), t.full_tensor())],
+                         state["data"] == want["data"])
+    odd = _pp_state(rank, world, 1, 0, zero=True, layers=PP_LAYERS + 1)
+    try:
+        ck.load(odd)
+        out["odd"] = "loaded"
+    except StructureMismatch as exc:
+        out["odd"] = str(exc)
+    out["odd_source"], out["odd_reason"] = ck.tier.last_recovery.source, ck.tier.last_recovery.reason
+    ck.close()
+    return out
+
+
+def test_pipeline_stages_with_bytes_values_restore_from_the_tier_at_one_stage_and_half_the_world(tmp_path):
+    """2 stages x 2 ranks on nodes A (stage 0) and B (stage 1), each node holding the other's
+    copies; node B lost, the job restarts on W=2 (node A and a new node C), at one stage and
+    at two."""
+    url, root = str(tmp_path / "store"), str(tmp_path / "nodes")
+    carried = run_workers(_train_pp, 4, url, root, ["A", "A", "B", "B"], 3, timeout=TIMEOUT)
+    # each node holds all 4 bundles; the markers of saved rank 0 and of stage 1's lowest rank carry the structures
+    assert carried == [[0, 2]] * 4
+    shutil.rmtree(os.path.join(root, "B"))
+    res = run_workers(_restart_pp, 2, url, root, ["A", "C"], 3, timeout=TIMEOUT)
+    for rank, r in enumerate(res):
+        assert (r["step"], r["differ"], r["persistent_bytes"], r["source"]) == (3, [], 0, "tier"), r
+        layers = [f"layers.{i}.{p}" for i in (2 * rank, 2 * rank + 1) for p in ("norm", "w")]
+        assert r["two_stages"] == (3, "tier", 0, layers, [], True), r["two_stages"]
+        assert r["data"] == r["want_data"] == {f"dp_rank_{rank}": _loader_bytes(rank, 3)} and r["step_value"] == 3
+        assert r["odd_source"] == "persistent" and "of another lineage or structure ignored" in r["odd_reason"], r
+        assert "layers.4" in r["odd"] and "persistent" not in r["odd"], r["odd"]
+    assert sorted(res[0]["parts"]) == sorted(res[1]["parts"]) == [0, 1, 2, 3]  # each wants a piece of every saved rank
+    assert all(p == "own node A" for p in res[0]["parts"].values())
+    assert all(p == "node A via rank 0" for p in res[1]["parts"].values())
+
+
+def test_a_step_whose_stage_structure_no_marker_carries_is_not_restored_from_the_tier_and_says_why():
+    def doc(rank, line_fp, structure=None):
+        d = {"lineage": "L", "fingerprint": f"compat-{line_fp}", "line": [line_fp], "step": 7}
+        return d if structure is None else {**d, "structure": structure}
+
+    def st(*names):
+        return {"tensors": [{"name": n, "dtype": "float32", "shape": [4]} for n in names], "plain": [], "lanes": [],
+                "per_rank": []}
+
+    from flexckpt.tier.inventory import compat_union
+
+    both = compat_union([st("a"), st("b")])
+    held = [Held(7, "run.0000abcd.1", r, 4, doc(r, "S0" if r < 2 else "S1", st("a") if r == 0 else None)) for r in range(4)]
+    d = choose([held], "L", both, [5])
+    assert (d.source, d.step) == ("persistent", 5)
+    assert "the structure of saved rank 2 (its pipeline stage's) is in no marker of the step" in d.reason
+    held[2] = Held(7, "run.0000abcd.1", 2, 4, doc(2, "S1", st("b")))  # the stage's lowest rank carries it
+    d = choose([held], "L", both, [5])
+    assert (d.source, d.step) == ("tier", 7)
+    assert choose([held], "L", compat_union([st("a"), st("b"), st("c")]), []).source == "none"  # another structure
+
+
+def test_bytes_values_of_a_fast_step_merge_by_key_and_unequal_copies_name_the_key():
+    from flexckpt.tier.fast import _merged_keyed
+    from flexckpt.tier.inventory import Decision
+
+    def step(*keyed):
+        return Decision("tier", 7, "run.0000abcd.1", len(keyed), docs={r: {"keyed": k} for r, k in enumerate(keyed)})
+
+    same = {"data/dp_rank_0": [0, "AAE="]}
+    assert _merged_keyed(step(same, {"data/dp_rank_0": [1, "AAE="]}, {})) == same  # the lowest rank's copy
+    with pytest.raises(ValueError, match=r"bytes value 'data/dp_rank_0' differs between saved ranks 0 and 1"):
+        _merged_keyed(step(same, {"data/dp_rank_0": [1, "AAI="]}))
+
+
+def test_a_bytes_value_is_restored_from_the_tier_and_its_file_goes_after_the_load(tmp_path):
+    ck = _one(tmp_path)
+    state = {**make_state(0, 1, 4), "loader": {"dp_rank_0": _loader_bytes(0, 4)}}
+    ck.save_local(4, state).result(60)
+    atexit.unregister(ck._atexit)
+    ck2 = _one(tmp_path)
+    target = {**make_state(0, 1, 0, zero=True), "loader": {"dp_rank_0": b""}}
+    assert ck2.load(target) == 4 and ck2.tier.last_recovery.source == "tier", ck2.tier.last_recovery.reason
+    assert target["loader"] == {"dp_rank_0": _loader_bytes(0, 4)} and torch.equal(target["w"].local, state["w"].local)
+    assert not [f for _d, _s, fs in os.walk(ck2.tier.root) for f in fs if f == "keyed.values"]
+    ck2.close()

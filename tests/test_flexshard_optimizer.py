@@ -518,3 +518,29 @@ def test_configuration_errors_name_the_field_and_the_fix():
     opt = ShardedOptimizer({"w": torch.zeros(4, 4, requires_grad=True)})
     with pytest.raises(ValueError, match="'w' has no gradient"):
         opt.reduce_gradients()
+
+
+@pytest.mark.parametrize("offset", [0, 5])
+def test_adamw_in_cache_sized_pieces_gives_torchs_bits_on_a_large_unaligned_piece(offset):
+    # several CPU_CHUNK pieces and a ragged tail, starting at an odd element of its storage
+    # (as a row piece of a flat bucket does): the same bits as torch.optim.AdamW's one pass
+    from flexshard.adamw import CPU_CHUNK, adamw_step_
+
+    n = 3 * CPU_CHUNK + 1001
+    g = torch.Generator().manual_seed(11)
+    start = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g) * (1 + s) for s in range(4)]
+    cfg = AdamWConfig(lr=0.01, betas=(0.85, 0.995), eps=1e-7, weight_decay=0.05)
+    ref = start.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            foreach=False)
+    store = torch.zeros(3, n + offset)  # param, exp_avg, exp_avg_sq as unaligned pieces of flat buffers
+    param, exp_avg, exp_avg_sq = (store[i, offset:] for i in range(3))
+    param.copy_(start)
+    for step, grad in enumerate(grads, start=1):
+        ref.grad = grad.clone()
+        opt.step()
+        adamw_step_(param, grad, exp_avg, exp_avg_sq, step, cfg)
+    st = opt.state[ref]
+    for ours, theirs in ((param, ref.detach()), (exp_avg, st["exp_avg"]), (exp_avg_sq, st["exp_avg_sq"])):
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))

@@ -89,7 +89,11 @@ def test_lane_keys_must_be_canonical_decimal_strings():
     (("emitted",), 4, r"'emitted' is 4, but a window has 4 rows"),
     (("sequences",), 1, r"'sequences' is 1, but window \d+ and emitted \d+ make it"),
     (("window",), True, r"'window' must be an int in \[0, 2\*\*53\), got True"),
-    (("extra",), 0, r"its keys are \['emitted', 'extra', 'sequences', 'sources', 'window'\]"),
+    (("extra",), 0, r"its keys are \['emitted', 'extra', 'sequences', 'sources', 'version', 'window'\], expected"),
+    (("version",), 3, r"'version' is 3; this pipeline reads cursor versions 1 and 2"),
+    (("sources", 0, 4), 7, r"'sources\[0\]' resumes at char 7, token 0, but a resume point is both 0"),
+    (("sources", 0, 5), 10**9, r"'sources\[0\]' resumes at char 0, token 1000000000, but a resume point is both 0 "
+                              r"\(the document start\) or both positive with the token at most offset"),
 ])
 def test_an_out_of_range_or_malformed_cursor_field_is_refused_naming_it(path, value, field):
     state = _state_and_pipeline()
@@ -274,21 +278,30 @@ def _fuzz(progress: Path) -> dict:
 
     def mutate(data, state):
         kind = data.draw(st.sampled_from(
-            ["none", "none", "row", "offset", "index", "delta", "any_int", "json", "drop", "add", "lane_key", "top"]
+            ["none", "none", "v1", "row", "offset", "index", "char", "base", "resume", "delta", "any_int", "json",
+             "drop", "add", "lane_key", "top"]
         ))
         lanes = state["lanes"]
         lane = data.draw(st.sampled_from(sorted(lanes)))
         cursor = lanes[lane]
         spots = [(cursor, k) for k in ("window", "emitted", "sequences")]
-        spots += [(src, i) for src in cursor["sources"] for i in range(4)]
+        spots += [(src, i) for src in cursor["sources"] for i in range(len(src))]
         holder, key = data.draw(st.sampled_from(spots))
         delta = data.draw(st.integers(-3, 3))
         if kind == "row":  # another row of the window: in range, so only the run can tell
             cursor["emitted"] += delta
             cursor["sequences"] += delta
-        elif kind in ("offset", "index"):
+        elif kind == "v1":  # the same cursor as version 1 wrote it: must give the same batch
+            for c in lanes.values():
+                del c["version"]
+                c["sources"] = [src[:4] for src in c["sources"]]
+        elif kind in ("offset", "index", "char", "base"):
             source = data.draw(st.sampled_from(cursor["sources"]))
-            source[2 if kind == "offset" else 1] += delta
+            source[{"index": 1, "offset": 2, "char": 4, "base": 5}[kind]] += delta
+        elif kind == "resume":  # a resume point inside the document, plausible in range
+            source = data.draw(st.sampled_from(cursor["sources"]))
+            source[5] = data.draw(st.integers(1, max(1, source[2])))
+            source[4] = data.draw(st.integers(1, 4 * source[5]))
         elif kind == "delta":
             holder[key] += delta
         elif kind == "any_int":
@@ -322,7 +335,7 @@ def _fuzz(progress: Path) -> dict:
         except ZephonError:
             counts["zephon_errors"] += 1
             return
-        if kind == "none":
+        if kind in ("none", "v1"):
             assert batch.input_ids.tobytes() == expected
             counts["unchanged_exact"] += 1
 

@@ -80,13 +80,13 @@ def test_accumulator_hands_out_documents_in_input_order_when_a_later_chunk_finis
     calls = []
 
     class SlowFirstCall:
-        eos_id = gpt2.eos_id
+        eos_id, cuts = gpt2.eos_id, False
 
-        def encode(self, batch):
+        def encode(self, batch, eos=None):
             calls.append(len(calls))
             if len(calls) == 1:
                 time.sleep(0.3)
-            out = gpt2.encode(batch)
+            out = gpt2.encode(batch, eos)
             finished.append(batch[0])
             return out
 
@@ -118,10 +118,10 @@ def test_accumulator_tokenizes_only_what_is_asked_for_until_its_readahead_starts
     submitted = []
 
     class InlinePool:
-        def submit(self, fn, batch):
+        def submit(self, fn, batch, *args):
             submitted.append(len(batch))
             future = Future()
-            future.set_result(fn(batch))
+            future.set_result(fn(batch, *args))
             return future
 
     acc = Accumulator(SourceReader(plan, 0, 0, 1, 0, 0), load_tokenizer("gpt2"), InlinePool(), chunk_bytes=1,
@@ -132,3 +132,57 @@ def test_accumulator_tokenizes_only_what_is_asked_for_until_its_readahead_starts
     acc.start_readahead()
     ahead = len(submitted) - 2
     assert ahead >= 2 and acc._ahead >= 100  # now at least readahead_bytes are submitted ahead
+
+
+def test_parts_cut_at_spaces_between_letters_tokenize_like_the_whole_document_on_both_corpora():
+    """The claim resume points rest on (cursor version 2): every twentieth document of each shipped
+    corpus, cut at every space between two ASCII letters, gives exactly the whole document's ids."""
+    from pathlib import Path
+
+    from zephon_state import JsonLines
+    from zephon_state.source import IoOptions
+    from zephon_state.tokenize import next_cut
+
+    gpt2 = load_tokenizer("gpt2")
+    assert gpt2.cuts
+    corpus = Path(__file__).resolve().parents[1] / "data" / "corpus"
+    cuts_seen = 0
+    for name in ("kjv", "python_stdlib"):
+        texts = list(JsonLines(str(corpus / f"{name}.jsonl.zst")).load("text", IoOptions(), "raise").texts)[::20]
+        whole, _ = gpt2.encode(texts)
+        parts, eos = [], []
+        for text in texts:
+            start = 0
+            while True:
+                stop = next_cut(text, start, 1)
+                parts.append(text[start:stop])
+                eos.append(stop == len(text))
+                if stop == len(text):
+                    break
+                start = stop
+        cut, lengths = gpt2.encode(parts, eos)
+        assert cut.tolist() == whole.tolist(), name
+        assert len(lengths) == len(parts) and int((lengths == 0).sum()) == 0
+        cuts_seen += len(parts) - len(texts)
+    assert cuts_seen > 25_000
+
+
+def test_only_tokenizers_whose_cuts_keep_the_tokens_are_read_in_parts():
+    import json
+
+    from zephon_state.tokenize import cuts_at_spaces
+
+    gpt2 = load_tokenizer("gpt2")
+    spec = json.loads(gpt2.tokenizer.to_str())
+    assert gpt2.cuts and cuts_at_spaces(spec)
+    assert gpt2.encode(["ab cd", "ab cd"], [False, True])[0].tolist() == [397, 22927, 397, 22927, 50256]
+    variants = {
+        "normalizer": {"normalizer": {"type": "Lowercase"}},
+        "metaspace": {"pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always",
+                                        "split": True}},
+        "dropout": {"model": {**spec["model"], "dropout": 0.1}},
+        "spaced_added_token": {"added_tokens": [{"id": 50257, "content": "a b", "single_word": False, "lstrip": False,
+                                                 "rstrip": False, "normalized": False, "special": False}]},
+    }
+    for name, change in variants.items():
+        assert not cuts_at_spaces({**spec, **change}), name

@@ -70,8 +70,10 @@ def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[tor
         layout, want = _mapping(mesh_shape, table_id, coordinate, tuple(value.placements), shape, rank, world_size)
     except ValueError as e:
         raise ValueError(f"cannot checkpoint DTensor {name!r} on {where} placements {tuple(value.placements)}: {e}") from None
-    if coordinate is None and local.numel() == 0 and tuple(local.shape) != want:
-        local = local.reshape(want)  # a rank outside the tensor's mesh: torch gives it an empty tensor
+    if local.numel() == 0 and tuple(local.shape) != want and 0 in want:
+        # an empty piece, of whatever shape torch gives it: a rank outside the tensor's mesh, or
+        # one whose experts ran out under Shard(0) on ep before FSDP2's Shard(1) (it hands [0, 0, 8])
+        local = local.reshape(want)
     if tuple(local.shape) != want:
         raise ValueError(
             f"DTensor {name!r} on {where} placements {tuple(value.placements)}: this rank's local tensor has shape "

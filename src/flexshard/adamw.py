@@ -26,6 +26,12 @@ class AdamWConfig:
             raise ValueError(f"AdamWConfig.betas must be two floats in [0, 1), got {self.betas!r}")
 
 
+# Elements per piece of the CPU update: the eight element-wise passes of one piece (five
+# tensors of 128 KiB) stay in the core's L2 instead of streaming every tensor from memory
+# eight times; a multiple of every vector width, so the bits are those of one whole pass.
+CPU_CHUNK = 1 << 15
+
+
 def adamw_step_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -34,15 +40,25 @@ def adamw_step_(
     step: int,
     cfg: AdamWConfig,
 ) -> None:
-    """Step number ``step`` (1 for the first) on ``param`` in place."""
+    """Step number ``step`` (1 for the first) on ``param`` in place (contiguous tensors of
+    one shape). On the CPU it runs piece by piece (:data:`CPU_CHUNK` elements): the same
+    element-wise operations in the same order, so the same bits."""
     beta1, beta2 = cfg.betas
-    if cfg.weight_decay != 0:
-        param.mul_(1 - cfg.lr * cfg.weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     t = float(step)  # torch keeps the step as a float32 tensor and reads it with .item()
     bias_correction1 = 1 - beta1**t
-    bias_correction2 = 1 - beta2**t
+    bias_correction2_sqrt = (1 - beta2**t) ** 0.5
     step_size = cfg.lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(cfg.eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    n = param.numel()
+    chunk = CPU_CHUNK if param.device.type == "cpu" else max(n, 1)
+    flat = [x.view(-1) for x in (param, grad, exp_avg, exp_avg_sq)]
+    denom = torch.empty(min(chunk, n), dtype=exp_avg_sq.dtype, device=exp_avg_sq.device)
+    for start in range(0, n, chunk):
+        p, g, m, v = (x[start : start + chunk] for x in flat)
+        d = denom[: p.numel()]
+        if cfg.weight_decay != 0:
+            p.mul_(1 - cfg.lr * cfg.weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        torch.sqrt(v, out=d)  # torch: (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        d.div_(bias_correction2_sqrt).add_(cfg.eps)
+        p.addcdiv_(m, d, value=-step_size)

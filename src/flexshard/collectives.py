@@ -5,7 +5,8 @@ every call records the bytes this rank puts on the wire, padding included. Buffe
 the device of the tensors passed in (CPU for gloo, the rank's GPU for NCCL).
 
 Byte model (checked against the bytes gloo writes to its sockets in the tests):
-- all-gather of ``P``-byte buffers, run as an all-to-all: a rank sends ``(W - 1) * P``;
+- all-gather of ``P``-byte buffers, run as ``W - 1`` point-to-point sends of the same
+  buffer (gloo; NCCL runs its own): a rank sends ``(W - 1) * P``;
 - reduce-scatter of ``W`` segments of ``P`` bytes, run as one all-to-all plus a local sum
   in rank order: ``(W - 1) * P``. (gloo's own reduce-scatter all-reduces the whole
   buffer, ``2 (W - 1) / W`` of it per rank, and its reduce is no cheaper; the all-to-all
@@ -15,11 +16,13 @@ Byte model (checked against the bytes gloo writes to its sockets in the tests):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from flexshard.buckets import BucketPlan
+from flexshard.ranges import FlatRange
 from flexshard.world import current_world
 
 
@@ -78,15 +81,15 @@ def all_gather_bucket(
     group: "dist.ProcessGroup | None" = None,
     stats: WireStats | None = None,
     out: torch.Tensor | None = None,
-    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All ranks' padded buckets, as a ``(W, plan.padded)`` tensor of ``mine``'s dtype
-    (written into ``out`` if given). ``mine`` is this rank's bucket, already padded to
-    ``plan.padded`` elements.
+    (written into ``out`` if given; ``mine`` may be ``out[rank]`` itself). ``mine`` is
+    this rank's bucket, already padded to ``plan.padded`` elements.
 
-    Runs as an all-to-all of ``mine`` repeated ``W`` times (into ``scratch``, shaped like
-    ``out``, if given): the same ``(W - 1) * P`` bytes per rank as gloo's ring all-gather,
-    but sent to all peers at once, which on gloo takes a half to a third of the time."""
+    On gloo it runs as ``W - 1`` sends of ``mine`` and ``W - 1`` receives straight into
+    the rows of ``out``, all in flight at once: the same ``(W - 1) * P`` bytes per rank as
+    gloo's ring all-gather, sent to all peers at once (its ring takes two to three times
+    as long), and no ``W`` copies of the bucket into an all-to-all buffer."""
     rank, world = current_world(group)
     _check_plan(plan, world)
     if mine.numel() != plan.padded:
@@ -95,26 +98,64 @@ def all_gather_bucket(
         out = torch.empty((world, plan.padded), dtype=mine.dtype, device=mine.device)
     elif tuple(out.shape) != (world, plan.padded) or out.dtype != mine.dtype:
         raise ValueError(f"out must be {(world, plan.padded)} {mine.dtype}, got {tuple(out.shape)} {out.dtype}")
-    if world == 1:
-        out[0].copy_(mine.reshape(-1))
-        return out
-    if native_all_gather(group):
-        _ALL_GATHER_SINGLE(as_bytes(out), as_bytes(mine), group=group)
-        item = mine.element_size()
-        _record(stats, "all_gather", (world - 1) * plan.padded * item, (world - 1) * plan.padding(rank) * item)
-        return out
-    if scratch is None:
-        scratch = torch.empty((world, plan.padded), dtype=mine.dtype, device=mine.device)
-    elif tuple(scratch.shape) != (world, plan.padded) or scratch.dtype != mine.dtype:
-        raise ValueError(f"scratch must be {(world, plan.padded)} {mine.dtype}, got {tuple(scratch.shape)} {scratch.dtype}")
     mine = mine.reshape(-1)
-    for r in range(world):
-        if scratch[r].data_ptr() != mine.data_ptr():
-            scratch[r].copy_(mine)
-    dist.all_to_all_single(as_bytes(out), as_bytes(scratch), group=group)
     item = mine.element_size()
+    if world > 1 and native_all_gather(group):
+        _ALL_GATHER_SINGLE(as_bytes(out), as_bytes(mine), group=group)  # in place when mine is out[rank]
+    else:
+        if out[rank].data_ptr() != mine.data_ptr():
+            out[rank].copy_(mine)
+        if world == 1:
+            return out
+        wire, works = as_bytes(mine), []
+        for k in range(1, world):  # shifted pairs: every rank sends to and receives from a different peer each round
+            works.append(dist.isend(wire, _peer(group, (rank + k) % world), group=group))
+            works.append(dist.irecv(as_bytes(out[(rank - k) % world]), _peer(group, (rank - k) % world), group=group))
+        for w in works:
+            w.wait()
     _record(stats, "all_gather", (world - 1) * plan.padded * item, (world - 1) * plan.padding(rank) * item)
     return out
+
+
+def all_gather_pieces(
+    ranges: Sequence[Sequence[FlatRange]],
+    mine: Sequence[torch.Tensor],
+    whole: Sequence[torch.Tensor],
+    group: "dist.ProcessGroup | None" = None,
+    stats: WireStats | None = None,
+) -> None:
+    """Every rank's pieces into the whole tensors, with no bucket: this rank's piece
+    ``mine[i]`` (contiguous, ``ranges[rank][i]`` of entry ``i``) goes straight from its
+    memory to every peer, and each peer's piece lands straight in ``whole[i]`` (flat,
+    contiguous, one dtype with ``mine``) at ``ranges[peer][i]``; this rank's own piece is
+    copied in. Point-to-point sends, all in flight at once; a rank sends ``(W - 1)`` times
+    the bytes it holds (no padding)."""
+    rank, world = current_world(group)
+    if len(ranges) != world or len(mine) != len(whole) or any(len(row) != len(mine) for row in ranges):
+        raise ValueError(f"need {world} rows of {len(mine)} ranges, {len(mine)} pieces and {len(mine)} tensors")
+    for i, (piece, flat) in enumerate(zip(mine, whole)):
+        own = ranges[rank][i]
+        if piece.numel() != len(own) or piece.dtype != flat.dtype:
+            raise ValueError(f"entry {i}: piece of {piece.numel()} {piece.dtype}, the range holds {len(own)} {flat.dtype}")
+        flat[own.start : own.stop].copy_(piece.reshape(-1))
+    works, sent = [], 0
+    for k in range(1, world):  # shifted pairs, pieces in entry order on every pair
+        to, frm = (rank + k) % world, (rank - k) % world
+        for i, (piece, flat) in enumerate(zip(mine, whole)):
+            if piece.numel():
+                works.append(dist.isend(as_bytes(piece), _peer(group, to), group=group))
+                sent += piece.numel() * piece.element_size()
+            src = ranges[frm][i]
+            if len(src):
+                works.append(dist.irecv(as_bytes(flat[src.start : src.stop]), _peer(group, frm), group=group))
+    for w in works:
+        w.wait()
+    _record(stats, "all_gather", sent)
+
+
+def _peer(group: "dist.ProcessGroup | None", group_rank: int) -> int:
+    """The global rank point-to-point calls take for a rank of ``group``."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def reduce_scatter_bucket(
@@ -149,6 +190,57 @@ def reduce_scatter_bucket(
     padding = sum(plan.padding(r) for r in range(world) if r != rank)
     _record(stats, "reduce_scatter", (world - 1) * plan.padded * item, padding * item)
     return acc
+
+
+def reduce_scatter_pieces(
+    plan: BucketPlan,
+    ranges: Sequence[Sequence[FlatRange]],
+    flats: Sequence[torch.Tensor],
+    group: "dist.ProcessGroup | None" = None,
+    stats: WireStats | None = None,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`reduce_scatter_bucket` without the send buffer: piece ``ranges[r][i]`` of the
+    flat tensor ``flats[i]`` goes straight from that tensor's memory to rank ``r`` (a
+    point-to-point send per piece, all in flight at once), into segment ``plan.slot(r, i)``
+    of its receive buffer ``scratch`` (``(W, plan.padded)``, the dtype of ``flats``). The
+    segments are added in rank order, as there, into ``out[:plan.total(rank)]``. Sends
+    only the pieces' bytes (no padding); for gloo, whose all-to-all needs one packed buffer."""
+    rank, world = current_world(group)
+    _check_plan(plan, world)
+    if len(ranges) != world or any(len(row) != plan.entries for row in ranges) or len(flats) != plan.entries:
+        raise ValueError(f"need {world} rows of {plan.entries} ranges and {plan.entries} tensors")
+    dtype, device = flats[0].dtype, flats[0].device
+    if out is None:
+        out = torch.empty(plan.padded, dtype=dtype, device=device)
+    if scratch is None:
+        scratch = torch.empty((world, plan.padded), dtype=dtype, device=device)
+    elif tuple(scratch.shape) != (world, plan.padded) or scratch.dtype != dtype:
+        raise ValueError(f"scratch must be {(world, plan.padded)} {dtype}, got {tuple(scratch.shape)} {scratch.dtype}")
+    for i, flat in enumerate(flats):
+        src, dst = ranges[rank][i], plan.slot(rank, i)
+        if len(src) != len(dst):
+            raise ValueError(f"entry {i}: rank {rank} holds {len(src)} elements, the plan says {len(dst)}")
+        scratch[rank, dst.start : dst.stop].copy_(flat[src.start : src.stop])
+    works, sent = [], 0
+    for k in range(1, world):  # shifted pairs, pieces in entry order on every pair
+        to, frm = (rank + k) % world, (rank - k) % world
+        for i, flat in enumerate(flats):
+            src, dst = ranges[to][i], plan.slot(rank, i)
+            if len(src):
+                works.append(dist.isend(as_bytes(flat[src.start : src.stop]), _peer(group, to), group=group))
+                sent += len(src) * flat.element_size()
+            if len(dst):
+                works.append(dist.irecv(as_bytes(scratch[frm, dst.start : dst.stop]), _peer(group, frm), group=group))
+    for w in works:
+        w.wait()
+    total = plan.total(rank)
+    acc = out[:total].copy_(scratch[0, :total])
+    for r in range(1, world):
+        acc.add_(scratch[r, :total])
+    _record(stats, "reduce_scatter", sent)
+    return out
 
 
 def broadcast_bytes(

@@ -30,6 +30,7 @@ then calls :meth:`load_state_dict`, which re-gathers the parameters from the mas
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, Mapping
 
@@ -38,7 +39,8 @@ import torch.distributed as dist
 
 from flexshard.adamw import AdamWConfig, adamw_step_
 from flexshard.buckets import BucketPlan
-from flexshard.collectives import WireStats, all_gather_bucket, reduce_scatter_bucket
+from flexshard.collectives import (WireStats, all_gather_bucket, all_gather_pieces, native_all_gather,
+                                   reduce_scatter_bucket, reduce_scatter_pieces)
 from flexshard.gather import check_blocks_stay_whole, pack_mx, unpack_mx
 from flexshard.layout import BlockShard, Layout, Owned, Shard, local_shape, row_numel
 from flexshard.muon import MuonConfig, apply_update, momentum_update, muon_step_
@@ -65,9 +67,10 @@ class ShardingConfig:
       parameters (the MXBlocks stay available in :attr:`ShardedOptimizer.mx_params`);
     - ``mx_blocks``: block orientation for 2-D parameters in ``"mxfp8"`` mode (1-D ones
       use ``"row"`` blocks, which are 32 consecutive elements);
-    - ``persistent_buffers``: keep the two ``(W, padded bucket)`` communication buffers
-      between steps (about twice the parameters' bytes per rank) instead of allocating
-      them every step; fresh buffers this size cost page faults on every step.
+    - ``persistent_buffers``: keep the ``(W, padded bucket)`` communication buffers
+      between steps (each about the parameters' bytes per rank; gloo with fp32 parameters
+      needs one, other cases two) instead of allocating them every step; fresh buffers
+      this size cost page faults on every step.
     """
 
     placement: Literal["owned", "fsdp"] = "owned"
@@ -131,13 +134,19 @@ class ShardedOptimizer:
         self.step_count = 0
         self.stats = WireStats()
         self.ns_flops = 0  # Newton-Schulz FLOPs this rank has run
+        # wall seconds of the last reduce_gradients / step's update / parameter gather on
+        # this rank (host time: on CUDA what was queued, unless the caller synchronizes)
+        self.phase_s: dict[str, float] = {"reduce": 0.0, "update": 0.0, "gather": 0.0}
         self.mx_params: dict[str, MXBlocks] = {}
         self._plan = BucketPlan.for_layouts([(e.shape, e.layout) for e in self.entries], self.world_size)
+        # _ranges[r][i]: the flat range of entry i that rank r holds
+        self._ranges = [[e.layout.flat_range(e.shape, self.world_size, r) for e in self.entries]
+                        for r in range(self.world_size)]
         self._grad_bucket = torch.zeros(self._plan.padded, dtype=torch.float32, device=self.device)
         for i, e in enumerate(self.entries):
             r = self._plan.slot(self.rank, i)
             e.grad = self._grad_bucket[r.start : r.stop].view(e.master.local.shape)
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
         if sharding.compute_copy == "mxfp8":
             self._check_mx_gather()
 
@@ -175,25 +184,36 @@ class ShardedOptimizer:
     def reduce_gradients(self) -> None:
         """Reduce every parameter's ``.grad`` over the group into this rank's pieces
         (``Owned``: the owner gets the whole matrix; row layouts: each rank its rows).
-        One all-to-all moves ``(W-1)/W`` of the gradient bytes per rank; the sum runs in
+        ``(W-1)/W`` of the gradient bytes per rank go on the wire (on gloo each piece
+        straight from its ``.grad``, else one all-to-all of packed buckets); the sum runs in
         rank order; with ``average_gradients`` it is then divided by the world size."""
+        t0 = time.perf_counter()
         w, plan = self.world_size, self._plan
-        send, recv = self._comm_buffers()
-        for r in range(w):
-            send[r, plan.total(r) :].zero_()
-        for i, e in enumerate(self.entries):
+        flats = []
+        for e in self.entries:
             if e.param.grad is None:
                 raise ValueError(
                     f"parameter {e.name!r} has no gradient; every parameter given to ShardedOptimizer must "
                     f"receive one each step on every rank (or leave it out of the optimizer)"
                 )
-            flat = e.param.grad.detach().reshape(-1)
+            flats.append(e.param.grad.detach().reshape(-1))
+        recv = self._comm_buffer(1)
+        if w > 1 and not native_all_gather(self.group) and all(f.dtype == torch.float32 for f in flats):
+            # gloo: every piece goes from the gradient's own memory to its rank (no pack)
+            reduce_scatter_pieces(plan, self._ranges, flats, self.group, self.stats, out=self._grad_bucket,
+                                  scratch=recv)
+        else:
+            send = self._comm_buffer(0)
             for r in range(w):
-                src, dst = e.layout.flat_range(e.shape, w, r), plan.slot(r, i)
-                send[r, dst.start : dst.stop].copy_(flat[src.start : src.stop])
-        reduce_scatter_bucket(plan, send, self.group, self.stats, out=self._grad_bucket, scratch=recv)
+                send[r, plan.total(r) :].zero_()
+            for i, flat in enumerate(flats):
+                for r in range(w):
+                    src, dst = self._ranges[r][i], plan.slot(r, i)
+                    send[r, dst.start : dst.stop].copy_(flat[src.start : src.stop])
+            reduce_scatter_bucket(plan, send, self.group, self.stats, out=self._grad_bucket, scratch=recv)
         if self.sharding.average_gradients and w > 1:
             self._grad_bucket.div_(w)
+        self.phase_s["reduce"] = time.perf_counter() - t0
 
     def set_reduced_gradients(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Take this rank's pieces of gradients that are already reduced (the same whole
@@ -231,6 +251,7 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Update masters and optimizer state from the reduced gradients, then re-gather
         the parameters on every rank."""
+        t0 = time.perf_counter()
         self.step_count += 1
         fsdp_updates = []
         for e in self.entries:
@@ -247,7 +268,9 @@ class ShardedOptimizer:
                 fsdp_updates.append((e, momentum_update(e.grad, e.state["momentum_buffer"].local, self.muon)))
         if fsdp_updates:
             self._fsdp_newton_schulz(fsdp_updates)
+        t1 = time.perf_counter()
         self.gather_parameters()
+        self.phase_s["update"], self.phase_s["gather"] = t1 - t0, time.perf_counter() - t1
 
     def _fsdp_newton_schulz(self, updates: list) -> None:
         """Baseline: gather every matrix's update (bf16), orthogonalize all of them on
@@ -267,35 +290,40 @@ class ShardedOptimizer:
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """Every rank's parameters from the masters' pieces: one all-gather (an ``Owned``
-        matrix travels from its owner, row pieces from every rank), in the parameters' own
-        dtype or, with ``compute_copy="mxfp8"``, as MXFP8 blocks dequantized on arrival."""
+        matrix travels from its owner, row pieces from every rank; on gloo with fp32
+        parameters each piece goes from the master straight into the parameters), in the
+        parameters' own dtype or, with ``compute_copy="mxfp8"``, as MXFP8 blocks dequantized on arrival."""
         if self.sharding.compute_copy == "mxfp8":
             self._gather_mx()
             return
         w, plan = self.world_size, self._plan
         dtype = self.entries[0].param.dtype
-        mine, gathered, scratch = None, None, None
-        if dtype == torch.float32:  # reuse the gradient buffers, idle by now
-            scratch, gathered = self._comm_buffers()
-            mine = scratch[self.rank]
+        if w > 1 and dtype == torch.float32 and not native_all_gather(self.group):
+            # gloo, fp32: each master piece goes straight into every rank's parameter (no pack, no unpack)
+            all_gather_pieces(self._ranges, [e.master.local for e in self.entries],
+                              [e.param.detach().view(-1) for e in self.entries], self.group, self.stats)
+            return
+        mine, gathered = None, None
+        if dtype == torch.float32:  # reuse a gradient buffer, idle by now
+            gathered = self._comm_buffer(1)
+            mine = gathered[self.rank]
         mine = plan.pack([e.master.local.to(dtype) for e in self.entries], self.rank, out=mine)
-        gathered = all_gather_bucket(plan, mine, self.group, self.stats, out=gathered, scratch=scratch)
+        gathered = all_gather_bucket(plan, mine, self.group, self.stats, out=gathered)
         for i, e in enumerate(self.entries):
             flat = e.param.detach().view(-1)
             for r in range(w):
-                dst, src = e.layout.flat_range(e.shape, w, r), plan.slot(r, i)
+                dst, src = self._ranges[r][i], plan.slot(r, i)
                 flat[dst.start : dst.stop].copy_(gathered[r, src.start : src.stop])
 
-    def _comm_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two fp32 ``(W, padded)`` buffers: what this rank sends, what it receives."""
-        if self._buffers is not None:
-            return self._buffers
-        shape = (self.world_size, self._plan.padded)
-        buffers = (torch.empty(shape, dtype=torch.float32, device=self.device),
-                   torch.empty(shape, dtype=torch.float32, device=self.device))
+    def _comm_buffer(self, which: int) -> torch.Tensor:
+        """fp32 ``(W, padded)`` buffer 0 (what this rank sends, for the packed reduce) or 1
+        (what it receives), made when first needed (gloo's bucket-free paths need only 1)."""
+        if self._buffers[which] is not None:
+            return self._buffers[which]
+        buf = torch.empty((self.world_size, self._plan.padded), dtype=torch.float32, device=self.device)
         if self.sharding.persistent_buffers:
-            self._buffers = buffers
-        return buffers
+            self._buffers[which] = buf
+        return buf
 
     def _gather_mx(self) -> None:
         w, bs = self.world_size, self.sharding.block_size

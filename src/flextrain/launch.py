@@ -20,18 +20,22 @@ def env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONUNBUFFERED="1")
 
 
-def train_command(world: int, run_dir: Path, sets: list[str], module: str = "flextrain") -> list[str]:
+def train_command(world: int, run_dir: Path, sets: list[str], module: str = "flextrain",
+                  preset: str = "tiny") -> list[str]:
     args = ["train", "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+    if preset != "tiny":
+        args += ["--preset", preset]
     if world == 1:
         return [sys.executable, "-m", module, *args]
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     return [torchrun, "--standalone", f"--nproc-per-node={world}", "-m", module, *args]
 
 
-def train(world: int, run_dir: Path, sets: list[str], timeout: float = 1800, module: str = "flextrain") -> str:
+def train(world: int, run_dir: Path, sets: list[str], timeout: float = 1800, module: str = "flextrain",
+          preset: str = "tiny") -> str:
     """Run to the end; returns stderr; raises with its tail on failure."""
-    out = subprocess.run(train_command(world, run_dir, sets, module), env=env(), capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run(train_command(world, run_dir, sets, module, preset), env=env(), capture_output=True,
+                         text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"training at D={world} in {run_dir} exited {out.returncode}:\n{out.stderr[-3000:]}")
     return out.stderr

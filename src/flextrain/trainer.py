@@ -1,10 +1,11 @@
 """The training loop, top to bottom: build the model, the optimizer, the data and the
 checkpointer; resume if the run folder holds a checkpoint; loop, log, save.
 
-One step on D ranks: take this rank's microbatches; start one small all-reduce of
-(label count, stop flag); forward and backward every microbatch with the *sum* of token
-losses; wait for the all-reduce; divide the gradients by the global label count (so the
-loss does not depend on D); reduce gradients to their owners; fence the checkpoint staged
+One step on D ranks: take this rank's microbatches; forward and backward every
+microbatch with the *sum* of token losses; one small all-reduce of (label count, stop
+flag), which also waits for the slowest rank's backward, so that ``optim_s`` times the
+optimizer alone; divide the gradients by the global label count (so the loss does not
+depend on D); reduce gradients to their owners; fence the checkpoint staged
 in the previous step; set the learning rate; optimizer step; gather the lane digests and
 loss sums (one small all-gather; a loss or weights that are not finite stop every rank
 here, before the save); log; maybe save (async) and evaluate.
@@ -306,15 +307,16 @@ class Trainer:
                     self.timings.setdefault("first_batch_s", data_wait)
                 count = torch.tensor([float(sum(int((b.labels != -100).sum()) for b in micro)), flag],
                                      dtype=torch.float64, device=self.device)
-                work = dist.all_reduce(count, async_op=True) if self.world > 1 else None
                 loss_sum = 0.0
                 for b in micro:
                     with autocast(cfg.autocast, self.device):
                         loss, _ = token_loss_sum(self.model, to_device(b.to_training(), self.device))
                     loss.backward()
                     loss_sum += loss.item()
-                if work is not None:
-                    work.wait()
+                t_sync = time.perf_counter()
+                if self.world > 1:  # after backward: the ranks' skew is waited here, not in the optimizer
+                    dist.all_reduce(count)
+                sync_s = time.perf_counter() - t_sync
                 labels, stop = count[0].item(), count[1].item() > 0
                 for p in self.model.parameters():
                     p.grad.div_(labels)
@@ -349,7 +351,7 @@ class Trainer:
                 row = {"step": self.step, "loss": loss_total / labels, "tokens": int(labels),
                        "lr": o.muon_lr * scale, "lr_adamw": o.adamw_lr * scale, "global_batch_sha256": digest,
                        "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "world": self.world,
-                       "optim_s": opt_s}
+                       "sync_s": sync_s, "optim_s": opt_s, **{f"optim_{k}_s": v for k, v in self.opt.phase_s.items()}}
                 if save:
                     last_save = self.step
                     handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,

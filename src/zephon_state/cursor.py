@@ -4,9 +4,16 @@ A lane's state is where its input stood the last time its pack and shuffle buffe
 (the start of its current window), the window index (which fixes the window's shuffle order
 and token quotas) and how many rows of that window the caller has consumed. Per source, the
 input position is the document being read (epoch, index in the lane's share of that epoch),
-how many of its tokens were already emitted, and the source's tokens emitted in total. The
-size depends on the number of sources, never on buffer sizes. Restoring re-reads the window
-from there and skips ``emitted`` rows.
+how many of its tokens were already emitted, the source's tokens emitted in total, and a
+resume point inside the document: the character ``char`` where the part of the document being
+read starts (a cut where the text from there tokenizes to the whole document's tokens from
+``base`` on; both 0 at a document start). The size depends on the number of sources, never
+on buffer sizes. Restoring tokenizes the document from ``char``, skips ``offset - base``
+tokens, re-reads the window from there and skips ``emitted`` rows.
+
+Format: version 2 writes ``"version": 2`` and six counts per source; a version-1 cursor (no
+``version`` key, four counts ``[epoch, index, offset, tokens]``) still loads, with its resume
+point at the document start, and resumes identically.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ class SourceState:
     index: int = 0
     offset: int = 0
     tokens: int = 0
+    char: int = 0
+    base: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,10 +50,11 @@ class LaneCursor:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "version": VERSION,
             "window": self.window,
             "emitted": self.emitted,
             "sequences": self.sequences,
-            "sources": [[s.epoch, s.index, s.offset, s.tokens] for s in self.sources],
+            "sources": [[s.epoch, s.index, s.offset, s.tokens, s.char, s.base] for s in self.sources],
         }
 
     @classmethod
@@ -57,8 +67,13 @@ class LaneCursor:
 
         if not isinstance(value, Mapping):
             raise bad(f"expected a dict, got {type(value).__name__}")
-        if set(value) != _KEYS:
-            raise bad(f"its keys are {short(sorted(map(str, value)))}, expected {sorted(_KEYS)}")
+        version = value.get("version", 1)
+        if version not in (1, VERSION) or type(version) is not int:
+            raise bad(f"'version' is {short(version)}; this pipeline reads cursor versions 1 and {VERSION}")
+        keys = _KEYS | {"version"} if version == VERSION else _KEYS
+        if set(value) != keys:
+            raise bad(f"its keys are {short(sorted(map(str, value)))}, expected {sorted(keys)}")
+        fields = SOURCE_FIELDS if version == VERSION else SOURCE_FIELDS[:4]
         for key in ("window", "emitted", "sequences"):
             _check_count(value[key], repr(key), bad)
         sources = value["sources"]
@@ -66,15 +81,20 @@ class LaneCursor:
             raise bad(f"'sources' must list {n_sources} source states, got {short(sources)}")
         parsed = []
         for i, s in enumerate(sources):
-            if not isinstance(s, list) or len(s) != 4:
-                raise bad(f"'sources[{i}]' must be 4 counts [epoch, index, offset, tokens], got {short(s)}")
-            for name, x in zip(SOURCE_FIELDS, s):
+            if not isinstance(s, list) or len(s) != len(fields):
+                raise bad(f"'sources[{i}]' must be {len(fields)} counts [{', '.join(fields)}], got {short(s)}")
+            for name, x in zip(fields, s):
                 _check_count(x, f"'sources[{i}].{name}'", bad)
-            parsed.append(SourceState(*s))
+            state = SourceState(*s)
+            if state.base > state.offset or (state.char == 0) != (state.base == 0):
+                raise bad(f"'sources[{i}]' resumes at char {state.char}, token {state.base}, but a resume point "
+                          f"is both 0 (the document start) or both positive with the token at most offset {state.offset}")
+            parsed.append(state)
         return cls(tuple(parsed), value["window"], value["emitted"], value["sequences"])
 
 
-SOURCE_FIELDS = ("epoch", "index", "offset", "tokens")
+VERSION = 2
+SOURCE_FIELDS = ("epoch", "index", "offset", "tokens", "char", "base")
 COUNT_LIMIT = 1 << 53  # far beyond any real run; larger JSON numbers lose precision in many readers
 _KEYS = {"window", "emitted", "sequences", "sources"}
 

@@ -23,6 +23,7 @@ from .stream import Piece, SourceStream
 from .tokenize import LoadedTokenizer, TokenizerPool
 
 _MIN_CHUNK_BYTES = 4096
+_MIN_PART_CHARS = 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,6 +40,7 @@ class LaneSetup:
     shuffle: bool
     chunk_bytes: tuple[int, ...]  # text per tokenizer call, per source
     readahead_bytes: tuple[int, ...]  # text tokenized ahead, per source
+    part_chars: tuple[int, ...]  # documents are tokenized in parts of about this many characters (resume points)
 
     @property
     def window_tokens(self) -> int:
@@ -50,11 +52,14 @@ class LaneSetup:
         algorithm: str, window: int, shuffle: bool, chunk_bytes: int, readahead_windows: float,
     ) -> "LaneSetup":
         """Size each source's tokenizer calls and readahead from its share of a window's
-        tokens and its tokens per byte (the calibration)."""
+        tokens and its tokens per byte (the calibration). A long document is tokenized in parts
+        of a quarter chunk (at least 1,024 characters), where the tokenizer allows: a restore
+        then re-tokenizes less than a part before its window."""
         window_bytes = [window * max_length * share / tpb for share, tpb in zip(plan.shares, plan.tokens_per_byte)]
         chunks = tuple(int(min(chunk_bytes, max(_MIN_CHUNK_BYTES, b / 4))) for b in window_bytes)
         ahead = tuple(int(b * readahead_windows) + c for b, c in zip(window_bytes, chunks))
-        return cls(plan, tokenizer, pool, lanes, max_length, algorithm, window, shuffle, chunks, ahead)
+        parts = tuple(max(_MIN_PART_CHARS, c // 4) for c in chunks)
+        return cls(plan, tokenizer, pool, lanes, max_length, algorithm, window, shuffle, chunks, ahead, parts)
 
     def check_cursor(self, cursor: LaneCursor, lane: int) -> None:
         """Refuse a cursor this plan cannot have written, naming the field: a document past the
@@ -71,6 +76,9 @@ class LaneSetup:
             if s.tokens < least:
                 raise cursor_error(lane, f"'sources[{i}].tokens' is {s.tokens}, but its epoch {s.epoch}, index "
                                          f"{s.index} and offset {s.offset} mean at least {least} tokens were read")
+            if s.char and not self.tokenizer.cuts:
+                raise cursor_error(lane, f"'sources[{i}].char' is {s.char}, but tokenizer {self.tokenizer.id!r} "
+                                         "is only read from document starts (char 0)")
             exact = self.algorithm == "wrap"
             if not (s.tokens == target if exact else target <= s.tokens < target + self.max_length):
                 want = f"{target}" if exact else f"in [{target}, {target + self.max_length})"
@@ -113,7 +121,8 @@ class Lane:
             reader = SourceReader(s.plan, source, self.id, s.lanes, state.epoch, state.index)
         except ValueError as e:
             raise StateError(f"cursor of lane {self.id} points past the end of its share: {e}") from None
-        acc = Accumulator(reader, s.tokenizer, s.pool, s.chunk_bytes[source], s.readahead_bytes[source])
+        acc = Accumulator(reader, s.tokenizer, s.pool, s.chunk_bytes[source], s.readahead_bytes[source],
+                          s.part_chars[source], state.char, state.base)
         return SourceStream(source, acc, state, self.id)
 
     def _pieces(self) -> list[Piece]:

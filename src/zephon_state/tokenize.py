@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import queue
+import re
 import socket
 import threading
 from concurrent.futures import Future
@@ -41,18 +43,53 @@ class LoadedTokenizer:
     tokenizer: Tokenizer
     eos_id: int
     sha256: str  # of the tokenizer's full JSON description: what the fingerprint records
+    cuts: bool = False  # a document may be tokenized in parts cut at ``next_cut`` (see there)
 
-    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids of each text followed by EOS, flat (int32), and each document's length
-        including its EOS (int64). Special tokens are not added and not parsed from the text."""
+    def encode(self, texts: Sequence[str], eos: Sequence[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of each text followed by EOS (only where ``eos[i]``, when given), flat
+        (int32), and each text's length including its EOS (int64). Special tokens are not
+        added and not parsed from the text."""
         encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
-        lengths = np.fromiter((len(e) + 1 for e in encodings), np.int64, len(encodings))
+        ends_doc = [True] * len(encodings) if eos is None else list(eos)
+        lengths = np.fromiter((len(e) + d for e, d in zip(encodings, ends_doc)), np.int64, len(encodings))
         ends = np.cumsum(lengths)
         flat = np.empty(int(ends[-1]) if len(ends) else 0, np.int32)
-        for e, start, end in zip(encodings, (ends - lengths).tolist(), ends.tolist()):
-            flat[start : end - 1] = e.ids
-        flat[ends - 1] = self.eos_id
+        for e, start in zip(encodings, (ends - lengths).tolist()):
+            flat[start : start + len(e)] = e.ids
+        flat[ends[np.asarray(ends_doc, dtype=bool)] - 1] = self.eos_id
         return flat, lengths
+
+
+# A space between two ASCII letters: where the tokenizers that ``cuts_at_spaces`` accepts
+# always start a pre-token, so the text from there tokenizes to the tail of the whole text's tokens.
+_CUT = re.compile(r"[A-Za-z] [A-Za-z]")
+
+
+def next_cut(text: str, start: int, at_least: int) -> int:
+    """The first safe cut of ``text`` at least ``at_least`` (>= 1) characters after ``start``:
+    a space between two ASCII letters, or ``len(text)`` when there is none. For a tokenizer
+    with ``cuts``, the tokens of ``text[start:]`` are those of ``text[start:cut]`` followed by
+    those of ``text[cut:]`` (tested against whole documents on both shipped corpora)."""
+    found = _CUT.search(text, start + at_least - 1)
+    return found.start() + 1 if found else len(text)
+
+
+def cuts_at_spaces(spec: dict) -> bool:
+    """Whether ``next_cut``'s cuts keep the tokens of a whole text: no normalizer, GPT-2's
+    byte-level pre-tokenizer (its regex has no look-behind or anchor, so matching from a
+    pre-token start goes on as it does in the whole text; a space between letters always
+    starts one, and ``add_prefix_space`` adds nothing to a text that starts with a space),
+    a BPE model without dropout (it encodes each pre-token alone), and no added token that
+    holds a space or strips one. ``spec``: the tokenizer's JSON description, parsed. Any
+    other tokenizer reads whole documents."""
+    pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
+    added_ok = all(
+        not (a.get("lstrip") or a.get("rstrip") or a.get("single_word"))
+        and not any(c.isspace() for c in str(a.get("content", " ")))
+        for a in spec.get("added_tokens") or []
+    )
+    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) is True
+            and model.get("type") == "BPE" and model.get("dropout") is None and added_ok)
 
 
 def _gpt2() -> Tokenizer:
@@ -115,8 +152,9 @@ def _eos_id(tok: Tokenizer, tokenizer_id: str, eos: str | int | None) -> int:
 def load_tokenizer(tokenizer_id: str, eos: str | int | None = None) -> LoadedTokenizer:
     """Load a tokenizer by id ("gpt2"), path of a ``tokenizer.json`` (or its folder), or hub id."""
     tok = _resolve(tokenizer_id)
-    digest = hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
-    return LoadedTokenizer(tokenizer_id, tok, _eos_id(tok, tokenizer_id, eos), digest)
+    spec = tok.to_str()
+    digest = hashlib.sha256(spec.encode("utf-8")).hexdigest()
+    return LoadedTokenizer(tokenizer_id, tok, _eos_id(tok, tokenizer_id, eos), digest, cuts_at_spaces(json.loads(spec)))
 
 
 class TokenizerPool:

@@ -38,20 +38,23 @@ import torch.distributed as dist
 
 from flexckpt.checksum import checksum
 from flexckpt.codec import parse_compression
-from flexckpt.commit import read_manifest
+from flexckpt.commit import keyed_entries, read_manifest, write_keyed
 from flexckpt.load import PendingLoad
 from flexckpt.checksum import ALGORITHM
 from flexckpt.manifest import (
-    FORMAT, VERSION, SavedTensor, data_name, parse_manifest, seal, step_dir, table_name, values_name,
+    FORMAT, VERSION, SavedTensor, data_name, keyed_name, parse_manifest, seal, step_dir, table_name, values_name,
 )
 from flexckpt.handle import SaveHandle
+from flexckpt.plan import part_of_world
 from flexckpt.save_pipeline import Attempts
+from flexckpt.stages import union_structure
 from flexckpt.staging import StagingBuffer, copies_for
 from flexckpt.storage import Storage
-from flexckpt.structure import fingerprint, walk
+from flexckpt.structure import walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import (
-    Decision, Held, choose, done_name, keep_steps, makedirs, pack, remove_bundle, scan, unpack,
+    Decision, Held, choose, compat_fingerprint, compat_union, done_name, keep_steps, makedirs, pack, remove_bundle,
+    scan, unpack,
 )
 from flexckpt.tier.placement import node_name, nodes_of, partners, sources
 from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_rank
@@ -91,6 +94,7 @@ class _FastJob:
     lanes: dict
     per_rank: dict
     cuda: Any
+    keyed: dict = field(default_factory=dict)  # bytes values by key (carried in the marker, as records carry them)
 
 
 class FastTier:
@@ -217,7 +221,7 @@ class FastTier:
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=f"flexckpt-tier-r{self.rank}", daemon=True)
             self._thread.start()
-        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda))
+        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda, dict(w.keyed)))
         return handle
 
     def _serve(self) -> None:
@@ -271,7 +275,8 @@ class FastTier:
             "lineage": self.lineage, "fingerprint": self._saved_structure(e)[0], "saved_fingerprint": e.fingerprint,
             "step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world,
             "run_id": self.run_id, "line": line, "lanes": job.lanes, "plain": job.plain,
-            "per_rank_keys": e.per_rank_keys, **(self._saved_structure(e)[1] if self.rank == 0 else {}),
+            "per_rank_keys": e.per_rank_keys, **self._saved_structure(e)[1],
+            **({"keyed": keyed_entries(self.rank, job.keyed)} if job.keyed else {}),
             "files": {rel: [memoryview(b).nbytes, checksum(b)] for rel, b in files.items()},
         }
         self.storage.put_atomic(f"{folder}/{done_name(job.attempt, self.rank, self.world)}", orjson.dumps(doc), fsync=False)
@@ -310,12 +315,18 @@ class FastTier:
         return lambda dsts, srcs: copies.copy(dsts, srcs, ready)
 
     def _saved_structure(self, e: Any) -> tuple[str, dict]:
-        """The world-independent fingerprint of a plan's structure, and (for saved rank 0's
-        marker) its tensors with their saved layouts and the plan rules."""
+        """The world-independent fingerprint of a plan's structure, and what this rank's
+        marker carries of it: saved rank 0's, its tensors with their saved layouts, the plan
+        rules and its structure; a pipeline stage's lowest rank (the lowest rank of the
+        meshes its stage's tensors live on), its structure, from which a recovery builds the
+        union of the stages' as the persistent commit does (:mod:`flexckpt.stages`)."""
         if self._structure_for != e.id:
-            tensors = {t.name: SavedTensor(t.name, t.dtype, t.shape, t.layout).to_json() for t in e.plan.specs}
-            self._structure = (compat_fingerprint(e.structure),
-                               {"tensors": tensors, "rules": e.plan.rules.to_json()})
+            lowest = [min(t.layout.rank_table()) for t in e.plan.specs if part_of_world(t.layout, self.world)]
+            carried: dict = {"structure": e.structure} if self.rank == 0 or (lowest and self.rank == min(lowest)) else {}
+            if self.rank == 0:
+                tensors = {t.name: SavedTensor(t.name, t.dtype, t.shape, t.layout).to_json() for t in e.plan.specs}
+                carried.update(tensors=tensors, rules=e.plan.rules.to_json())
+            self._structure = (compat_fingerprint(e.structure), carried)
             self._structure_for = e.id
         return self._structure
 
@@ -398,15 +409,14 @@ class FastTier:
         gathered = self._all_gather(mine)
         inventories = [[Held(*x) for x in g[1]] for g in gathered]
         errors = [g[4] for g in gathered if g[4]]
-        fps = {g[3] for g in gathered}
-        if errors or len(fps) != 1:
-            why = f"the fast tier could not be read ({errors[0]})" if errors else "the ranks' state structures differ"
-            decision = Decision("persistent", None, reason=why)
+        if errors:
+            decision = Decision("persistent", None, reason=f"the fast tier could not be read ({errors[0]})")
         else:
-            decision = choose(inventories, self.lineage, next(iter(fps)), gathered[0][2])
+            target = self._target_compat([g[3] for g in gathered], w)
+            decision = choose(inventories, self.lineage, target, gathered[0][2])
         leader = self.rank == min(r for r, g in enumerate(gathered) if g[0] == self.node)
         if decision.source != "tier":
-            if leader and not errors and len(fps) == 1:  # nothing here is loadable: older than the persistent step, or incomplete
+            if leader and not errors:  # nothing here is loadable: older than the persistent step, or incomplete
                 keep_steps(self.storage, -1)
             log.warning("flexckpt fast tier: %s", decision.reason)
             self.last_recovery = Recovery(decision.source, decision.step, decision.reason, seconds=time.perf_counter() - t0)
@@ -460,6 +470,8 @@ class FastTier:
             for a in t.asks if t.receiver == self.rank else ():
                 report.fetched[a.rel] = report.fetched.get(a.rel, 0) + a.length
         failed = self._all_gather(error is not None)
+        if leader:  # every rank has read: the step's bytes values file (written for the load) goes
+            self.storage.remove(f"{step_dir(decision.step)}/{keyed_name(decision.attempt)}")
         if any(failed):
             why = f"the fast-tier load of step {decision.step} failed on rank(s) {[r for r, f in enumerate(failed) if f]}"
             if error is not None:
@@ -491,22 +503,46 @@ class FastTier:
         if self.group is not None:
             self._all_gather(None)
 
+    def _target_compat(self, fps: list[str], w: Any) -> str:
+        """The union of the target ranks' structures (:func:`compat_union`): their common
+        fingerprint, or, when they differ (pipeline stages), from one structure per
+        fingerprint, sent by its lowest rank (one more all-gather, only then)."""
+        if len(set(fps)) == 1:
+            return fps[0]
+        mine = w.structure_json() if fps.index(fps[self.rank]) == self.rank else None
+        return compat_union([st for st in self._all_gather(mine) if st is not None])
+
     def _manifest(self, d: Decision, w: Any) -> Any:
         """The saved step's manifest, rebuilt from the ranks' markers: tensors with their
-        saved layouts and the plan rules from saved rank 0's, a line and lanes from each."""
+        saved layouts from saved rank 0's (or, when the saved ranks' structures differ, the
+        union of the stages' structures the markers carry, built and checked as the
+        persistent commit builds it), the plan rules from rank 0's, a line and lanes from
+        each, and the bytes values, written to the step's ``keyed.values`` on this node."""
         docs = d.docs
         first = docs[0]
         lanes: dict[str, dict] = {}
         for r in range(d.world):
             for path, mapping in docs[r]["lanes"].items():
                 lanes.setdefault(path, {}).update(mapping)
+        tensors, fp = first["tensors"], first["saved_fingerprint"]
+        entries = {r: docs[r]["line"] for r in range(d.world)}
+        if len({line[0] for line in entries.values()}) > 1:
+            carried = {doc["line"][0]: doc["structure"] for doc in docs.values() if isinstance(doc.get("structure"), dict)}
+            union = union_structure(entries, d.step, first["line"][0], first["structure"], carried, d.world)
+            assert union is not None  # the lines differ
+            specs, _structure, fp = union
+            tensors = {t.name: SavedTensor(t.name, t.dtype, t.shape, t.layout).to_json() for t in specs}
         doc = {
             "format": FORMAT, "version": VERSION, "checksum": ALGORITHM, "step": d.step, "run_id": first["run_id"],
-            "attempt": d.attempt, "world_size": d.world, "time": time.time(), "fingerprint": first["saved_fingerprint"],
-            "rules": first["rules"], "codec": "none", "tensors": first["tensors"],
+            "attempt": d.attempt, "world_size": d.world, "time": time.time(), "fingerprint": fp,
+            "rules": first["rules"], "codec": "none", "tensors": tensors,
             "ranks": [docs[r]["line"][1:] for r in range(d.world)], "plain": first["plain"], "lanes": lanes,
             "per_rank": first["per_rank_keys"],
         }
+        keyed = _merged_keyed(d)
+        if keyed:
+            makedirs(self.storage, f"{step_dir(d.step)}/{d.attempt}")
+            doc["keyed"] = {k: list(v) for k, v in write_keyed(self.storage, d.step, d.attempt, keyed, False).items()}
         return parse_manifest(seal(orjson.dumps(doc)), where=f"fast tier step {d.step}")
 
     def _store_manifest(self, ckpt: Any, d: Decision) -> Any:
@@ -549,6 +585,8 @@ class FastTier:
             reading.setdefault(self.rank, "")
         asks: dict[int, list[Ask]] = {}
         parts: dict[int, str] = {}
+        if d.missing and m.keyed:  # the store's manifest names its own bytes values file
+            view.routes[f"{folder}/{keyed_name(attempt)}"] = ckpt.storage
         for s, data in sorted(reading.items()):
             e = m.ranks[s]
             files = [(table_name(attempt, s), e.table_nbytes)] if data else []
@@ -648,13 +686,20 @@ def _mapped(path: str, offset: int, length: int) -> np.ndarray:
     return np.frombuffer(m, dtype=np.uint8, count=length, offset=offset - start)
 
 
-def compat_fingerprint(structure: dict) -> str:
-    """What must match between a saved state and the state a load fills, at any world size:
-    tensor names, dtypes and global shapes, and the value names (layouts may differ: an
-    ``Owned`` tensor's owner depends on the world size)."""
-    tensors = sorted((t["name"], t.get("dtype"), t.get("shape")) for t in structure["tensors"])
-    return fingerprint({"tensors": tensors, "plain": structure["plain"], "lanes": structure["lanes"],
-                        "per_rank": structure["per_rank"]})
+def _merged_keyed(d: Decision) -> dict[str, list]:
+    """The step's bytes values by key, ``[lowest saved rank holding it, base64]``, from the
+    markers; ValueError naming the key when two saved ranks hold it with different bytes
+    (a persistent save of the same state would have failed)."""
+    merged: dict[str, list] = {}
+    for r in range(d.world):
+        for key, v in d.docs[r].get("keyed", {}).items():
+            have = merged.get(key)
+            if have is not None and have[1] != v[1]:
+                raise ValueError(f"fast tier step {d.step}: bytes value {key!r} differs between saved ranks {have[0]} "
+                                 f"and {v[0]}; a key saved by several ranks must hold the same bytes on each")
+            if have is None or v[0] < have[0]:
+                merged[key] = v
+    return merged
 
 
 def _on_gpu(e: Any) -> bool:

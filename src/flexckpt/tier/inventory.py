@@ -5,7 +5,13 @@ A node's tier folder mirrors a checkpoint's layout: ``step-N/ATTEMPT/rNNNNN.data
 partner's copy. A saved rank's files count only once its marker
 ``ATTEMPT/rNNNNN-wWWWWW.done`` exists: a JSON document (the rank's record, the lengths and
 xxh3 of its files, the run lineage and structure fingerprint), written after the files
-(and checked against them on receipt) and renamed into place."""
+(and checked against them on receipt) and renamed into place.
+
+Ranks may save different structures (pipeline stages, each holding its own keys): a
+marker carries its rank's structure when the rank is saved rank 0 or the lowest rank of
+the meshes its stage's tensors live on, so a step holds one structure per stage, and a
+step is restored only when the union of its saved structures matches the union of the
+target ranks' (names, dtypes and global shapes; layouts may differ)."""
 from __future__ import annotations
 
 import os
@@ -17,6 +23,7 @@ import orjson
 
 from flexckpt.manifest import parse_step_dir, step_dir
 from flexckpt.storage import Storage
+from flexckpt.structure import fingerprint
 
 _DONE = re.compile(r"^r(\d{5})-w(\d{5})\.done$")
 MAX_DONE_BYTES = 64 << 20
@@ -79,6 +86,38 @@ class Decision:
     missing: list[int] = field(default_factory=list)  # saved ranks no node holds: the store's same step serves them
 
 
+def compat_union(structures: list[dict]) -> str:
+    """What must match between the ranks' saved states and the states a load fills, at any
+    world size and pipeline degree: the union of the ranks' tensor names, dtypes and global
+    shapes, and of their value names (layouts may differ: an ``Owned`` tensor's owner
+    depends on the world size, a stage's mesh on the stage count). Of one structure: that
+    structure's."""
+    tensors = sorted({(t["name"], t.get("dtype"), tuple(t.get("shape") or ())) for st in structures for t in st["tensors"]})
+    names = {kind: sorted({n for st in structures for n in st[kind]}) for kind in ("plain", "lanes", "per_rank")}
+    return fingerprint({"tensors": tensors, **names})
+
+
+def compat_fingerprint(structure: dict) -> str:
+    return compat_union([structure])
+
+
+def saved_compat(docs: dict[int, dict]) -> tuple[str | None, str]:
+    """``(compat_union of a step's saved structures, "")`` from its markers, or ``(None,
+    why)`` when a stage's structure is in none of them."""
+    fps = {d.get("fingerprint") for d in docs.values()}
+    if len(fps) == 1:
+        return next(iter(fps)), ""
+    carried = {d["line"][0]: d["structure"] for d in docs.values() if isinstance(d.get("structure"), dict) and d.get("line")}
+    need: dict[str, dict] = {}
+    for r in sorted(docs):
+        line = docs[r].get("line") or [None]
+        if line[0] not in carried:
+            return None, (f"tier step {docs[r].get('step')}: the structure of saved rank {r} (its pipeline stage's) is "
+                          f"in no marker of the step")
+        need[line[0]] = carried[line[0]]
+    return compat_union(list(need.values())), ""
+
+
 def choose(
     inventories: list[list[Held]], lineage: str, fingerprint: str, persistent: list[int]
 ) -> Decision:
@@ -92,13 +131,21 @@ def choose(
     foreign = 0
     for who, held in enumerate(inventories):
         for h in held:
-            if h.doc.get("lineage") != lineage or h.doc.get("fingerprint") != fingerprint:
+            if h.doc.get("lineage") != lineage:
                 foreign += 1
                 continue
             key = (h.step, h.attempt, h.world)
             found.setdefault(key, {}).setdefault(h.rank, []).append(who)
             docs.setdefault(key, {})[h.rank] = h.doc
     complete = [k for k, ranks in found.items() if len(ranks) == k[2] and set(ranks) == set(range(k[2]))]
+    whys = []  # the fingerprint is the union of the target ranks' structures; a step's, of its saved ranks'
+    for k in sorted(complete, key=lambda k: (k[0], attempt_order(k[1]))):
+        fp, why = saved_compat(docs[k])
+        if fp != fingerprint:
+            complete.remove(k)
+            foreign += sum(len(v) for v in found.pop(k).values())
+            if why:
+                whys.append(why)
     newest_persistent = max(persistent) if persistent else None
     partial = sorted((k for k in found if k not in complete), key=lambda k: (k[0], attempt_order(k[1])))
     note = ""
@@ -108,7 +155,11 @@ def choose(
         note = f"; tier step {k[0]} lacks the files of saved rank(s) {missing[:10]} on every surviving node"
     if foreign:
         note += f"; {foreign} bundle(s) of another lineage or structure ignored"
-    mixable = [k for k in partial if k[0] in persistent]  # the store's step must be the same save: checked at load
+    if whys:
+        note += f"; {whys[-1]}"
+    # a partial step the store holds too, with this state's structure (the store's step must
+    # be the same save: checked at load)
+    mixable = [k for k in partial if k[0] in persistent and saved_compat(docs[k])[0] == fingerprint]
     if complete or mixable:
         best = max(complete + mixable, key=lambda k: (k[0], attempt_order(k[1])))
         if newest_persistent is None or best[0] >= newest_persistent:
