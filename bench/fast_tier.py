@@ -8,7 +8,9 @@ one copy on the next node, then dies (no close). Node 1 is lost and replaced by 
 node; the job restarts at the same W:
   fast       - ``load()``: the fast tier (rank 1 fetches its files from node 0 over gloo);
   persistent - ``load(step=1)`` through a store model: ``--latency`` per request,
-               ``--inflight`` requests at once, ``--gbps`` GB/s per rank.
+               ``--inflight`` requests at once, ``--gbps`` GB/s per rank (a request takes
+               exactly latency + bytes / bandwidth; the real read from a local folder is
+               counted inside that time).
 Recovery time is from the start of ``load()`` to its return, on the slowest rank; every
 loaded byte is checked against the state that was saved.
 
@@ -87,24 +89,26 @@ def load_worker(rank, world, cfg, which):
         wire = threading.Lock()  # this rank's bandwidth: one transfer at a time at --gbps
         orig_into, orig_scatter, orig_bytes = RangeReader.read_into, RangeReader.read_scatter, Storage.read_bytes
 
-        def request(n):
+        def request(n, read):
+            # the model's time exactly: a request's latency, then its bytes at the rank's
+            # bandwidth, the real read (from a local folder) counted inside that time
             with gate:
                 time.sleep(cfg["latency"])
                 with wire:
-                    time.sleep(n / (cfg["gbps"] * 1e9))
+                    t0 = time.perf_counter()
+                    out = read()
+                    time.sleep(max(0.0, n / (cfg["gbps"] * 1e9) - (time.perf_counter() - t0)))
+                    return out
 
         def read_into(self, offset, out):
-            request(memoryview(out).nbytes)
-            return orig_into(self, offset, out)
+            return request(memoryview(out).nbytes, lambda: orig_into(self, offset, out))
 
         def read_scatter(self, offset, outs):
-            request(sum(memoryview(o).nbytes for o in outs))
-            return orig_scatter(self, offset, outs)
+            return request(sum(memoryview(o).nbytes for o in outs), lambda: orig_scatter(self, offset, outs))
 
         def read_bytes(self, rel, limit=None):
-            out = orig_bytes(self, rel, limit)
-            request(len(out))
-            return out
+            n = Storage.size(self, rel)
+            return request(n, lambda: orig_bytes(self, rel, limit))
 
         RangeReader.read_into, RangeReader.read_scatter, Storage.read_bytes = read_into, read_scatter, read_bytes
     specs = H.state_specs(cfg["mib"], cfg["tensors"], world)
@@ -112,14 +116,42 @@ def load_worker(rank, world, cfg, which):
     local, state = _state(specs, rank, world, 0)
     for t in local.values():
         t.zero_()
+    profile = None
+    if cfg["profile"] and which == "fast":
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank starts load() together: the time is the load's, not the start-up's skew
     t0 = time.perf_counter()
     step = ck.load(state) if which == "fast" else ck.load(state, step=1)
     seconds = time.perf_counter() - t0
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(os.path.join(cfg["profile"], f"fast-r{rank}.prof"))
     bad = H.mismatches(local, specs, rank, world, step)
     rec = ck.tier.last_recovery
     atexit.unregister(ck._atexit)  # keep the tier for the next restart
+    floor = _gloo_floor(rank, ck.tier.group, H.state_bytes(local)) if which == "fast" else 0.0
     return {"seconds": seconds, "step": step, "bad": bad, "source": rec.source if rec else "persistent",
-            "fetched": rec.fetched_bytes if rec else 0, "timings": rec.timings if rec else {}}
+            "fetched": rec.fetched_bytes if rec else 0, "timings": rec.timings if rec else {}, "floor": floor}
+
+
+def _gloo_floor(rank, group, nbytes):
+    """The transport alone: rank 0 sends rank 1 ``nbytes`` in one message over the tier's
+    gloo group (the floor under a recovery that fetches a whole rank's state)."""
+    import torch
+    import torch.distributed as dist
+
+    if rank > 1:
+        return 0.0
+    buf = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.zeros(nbytes, dtype=torch.uint8)
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    (dist.isend if rank == 0 else dist.irecv)(buf, 1 - rank, group=group).wait()
+    return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -132,10 +164,11 @@ def main(argv=None) -> int:
     p.add_argument("--inflight", type=int, default=64, help="requests in flight per rank (64)")
     p.add_argument("--gbps", type=float, default=0.2, help="GB/s per rank of the store model (0.2)")
     p.add_argument("--shm", default="/dev/shm", help="where the emulated nodes' folders go (/dev/shm)")
+    p.add_argument("--profile", default="", help="a folder: cProfile each rank's fast load into it")
     args = p.parse_args(argv)
     from flexshard.spawn import run_workers
 
-    base = tempfile.mkdtemp(prefix="fxtier-bench-")
+    base = tempfile.mkdtemp(prefix="fxtier-bench-", dir=args.shm)  # the store's real reads are as cheap as the tier's
     shm = tempfile.mkdtemp(prefix="fxtier-nodes-", dir=args.shm)
     cfg = {**vars(args), "store": os.path.join(base, "store"), "shm": shm}
     try:
@@ -157,8 +190,13 @@ def main(argv=None) -> int:
         [["fast tier (node 1 lost)", f"{f:.3f}", f"{args.mib * H.MIB / f / 1e9:.2f}", max(r["fetched"] for r in fast), ok],
          ["persistent (store model)", f"{s:.3f}", f"{args.mib * H.MIB / s / 1e9:.2f}", 0, ok],
          ["ratio persistent / fast", f"{s / f:.1f}x", "", "", ""]]))
-    print("\nfast recovery phases, slowest rank:", {k: round(max(r["timings"].get(k, 0) for r in fast), 3)
-                                                  for k in ("inventory_s", "plan_s", "fetch_s", "read_s")})
+    phases = ("inventory_s", "plan_s", "post_s", "read_s", "wait_peer_s", "drain_s")
+    print("\n" + H.markdown_table(
+        ["fast recovery phase (s)", *[f"rank {r}" for r in range(args.world)]],
+        [[k, *[f"{r['timings'].get(k, 0):.3f}" for r in fast]] for k in phases]
+        + [["load() total", *[f"{r['seconds']:.3f}" for r in fast]],
+           ["gloo floor: the same bytes in one isend, rank 0 -> 1", f"{max(r['floor'] for r in fast):.3f}",
+            *[""] * (args.world - 1)]]))
     rows = [r for rank in saves for r in rank]
     print()
     print(H.markdown_table(

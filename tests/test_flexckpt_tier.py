@@ -11,6 +11,7 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,6 +73,11 @@ def test_choose_takes_newest_complete_step_never_mixing_steps():
     assert "tier step 8 lacks the files of saved rank(s) [1]" in d.reason
     d = choose([[_held(8, 0)], []], "L", "F", [5])
     assert (d.source, d.step) == ("persistent", 5) and "loading persistent step 5 whole" in d.reason
+    # a step partly held, and the same step in the store: the store serves only the missing ranks
+    d = choose([[_held(8, 0), _held(7, 0)], [_held(7, 1)]], "L", "F", [5, 8])
+    assert (d.source, d.step, d.holders, d.missing) == ("tier", 8, {0: [0]}, [1])
+    assert "lacks saved rank(s) [1] on every surviving node; the persistent store holds step 8" in d.reason
+    assert choose([[_held(8, 0)], []], "L", "F", [7, 8, 9]).source == "persistent"  # the store's newer step wins
     assert choose([[_held(7, 0), _held(7, 1)]], "L", "F", [9]).source == "persistent"
     d = choose([[_held(7, 0, lineage="other"), _held(7, 1, lineage="other")]], "L", "F", [])
     assert d.source == "none" and "another lineage" in d.reason
@@ -123,7 +129,8 @@ def _train(rank, world, url, root, nodes, steps, every_persistent):
     """Fast save every step, persistent every few; at the last step, wait until this node
     holds its partners' copies, then die as a kill would (no close, no clean-up)."""
     os.environ["FLEXCKPT_NODE"] = nodes[rank]
-    ck = Checkpointer(url, local=tier(root, nodes[rank]))
+    # small chunks: a resharding load wants part of a saved rank's file, not all of it
+    ck = Checkpointer(url, local=tier(root, nodes[rank]), chunk_bytes=1024)
     calls = _count_calls()
     fast_calls = []
     for step in range(1, steps + 1):
@@ -153,10 +160,20 @@ def _train(rank, world, url, root, nodes, steps, every_persistent):
     return {"other": other, "kinds": kinds, "groups_ok": groups_ok, "skipped": ck.tier.skipped}
 
 
-def _restart(rank, world, url, root, nodes):
+def _restart(rank, world, url, root, nodes, oracle_step=None):
+    """Restart on ``nodes`` and load. ``oracle_step``: then also load that persistent step
+    (same shapes, so the same plan) at this world size, counting the bytes the ordinary
+    load reads of each saved rank's data file."""
     os.environ["FLEXCKPT_NODE"] = nodes[rank]
     read = [0]
+    by_file: dict = {}  # data bytes read from the store, by saved rank's file name
     orig_bytes, orig_into, orig_scatter = Storage.read_bytes, RangeReader.read_into, RangeReader.read_scatter
+
+    def count(reader, n):
+        if reader.storage.url == url:
+            read[0] += n
+            name = os.path.basename(reader.path)
+            by_file[name] = by_file.get(name, 0) + n
 
     def read_bytes(self, rel, limit=None):
         out = orig_bytes(self, rel, limit)
@@ -164,39 +181,48 @@ def _restart(rank, world, url, root, nodes):
         return out
 
     def read_into(self, offset, out):
-        read[0] += memoryview(out).nbytes if self.storage.url == url else 0
+        count(self, memoryview(out).nbytes)
         return orig_into(self, offset, out)
 
     def read_scatter(self, offset, outs):
-        read[0] += sum(memoryview(o).nbytes for o in outs) if self.storage.url == url else 0
+        count(self, sum(memoryview(o).nbytes for o in outs))
         return orig_scatter(self, offset, outs)
 
     Storage.read_bytes, RangeReader.read_into, RangeReader.read_scatter = read_bytes, read_into, read_scatter
     ck = Checkpointer(url, local=tier(root, nodes[rank]))
     state = make_state(rank, world, 0, zero=True)
     read[0] = 0  # from here: the load (rank 0's start-up housekeeping reads the store's markers)
+    by_file.clear()
     t0 = time.perf_counter()
     step = ck.load(state)
     seconds = time.perf_counter() - t0
     want = make_state(rank, world, step)
     exact = all(torch.equal(state[n].local, want[n].local) for n in SHAPES)
     rec = ck.tier.last_recovery
+    store_bytes, store_files, oracle = read[0], dict(by_file), None
+    if oracle_step is not None:
+        by_file.clear()
+        ck.load(make_state(rank, world, 0, zero=True), step=oracle_step)
+        oracle = dict(by_file)
     t1 = time.perf_counter()
     ck.close()
     print(f"rank {rank}: load {seconds:.2f} s, close {time.perf_counter() - t1:.2f} s", flush=True)
-    return {"step": step, "exact": exact, "persistent_bytes": read[0], "lanes": state["data"].values,
+    return {"step": step, "exact": exact, "persistent_bytes": store_bytes, "lanes": state["data"].values,
             "want_lanes": want["data"].values, "meta": state["meta"], "source": rec.source, "reason": rec.reason,
-            "parts": rec.parts, "seconds": seconds, "tier_left": os.path.exists(ck.tier.root)}
+            "parts": rec.parts, "seconds": seconds, "tier_left": os.path.exists(ck.tier.root),
+            "fetched": rec.fetched, "sent": rec.sent_bytes, "received": rec.fetched_bytes, "store_files": store_files,
+            "oracle": oracle}
 
 
 @pytest.fixture(scope="module")
 def four_nodes_killed(tmp_path_factory):
-    """4 nodes x 1 rank, fast tier every step, persistent every 5, killed at step 8."""
+    """4 nodes x 1 rank, fast tier every step (each node keeps steps 8 and 9), persistent
+    every 4 (steps 4 and 8), killed at step 9."""
     base = tmp_path_factory.mktemp("tier4")
     url = str(base / "store")
     root = str(base / "nodes")
     nodes = ["n0", "n1", "n2", "n3"]
-    out = run_workers(_train, 4, url, root, nodes, 8, 5, timeout=TIMEOUT)
+    out = run_workers(_train, 4, url, root, nodes, 9, 4, timeout=TIMEOUT)
     return base, url, root, out
 
 
@@ -218,12 +244,24 @@ def test_zero_collectives_on_the_training_thread_and_only_send_recv_on_the_tier_
 def test_node_lost_restores_fast_step_renumbered_without_reading_the_store(four_nodes_killed, survivors, tmp_path):
     _base, url, root, _ = four_nodes_killed
     nodes_root = _copy_nodes(root, str(tmp_path / "nodes"), ["n2"])
-    res = run_workers(_restart, len(survivors), url, nodes_root, survivors, timeout=TIMEOUT)
+    res = run_workers(_restart, len(survivors), url, nodes_root, survivors, 8, timeout=TIMEOUT)
     for r in res:
-        assert (r["step"], r["exact"], r["persistent_bytes"], r["source"]) == (8, True, 0, "tier"), r
+        assert (r["step"], r["exact"], r["persistent_bytes"], r["source"]) == (9, True, 0, "tier"), r
         # every rank receives the union of the lanes (and takes what it hosts now)
-        assert r["lanes"] == {str(l): {"doc": 800 + l} for l in range(LANES)} and r["meta"] == {"step": 8}
+        assert r["lanes"] == {str(l): {"doc": 900 + l} for l in range(LANES)} and r["meta"] == {"step": 9}
         assert not r["tier_left"]  # a clean exit removes the tier
+    # byte-range fetches: of each data file a peer sent, exactly the bytes the ordinary load
+    # reads of it at this world size (the persistent step 8 has the same plan), never more
+    fetched = [{os.path.basename(rel): n for rel, n in r["fetched"].items() if rel.endswith(".data")} for r in res]
+    for got, r in zip(fetched, res):
+        assert all(n == r["oracle"][name] for name, n in got.items()), (got, r["oracle"])
+    assert any(fetched)
+    assert sum(r["sent"] for r in res) == sum(r["received"] for r in res) > 0
+    whole = os.path.getsize(os.path.join(url, "step-000000000008",
+                                         *[f for f in _files(url, 8) if f.endswith("r00001.data")]))
+    partial = [n for r in res for rel, n in r["fetched"].items() if rel.endswith(".data") and n < whole]
+    if len(survivors) == 3:  # 4 -> 3 ranks: a rank asks for part of a saved rank's file
+        assert partial, [r["fetched"] for r in res]
     # n2 held saved rank 2's own files and rank 1's copy: rank 2's came from n3 (its partner), and
     # a rank whose node lacked a saved rank's files fetched them from a peer over the tier's group
     from_n3 = [p for r in res for s, p in r["parts"].items() if s == 2]
@@ -231,15 +269,45 @@ def test_node_lost_restores_fast_step_renumbered_without_reading_the_store(four_
     assert any(" via rank " in p for r in res for p in r["parts"].values())
 
 
-def test_both_copies_of_a_rank_lost_falls_back_to_the_newest_persistent_step(four_nodes_killed, tmp_path):
+def _files(url: str, step: int) -> list[str]:
+    folder = os.path.join(url, f"step-{step:012d}")
+    return [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs]
+
+
+def test_both_copies_of_a_rank_lost_takes_only_its_parts_from_the_stores_same_step(four_nodes_killed, tmp_path):
+    """Saved rank 0's files of steps 8 and 9 are on no surviving node; the store holds step
+    8 (the same save): step 8 loads with rank 0's parts from the store, the rest from the tier."""
     _base, url, root, _ = four_nodes_killed
     nodes_root = _copy_nodes(root, str(tmp_path / "nodes"), ["n0", "n1"])  # rank 0's own files and its copy
     res = run_workers(_restart, 2, url, nodes_root, ["n2", "n3"], timeout=TIMEOUT)
     for r in res:
-        assert (r["step"], r["exact"], r["source"]) == (5, True, "persistent"), r
-        assert "no fast-tier step is complete; loading persistent step 5 whole" in r["reason"]
-        assert "saved rank(s) [0]" in r["reason"]
-        assert r["persistent_bytes"] > 0 and r["lanes"] == {str(l): {"doc": 500 + l} for l in range(LANES)}
+        assert (r["step"], r["exact"], r["source"]) == (8, True, "tier"), r
+        assert "lacks saved rank(s) [0] on every surviving node; the persistent store holds step 8" in r["reason"]
+        assert r["lanes"] == {str(l): {"doc": 800 + l} for l in range(LANES)} and r["meta"] == {"step": 8}
+        assert all(p.startswith(("own node", "node ")) for s, p in r["parts"].items() if s != 0), r["parts"]
+        assert set(r["store_files"]) <= {"r00000.data"}, r["store_files"]  # only the missing rank's data
+    assert set().union(*[r["store_files"] for r in res]) == {"r00000.data"}
+    # 4 -> 2 ranks: rank 0 (on n2) reads saved ranks 0 and 1 (its shards) and 3 (who saved the
+    # replicated tensor): 0 from the store, 1 from its node (the copy), 3 from rank 1's node
+    assert res[0]["parts"] == {0: "persistent store step 8", 1: "own node n2", 3: "node n3 via rank 1"}
+
+
+def test_a_partial_step_the_store_lacks_falls_back_to_the_newest_persistent_step_whole(four_nodes_killed, tmp_path):
+    """As above, and the survivors' step 8 is gone too (as if pruned): tier step 9 lacks
+    rank 0 and the store has no step 9, so the newest persistent step (8) loads whole."""
+    _base, url, root, _ = four_nodes_killed
+    nodes_root = _copy_nodes(root, str(tmp_path / "nodes"), ["n0", "n1"])
+    for node in ("n2", "n3"):
+        for tier_dir in os.listdir(os.path.join(nodes_root, node)):
+            shutil.rmtree(os.path.join(nodes_root, node, tier_dir, f"step-{8:012d}"))
+    res = run_workers(_restart, 2, url, nodes_root, ["n2", "n3"], timeout=TIMEOUT)
+    for r in res:
+        assert (r["step"], r["exact"], r["source"]) == (8, True, "persistent"), r
+        assert "no fast-tier step is complete; loading persistent step 8 whole" in r["reason"]
+        assert "tier step 9 lacks the files of saved rank(s) [0]" in r["reason"]
+        assert r["persistent_bytes"] > 0 and r["lanes"] == {str(l): {"doc": 800 + l} for l in range(LANES)}
+    assert set().union(*[r["store_files"] for r in res]) == {"r00000.data", "r00001.data", "r00002.data",
+                                                              "r00003.data"}
 
 
 def test_two_nodes_of_two_ranks_restart_on_one_node_from_the_partner_copies(tmp_path):
@@ -350,6 +418,87 @@ def test_a_fast_save_due_while_the_last_is_in_flight_is_skipped_and_counted(tmp_
     assert sorted(h.step for h in scan(ck.tier.storage)) == [1, 3]
     ck.close()
 
+
+# -- recovery's byte ranges and step view (one process) -------------------------------------------
+def test_asked_ranges_are_the_chunks_the_ordinary_load_reads_and_land_in_their_target(tmp_path):
+    """A step saved by 1 rank, read as rank 1 of 2: the ranges asked of each data file are
+    what the ordinary load reads of it (counted through the storage layer), and each lands
+    whole in one stretch of the target, so it can be received there directly."""
+    from flexckpt.commit import read_manifest
+    from flexckpt.load import PendingLoad
+    from flexckpt.structure import walk
+    from flexckpt.tier.fetchplan import ranges_needed
+
+    ck = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, chunk_bytes=1024)
+    ck.save(3, {"w": ShardedTensor.from_global(global_tensor("w", 3), Shard(0), 0, 1)}).result(60)
+    ck.close()
+    target = {"w": ShardedTensor.from_global(torch.zeros(SHAPES["w"]), Shard(0), 1, 2)}
+    m = read_manifest(ck.storage, 3)
+    pending = PendingLoad(ck.storage, m, walk(target, 1, 2), 1, 2, True)
+    targets = [(m.tensors[pending.walk.specs[i].name], rng) for i, rng in pending.targets]
+    ranges = ranges_needed(m, targets, set(m.files))
+    read: dict = {}
+    orig = RangeReader.read_scatter
+
+    def counting(self, offset, outs):
+        read[os.path.basename(self.path)] = read.get(os.path.basename(self.path), 0) + sum(o.nbytes for o in outs)
+        return orig(self, offset, outs)
+
+    RangeReader.read_scatter = counting
+    try:
+        pending.read(1)
+    finally:
+        RangeReader.read_scatter = orig
+    # rows 48..95 are bytes [7680, 15360) of the file; chunks of 1024 bytes: [7168, 15360) is read
+    assert {os.path.basename(f): sum(r.length for r in rs) for f, rs in ranges.items()} == read == {"r00000.data": 8192}
+    assert os.path.getsize(os.path.join(ck.storage.root, "step-000000000003", list(m.files)[0])) == 15360
+    # the first chunk is half wanted (to a buffer); the rest lands whole at byte 512 of the target
+    assert [tuple(r) for rs in ranges.values() for r in rs] == [(7168, 1024, -1, 0), (8192, 7168, 0, 512)]
+
+
+def test_step_view_reads_received_ranges_and_refuses_others(tmp_path):
+    from flexckpt.errors import MissingFile
+    from flexckpt.tier.view import Received, StepView
+
+    waited = []
+    f = Received("step-1/a/r00001.data", 100, "rank 3 on node n3")
+    f.add(60, np.arange(20, dtype=np.uint8), lambda: waited.append(60))
+    f.add(10, np.arange(30, dtype=np.uint8), lambda: waited.append(10))
+    view = StepView(Storage(str(tmp_path)), {"step-1/a/r00001.data": f})
+    out = np.zeros(5, dtype=np.uint8)
+    view.open_reader("step-1/a/r00001.data").read_into(35, memoryview(out))
+    assert out.tolist() == [25, 26, 27, 28, 29] and waited == [10] and view.size("step-1/a/r00001.data") == 100
+    with pytest.raises(MissingFile, match=r"r00001.data from rank 3 on node n3: bytes \[40, 45\) were not asked for"):
+        view.open_reader("step-1/a/r00001.data").read_into(38, memoryview(np.zeros(7, dtype=np.uint8)))
+    # a range received straight into its place is not copied onto itself
+    target = np.arange(20, dtype=np.uint8)
+    g = Received("x", 20, "a peer")
+    g.add(0, target, lambda: None)
+    g.read_scatter(0, [memoryview(target)[:8], memoryview(target)[8:]])
+    assert target.tolist() == list(range(20))
+
+
+def test_the_stores_step_serves_missing_parts_only_when_it_is_the_same_save(tmp_path):
+    """Same attempt, plan and files (manifest lines) as the tier's bundles: accepted. Another
+    attempt, or a held rank whose files differ: refused, naming why."""
+    import dataclasses
+
+    from flexckpt.tier.inventory import choose
+
+    ck = _one(tmp_path)
+    state = make_state(0, 1, 4)
+    ck.save(4, state).result(60)
+    ck.save_local(4, state).result(60)
+    held = scan(ck.tier.storage)
+    d = choose([held], ck.tier.lineage, held[0].doc["fingerprint"], [4])
+    assert (d.source, d.step, d.missing) == ("tier", 4, [])
+    assert ck.tier._store_manifest(ck, d).attempt == d.attempt  # a persistent and a fast save of a step: attempt 1 each
+    with pytest.raises(ValueError, match=r"step 4 is not the save the fast tier holds part of \(it is save attempt "):
+        ck.tier._store_manifest(ck, dataclasses.replace(d, attempt=d.attempt[:-1] + "2"))
+    doc = dict(d.docs[0], line=[*d.docs[0]["line"][:3], d.docs[0]["line"][3] + 1, *d.docs[0]["line"][4:]])
+    with pytest.raises(ValueError, match=r"the files of saved rank\(s\) \[0\] differ"):
+        ck.tier._store_manifest(ck, dataclasses.replace(d, docs={0: doc}))
+    ck.close()
 
 # -- pipeline stages and bytes values -----------------------------------------------------------
 PP_LAYERS = 4

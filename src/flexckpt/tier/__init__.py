@@ -4,7 +4,9 @@
 ``LocalTier`` is the configuration a ``Checkpointer(url, local=LocalTier(...))`` takes;
 ``FastTier`` (``fast.py``) is the runtime it composes. Modules: ``placement`` (node identity,
 partner rule), ``inventory`` (what a node holds, which step to restore), ``transport``
-(copies over the tier's own gloo group)."""
+(copies and a recovery's byte ranges over the tier's own gloo group), ``fetchplan`` (which
+byte ranges a recovering rank asks of which peer), ``view`` (the files a recovery's load
+reads: the node's, a peer's ranges, the store's)."""
 from __future__ import annotations
 
 import os

@@ -8,14 +8,20 @@ sends a copy to each partner (``transport.send``). A fast save that falls due wh
 previous one is still in flight is skipped and counted, never waited for.
 
 Recover (``recover``, every rank, at ``load()``): one all-gather of the nodes' inventories
-on the tier's group, the newest step complete across the surviving nodes, files a rank
-needs and its node lacks fetched from a rank whose node holds them (one more all-gather
-of the needs, then send/recv), then the ordinary load over the node's folder.
+on the tier's group, the newest step complete across the surviving nodes (or partly held,
+its missing saved ranks served by the store's same save), then one all-gather of what each
+rank asks of its peers: only the byte ranges its load reads of files its node lacks. The
+ordinary load then runs over a ``StepView``: the node's folder, the ranges as they arrive
+(sent with send/recv), the store's files of missing ranks. Timings by phase go to
+``last_recovery.timings``: inventory, plan (manifest, read plan, asks), post (sends and
+receives posted), read (the load; ``wait_peer_s`` of it waiting for ranges), drain.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import mmap
 import os
 import queue
 import shutil
@@ -32,7 +38,7 @@ import torch.distributed as dist
 
 from flexckpt.checksum import checksum
 from flexckpt.codec import parse_compression
-from flexckpt.commit import keyed_entries, write_keyed
+from flexckpt.commit import keyed_entries, read_manifest, write_keyed
 from flexckpt.load import PendingLoad
 from flexckpt.checksum import ALGORITHM
 from flexckpt.manifest import (
@@ -51,9 +57,10 @@ from flexckpt.tier.inventory import (
     scan, unpack,
 )
 from flexckpt.tier.placement import node_name, nodes_of, partners, sources
-from flexckpt.tier.transport import Header, Inbox, digest, send
+from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_rank
+from flexckpt.tier.transport import Header, Inbox, Incoming, announce, digest, send, send_range
+from flexckpt.tier.view import Received, StepView
 from flexckpt.writer import table_bytes, values_bytes, write_data_file
-from flexshard import part_of
 
 log = logging.getLogger("flexckpt")
 
@@ -69,9 +76,11 @@ class Recovery:
     step: int | None
     reason: str
     parts: dict[int, str] = field(default_factory=dict)
-    fetched_bytes: int = 0
+    fetched_bytes: int = 0  # received from peers (asked byte ranges, chunk tables, per-rank values)
+    sent_bytes: int = 0  # sent to recovering peers
+    fetched: dict[str, int] = field(default_factory=dict)  # bytes received by file (relative to the step)
     seconds: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)  # inventory, plan, fetch, read (seconds)
+    timings: dict[str, float] = field(default_factory=dict)  # phases (seconds): see recover()
 
 
 @dataclass(eq=False)
@@ -417,29 +426,49 @@ class FastTier:
         report.timings["inventory_s"] = t1 - t0
         error: BaseException | None = None
         pending = None
+        view = StepView(self.storage, {})
+        asks: dict[int, list[Ask]] = {}
+        self._into: dict[tuple[str, int], np.ndarray] = {}  # asked ranges received straight into a target
         try:
-            manifest = self._manifest(decision, w)
-            need = self._needed(manifest, w)
+            manifest = self._store_manifest(ckpt, decision) if decision.missing else self._manifest(decision, w)
+            manifest.files.bind(view, step_dir(decision.step))
+            pending = PendingLoad(view, manifest, w, self.rank, self.world, strict)
+            asks, report.parts = self._plan_sources(decision, manifest, pending, gathered, ckpt, view)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
-            error, need = exc, set()
-        needs = self._all_gather(sorted(need))
+            error, asks = exc, {}
+        transfers = assign(self._all_gather(asks), decision.holders)
+        for t in transfers:
+            if t.receiver == self.rank:
+                report.parts[t.saved] = f"node {gathered[t.server][0]} via rank {t.server}"
         t2 = time.perf_counter()
         report.timings["plan_s"] = t2 - t1
-        try:
-            report.parts, report.fetched_bytes = self._fetch(decision, [set(n) for n in needs], gathered)
-        except Exception as exc:  # noqa: BLE001
-            error = error or exc
-        self._barrier()
+        sends, incoming, fail = self._exchange(decision.step, transfers, view)
+        error = error or fail
         t3 = time.perf_counter()
-        report.timings["fetch_s"] = t3 - t2
+        report.timings["post_s"] = t3 - t2
         if error is None:
             try:
-                manifest.files.bind(self.storage, step_dir(decision.step))
-                pending = PendingLoad(self.storage, manifest, w, self.rank, self.world, strict)
-                pending.read(ckpt.read_threads)
+                assert pending is not None
+                pending.read(ckpt.read_threads)  # this node's files are read while the peers' ranges arrive
             except Exception as exc:  # noqa: BLE001
                 error = exc
-        report.timings["read_s"] = time.perf_counter() - t3
+        t4 = time.perf_counter()
+        report.timings["read_s"] = t4 - t3
+        report.timings["wait_peer_s"] = sum(box.waited for box in incoming)
+        try:  # even after a failure: every posted receive and send completes, so the pairs stay in step
+            for box in incoming:
+                box.wait_all()
+            for work in sends:
+                (work[0] if isinstance(work, tuple) else work).wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001
+            error = error or exc
+        sends, self._into = [], {}
+        report.timings["drain_s"] = time.perf_counter() - t4
+        report.fetched_bytes = sum(t.nbytes for t in transfers if t.receiver == self.rank)
+        report.sent_bytes = sum(t.nbytes for t in transfers if t.server == self.rank)
+        for t in transfers:
+            for a in t.asks if t.receiver == self.rank else ():
+                report.fetched[a.rel] = report.fetched.get(a.rel, 0) + a.length
         failed = self._all_gather(error is not None)
         if leader:  # every rank has read: the step's bytes values file (written for the load) goes
             self.storage.remove(f"{step_dir(decision.step)}/{keyed_name(decision.attempt)}")
@@ -516,60 +545,145 @@ class FastTier:
             doc["keyed"] = {k: list(v) for k, v in write_keyed(self.storage, d.step, d.attempt, keyed, False).items()}
         return parse_manifest(seal(orjson.dumps(doc)), where=f"fast tier step {d.step}")
 
-    def _needed(self, manifest: Any, w: Any) -> set[int]:
-        """Saved ranks whose files this rank's target pieces come from."""
-        need: set[int] = set()
-        for i, spec in enumerate(w.specs):
-            rng = part_of(spec.layout, spec.shape, self.world, self.rank)  # a flat range or a box's stretch
-            if len(rng) and spec.name in manifest.tensors:
-                for p in manifest.tensors[spec.name].pieces_in(rng):
-                    need.add(int(p.file.rsplit("/r", 1)[1][:5]))
-        if manifest.world_size == self.world and w.per_rank:
-            need.add(self.rank)
-        return need
+    def _store_manifest(self, ckpt: Any, d: Decision) -> Any:
+        """The persistent store's manifest of step ``d.step``, when it is the very save the
+        tier holds part of: the same attempt, world size and plan, uncompressed, and each
+        saved rank the tier holds with the same table, data and values (lengths and xxh3):
+        its files then stand in for the ranks no node holds."""
+        m = read_manifest(ckpt.storage, d.step)
+        first = next(iter(d.docs.values()))
+        why = ""
+        if m.version < 2 or m.attempt != d.attempt:
+            why = f"it is save attempt {m.attempt}, the tier's is {d.attempt}"
+        elif m.world_size != d.world or m.fingerprint != first["saved_fingerprint"]:
+            why = f"it was saved by {m.world_size} ranks with another plan"
+        elif m.codec != "none":
+            why = f"it is compressed ({m.codec}); the tier's files are not"
+        else:
+            differ = [r for r, doc in sorted(d.docs.items()) if tuple(doc["line"][1:]) != tuple(m.ranks[r])]
+            if differ:
+                why = f"the files of saved rank(s) {differ[:10]} differ"
+        if why:
+            raise ValueError(f"the persistent store's step {d.step} is not the save the fast tier holds part of ({why})")
+        return m
 
-    def _fetch(self, d: Decision, needs: list[set[int]], gathered: list) -> tuple[dict[int, str], int]:
-        """Each saved rank's bundle a node lacks and one of its ranks needs comes from the
-        lowest rank whose node holds it; the lowest needing rank of the node receives it."""
+    def _plan_sources(self, d: Decision, manifest: Any, pending: PendingLoad, gathered: list, ckpt: Any,
+                      view: StepView) -> tuple[dict[int, list[Ask]], dict[int, str]]:
+        """Where this rank reads each saved rank's files from: its node's folder, the store
+        (the ranks no node holds), or a peer, which sends only the byte ranges of the data
+        file the load reads, with the chunk table (and this rank's per-rank values). Routes
+        the view accordingly; returns the asks by saved rank, and where each part comes from."""
         node_of = [g[0] for g in gathered]
-        on_node = {name: {r for r, n in enumerate(node_of) if n == name} for name in set(node_of)}
-        has = {name: {s for s, hs in d.holders.items() if any(node_of[h] == name for h in hs)} for name in on_node}
-        transfers: list[tuple[int, int, int]] = []  # (server, receiver, saved rank)
-        for name, ranks in sorted(on_node.items()):
-            wanted = sorted({s for r in ranks for s in needs[r]} - has[name])
-            for s in wanted:
-                receiver = min(r for r in ranks if s in needs[r])
-                transfers.append((min(d.holders[s]), receiver, s))
-        parts = {s: f"own node {self.node}" for s in needs[self.rank] if s in has[self.node]}
-        works, inbound, fetched = [], [], 0
+        here = {s for s, hs in d.holders.items() if any(node_of[h] == self.node for h in hs)}
         folder = step_dir(d.step)
-        for server, receiver, s in transfers:
-            length = sum(n for n, _c in d.docs[s]["files"].values()) + 4 + len(orjson.dumps(d.docs[s]))
-            if server == self.rank:
-                files = [self.storage.read_bytes(f"{folder}/{rel}") for rel in d.docs[s]["files"]]
-                payload = np.frombuffer(pack(d.docs[s], files), dtype=np.uint8)
-                h = Header(d.step, 0, self.global_ranks[self.rank], payload.nbytes, digest(payload), s)
-                works.append(dist.isend(h.tensor(), self.global_ranks[receiver], group=self.group))
-                works.append(dist.isend(torch.from_numpy(payload), self.global_ranks[receiver], group=self.group))
-            if receiver == self.rank:
-                hbuf = torch.zeros(7, dtype=torch.int64)
-                pbuf = torch.empty(length, dtype=torch.uint8)
-                works.append(dist.irecv(hbuf, self.global_ranks[server], group=self.group))
-                works.append(dist.irecv(pbuf, self.global_ranks[server], group=self.group))
-                inbound.append((server, s, hbuf, pbuf))
-            if s in needs[self.rank] and s not in has[self.node]:
-                parts[s] = f"node {node_of[server]} via rank {server}"
-        for work in works:
-            work.wait(datetime.timedelta(seconds=self.timeout))
-        for server, s, hbuf, pbuf in inbound:
-            header = Header.from_tensor(hbuf)
-            payload = pbuf.numpy()
-            if header.seq != s or header.length != payload.nbytes or digest(payload) != header.checksum:
-                raise ValueError(f"the files of saved rank {s} from rank {server} arrived damaged or out of order")
-            doc, files = unpack(payload)
-            self._write_bundle(doc, files)
-            fetched += payload.nbytes
-        return parts, fetched
+        m, attempt = manifest, manifest.attempt
+        targets = [(m.tensors[pending.walk.specs[i].name], rng) for i, rng in pending.targets]
+        ranges = ranges_needed(m, targets, set(m.files))
+        into = [_bytes_of(pending.walk.tensors[i]) for i, _rng in pending.targets]
+        reading = {saved_rank(f): f for f in ranges}
+        if pending.per_rank:  # at the saved world size: this rank's own per-rank values
+            reading.setdefault(self.rank, "")
+        asks: dict[int, list[Ask]] = {}
+        parts: dict[int, str] = {}
+        if d.missing and m.keyed:  # the store's manifest names its own bytes values file
+            view.routes[f"{folder}/{keyed_name(attempt)}"] = ckpt.storage
+        for s, data in sorted(reading.items()):
+            e = m.ranks[s]
+            files = [(table_name(attempt, s), e.table_nbytes)] if data else []
+            if s == self.rank and pending.per_rank and e.values_nbytes:
+                files.append((values_name(attempt, s), e.values_nbytes))
+            if s in here:
+                parts[s] = f"own node {self.node}"
+            elif s in d.missing:
+                parts[s] = f"persistent store step {d.step}"
+                for rel, _n in files + ([(data, 0)] if data else []):
+                    view.routes[f"{folder}/{rel}"] = ckpt.storage
+            else:  # parts[s] is named once fetchplan.assign has picked the peer
+                asks[s] = [Ask(rel, 0, n) for rel, n in files if n]
+                if data:
+                    asks[s] += [Ask(data, r.offset, r.length) for r in ranges[data]]
+                    files.append((data, e.stored_nbytes))
+                    for r in ranges[data]:
+                        if r.target >= 0 and into[r.target] is not None:
+                            self._into[(f"{folder}/{data}", r.offset)] = into[r.target][r.target_pos : r.target_pos + r.length]
+                for rel, n in files:
+                    view.routes[f"{folder}/{rel}"] = Received(f"{folder}/{rel}", n, "a peer")
+        return asks, parts
+
+    def _readable(self, t: Transfer, folder: str) -> bool:
+        """Whether this node's files hold every range ``t`` asks for (else the receiver is told)."""
+        try:
+            for a in t.asks:
+                size = os.path.getsize(self.storage.path(f"{folder}/{a.rel}"))
+                if size < a.offset + a.length:
+                    raise ValueError(f"{folder}/{a.rel} is {size} bytes, asked for [{a.offset}, {a.offset + a.length})")
+            return True
+        except Exception as exc:  # noqa: BLE001
+            log.error("flexckpt fast tier rank %d: cannot read saved rank %d's files for rank %d: %s",
+                      self.rank, t.saved, t.receiver, exc)
+            return False
+
+    def _exchange(self, step: int, transfers: list[Transfer], view: StepView) -> tuple[list, list[Incoming], Any]:
+        """Post the sends this rank serves (straight from its node's files, mapped), then
+        set up the receives it awaits, each range landing in the view's ``Received`` file.
+        Runs on every rank, whatever failed before, so that every pair stays in step;
+        returns the sends, the receives and the first error."""
+        folder = step_dir(step)
+        error: BaseException | None = None
+        sends: list = []
+        mine = [t for t in transfers if t.server == self.rank]
+        ok = {t: self._readable(t, folder) for t in mine}
+        first: dict[int, Transfer] = {}
+        for t in mine:
+            first.setdefault(t.receiver, t)
+        for t in first.values():  # each receiver's first header at once: it sets up while ranges are mapped
+            sends.append(announce(self.group, self.global_ranks[t.receiver], step, t.saved,
+                                  [a.length for a in t.asks] if ok[t] else None))
+        for t in mine:  # per receiver, a transfer's header and ranges in order: messages pair by order
+            if first[t.receiver] is not t:
+                sends.append(announce(self.group, self.global_ranks[t.receiver], step, t.saved,
+                                      [a.length for a in t.asks] if ok[t] else None))
+            try:
+                for a in t.asks if ok[t] else ():
+                    payload = _mapped(self.storage.path(f"{folder}/{a.rel}"), a.offset, a.length)
+                    sends.append((send_range(self.group, self.global_ranks[t.receiver], payload), payload))
+            except Exception as exc:  # noqa: BLE001 - checked above; the receiver times out on what is missing
+                error = error or exc
+        incoming: list[Incoming] = []
+        for t in transfers:
+            if t.receiver != self.rank:
+                continue
+            try:
+                box = Incoming(self.group, self.global_ranks[t.server], step, t.saved, [a.length for a in t.asks],
+                               self.timeout, [self._into.get((f"{folder}/{a.rel}", a.offset)) for a in t.asks])
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
+                continue
+            incoming.append(box)
+            for i, a in enumerate(t.asks):
+                file = view.routes[f"{folder}/{a.rel}"]
+                file.where = f"rank {t.server} on node {self.node_names[t.server]}"
+                file.add(a.offset, box.buffers[i], functools.partial(box.ready, i))
+        return sends, incoming, error
+
+
+def _bytes_of(t: Any) -> np.ndarray | None:
+    """A target tensor's bytes, where a load reads straight into it (CPU, contiguous)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _mapped(path: str, offset: int, length: int) -> np.ndarray:
+    """Bytes ``[offset, offset + length)`` of a tier file, mapped (read-only, pages mapped
+    at once), not copied: gloo sends from the page cache."""
+    if not length:
+        return np.empty(0, dtype=np.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), offset + length - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                      prot=mmap.PROT_READ, offset=start)
+    return np.frombuffer(m, dtype=np.uint8, count=length, offset=offset - start)
 
 
 def _merged_keyed(d: Decision) -> dict[str, list]:

@@ -84,6 +84,7 @@ class Decision:
     holders: dict[int, list[int]] = field(default_factory=dict)
     docs: dict[int, dict] = field(default_factory=dict)
     reason: str = ""
+    missing: list[int] = field(default_factory=list)  # saved ranks no node holds: the store's same step serves them
 
 
 def compat_union(structures: list[dict]) -> str:
@@ -122,8 +123,10 @@ def choose(
     inventories: list[list[Held]], lineage: str, fingerprint: str, persistent: list[int]
 ) -> Decision:
     """The newest step complete across the surviving nodes (every saved rank held by some
-    node, same lineage and fingerprint), or the newest persistent step when that is newer
-    or nothing in the tier is complete. Steps are never mixed."""
+    node, same lineage and fingerprint), or partly held when the persistent store holds the
+    same step (its ``missing`` ranks come from the store; the load checks that the store's
+    step is the same save), or the newest persistent step, whole, when that is newer or no
+    tier step qualifies. Steps are never mixed."""
     found: dict[tuple[int, str, int], dict[int, list[int]]] = {}
     docs: dict[tuple[int, str, int], dict[int, dict]] = {}
     foreign = 0
@@ -155,12 +158,20 @@ def choose(
         note += f"; {foreign} bundle(s) of another lineage or structure ignored"
     if whys:
         note += f"; {whys[-1]}"
-    if complete:
-        best = max(complete, key=lambda k: (k[0], attempt_order(k[1])))
+    # a partial step the store holds too, with this state's structure (the store's step must
+    # be the same save: checked at load)
+    mixable = [k for k in partial if k[0] in persistent and saved_compat(docs[k])[0] == fingerprint]
+    if complete or mixable:
+        best = max(complete + mixable, key=lambda k: (k[0], attempt_order(k[1])))
         if newest_persistent is None or best[0] >= newest_persistent:
-            holders = {r: sorted(set(found[best][r])) for r in range(best[2])}
+            holders = {r: sorted(set(hs)) for r, hs in found[best].items()}
+            if best in complete:
+                return Decision("tier", best[0], best[1], best[2], holders, docs[best],
+                                f"fast tier step {best[0]} is complete across the surviving nodes{note}")
+            missing = sorted(set(range(best[2])) - set(found[best]))
             return Decision("tier", best[0], best[1], best[2], holders, docs[best],
-                            f"fast tier step {best[0]} is complete across the surviving nodes{note}")
+                            f"fast tier step {best[0]} lacks saved rank(s) {missing[:10]} on every surviving node; "
+                            f"the persistent store holds step {best[0]}: those parts come from it{note}", missing)
         return Decision("persistent", newest_persistent,
                         reason=f"persistent step {newest_persistent} is newer than tier step {best[0]}{note}")
     if newest_persistent is not None:

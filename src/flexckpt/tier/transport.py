@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
+import warnings
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -123,3 +125,66 @@ class Inbox(threading.Thread):
             except Exception:  # noqa: BLE001 - this copy is lost (never marked complete); the next may land
                 self.failures += 1
                 log.exception("flexckpt fast tier: storing the copy of step %d from rank %d failed", header.step, self.src)
+
+
+# -- recovery: byte ranges a recovering rank asked of a peer ----------------------------------
+FETCH_MAGIC = 0x46585246455431  # "FXRFET1"
+
+
+def _fetch_header(step: int, saved: int, count: int, nbytes: int, ok: bool) -> torch.Tensor:
+    return torch.tensor([FETCH_MAGIC, step, saved, count, nbytes, int(ok)], dtype=torch.int64)
+
+
+def announce(group: "dist.ProcessGroup", dst: int, step: int, saved: int, lengths: "list[int] | None") -> "dist.Work":
+    """Send ``dst`` (a global rank) the header of a transfer of ranges of ``lengths`` bytes,
+    which ``send_range`` then sends one message each. ``lengths`` None: the files could not
+    be read here; the header says so and nothing follows. No checksum travels: the load
+    verifies every chunk against its table, every table against the manifest."""
+    ok = lengths is not None
+    return dist.isend(_fetch_header(step, saved, len(lengths or ()), sum(lengths or ()), ok), dst, group=group)
+
+
+def send_range(group: "dist.ProcessGroup", dst: int, payload: np.ndarray) -> "dist.Work":
+    """One announced range (the caller keeps ``payload`` alive until the work finishes)."""
+    with warnings.catch_warnings():  # a read-only mapping of a tier file: sent, never written
+        warnings.simplefilter("ignore", UserWarning)
+        return dist.isend(torch.from_numpy(payload), dst, group=group)
+
+
+class Incoming:
+    """The ranges one transfer brings: the header is awaited at once (a server that could
+    not read its files sends no payload, and a receive never waits for what will not come);
+    then one receive per range is posted, into ``into[i]`` where given (a stretch of the
+    target tensor the range lands in whole), else into a buffer of its own. ``ready(i)``
+    waits for range ``i``."""
+
+    def __init__(self, group: "dist.ProcessGroup", src: int, step: int, saved: int, lengths: list[int],
+                 timeout: float, into: "list[np.ndarray | None] | None" = None) -> None:
+        self.src, self.timeout = src, timeout
+        h = torch.zeros(6, dtype=torch.int64)
+        _wait(dist.irecv(h, src, group=group), timeout)
+        magic, got_step, got_saved, count, nbytes, ok = (int(x) for x in h.tolist())
+        if magic != FETCH_MAGIC:
+            raise ValueError(f"fetch header from rank {src} has magic {magic:#x}, expected {FETCH_MAGIC:#x}")
+        if not ok:
+            raise ValueError(f"rank {src} could not read the files of saved rank {saved} of step {step} it holds")
+        if (got_step, got_saved, count, nbytes) != (step, saved, len(lengths), sum(lengths)):
+            raise ValueError(f"rank {src} sends step {got_step}, saved rank {got_saved}, {count} ranges, {nbytes} bytes; "
+                             f"expected step {step}, saved rank {saved}, {len(lengths)} ranges, {sum(lengths)} bytes")
+        self.buffers = [b if b is not None else np.empty(n, dtype=np.uint8) for n, b in zip(lengths, into or [None] * len(lengths))]
+        self._works = [dist.irecv(torch.from_numpy(b), src, group=group) for b in self.buffers]
+        self._done = [False] * len(lengths)
+        self._lock = threading.Lock()
+        self.waited = 0.0  # seconds the load waited for these ranges
+
+    def ready(self, i: int) -> None:
+        with self._lock:
+            if not self._done[i]:
+                t0 = time.perf_counter()
+                _wait(self._works[i], self.timeout)
+                self._done[i] = True
+                self.waited += time.perf_counter() - t0
+
+    def wait_all(self) -> None:
+        for i in range(len(self._works)):
+            self.ready(i)
