@@ -17,6 +17,7 @@ leave the checkpoint's folder.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import reprlib
@@ -231,11 +232,13 @@ class PlanPieces:
         self._lock = threading.Lock()
 
     def offset(self, rank: int, spec_index: int) -> int:
-        with self._lock:
-            offsets = self._offsets.get(rank)
-            if offsets is None:
-                # pieces only: cutting chunks waits for the table that vouches for the sizes
-                offsets = self._offsets[rank] = {p.spec_index: p.offset for p in self.plan.rank_pieces(rank)[0]}
+        offsets = self._offsets.get(rank)  # a dict lookup is atomic: the lock guards the filling
+        if offsets is None:
+            with self._lock:
+                offsets = self._offsets.get(rank)
+                if offsets is None:
+                    # pieces only: cutting chunks waits for the table that vouches for the sizes
+                    offsets = self._offsets[rank] = {p.spec_index: p.offset for p in self.plan.rank_pieces(rank)[0]}
         return offsets[spec_index]
 
     def pieces_in(self, name: str, want: FlatRange | Part) -> list[SavedPiece]:
@@ -352,14 +355,14 @@ class TableFiles(Mapping):
         lengths = table.stored_lengths.tolist()
         if any(n > MAX_CHUNK_BYTES for n in lengths) or sum(lengths) != self.ranks[rank].stored_nbytes:
             raise ManifestError(f"{where}: chunk lengths do not add up to the {self.ranks[rank].stored_nbytes} bytes stored")
-        chunks = []
-        pos = 0
-        for c, n, check in zip(raw.chunks, lengths, table.checksums.tolist()):
-            if self.codec == "none" and n != c.length:
-                raise ManifestError(f"{where}: uncompressed chunk at {c.offset} stores {n} bytes for {c.length}")
-            chunks.append(StoredChunk(c.offset, c.length, pos, n, self.codec, format(check, "016x")))
-            pos += n
-        return FileEntry(name, raw.nbytes, tuple(chunks))
+        if self.codec == "none":
+            bad = next(((c, n) for c, n in zip(raw.chunks, lengths) if n != c.length), None)
+            if bad is not None:
+                raise ManifestError(f"{where}: uncompressed chunk at {bad[0].offset} stores {bad[1]} bytes for {bad[0].length}")
+        stored_at = itertools.accumulate(lengths, initial=0)
+        chunks = tuple(map(StoredChunk, (c.offset for c in raw.chunks), (c.length for c in raw.chunks), stored_at,
+                           lengths, itertools.repeat(self.codec), map("{:016x}".format, table.checksums.tolist())))
+        return FileEntry(name, raw.nbytes, chunks)
 
 
 @dataclass(frozen=True)
@@ -739,7 +742,9 @@ def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str
     shape_raw = entry.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > 64:
         raise _fail(where, f"tensor {_show(name)} shape must be a list of at most 64 ints")
-    shape = tuple(_int(s, 0, MAX_NUMEL, f"tensor {_show(name)} dimension", where) for s in shape_raw)
+    if not all(type(s) is int and 0 <= s <= MAX_NUMEL for s in shape_raw):  # the message only on failure
+        shape = tuple(_int(s, 0, MAX_NUMEL, f"tensor {_show(name)} dimension", where) for s in shape_raw)
+    shape = tuple(shape_raw)
     numel = math.prod(shape)
     if numel > MAX_NUMEL:
         raise _fail(where, f"tensor {_show(name)} has {numel} elements, more than {MAX_NUMEL}")
