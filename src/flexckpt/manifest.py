@@ -171,10 +171,10 @@ class FileEntry:
         return {"nbytes": self.nbytes, "chunks": [c.to_json() for c in self.chunks]}
 
 
-@dataclass(frozen=True)
-class SavedPiece:
+class SavedPiece(NamedTuple):
     """Elements ``[start, stop)`` of ``box`` (row-major in the box; None: the whole tensor)
-    of a tensor, stored contiguously at raw byte ``raw_offset`` of ``file``."""
+    of a tensor, stored contiguously at raw byte ``raw_offset`` of ``file``. (A named tuple:
+    a load recomputes one a piece it reads.)"""
 
     file: str
     start: int
@@ -229,6 +229,7 @@ class PlanPieces:
         self.attempt = attempt
         self.index = {s.name: i for i, s in enumerate(plan.specs)}
         self._offsets: dict[int, dict[int, int]] = {}
+        self._files: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def offset(self, rank: int, spec_index: int) -> int:
@@ -245,10 +246,15 @@ class PlanPieces:
         i = self.index[name]
         shape = self.plan.specs[i].shape
         return [
-            SavedPiece(data_name(self.attempt, r), part.start, part.stop, self.offset(r, i),
-                       None if part.box.sizes == shape else part.box)
+            SavedPiece(self._file(r), part.start, part.stop, self.offset(r, i), None if part.box.sizes == shape else part.box)
             for r, part in self.plan.writers(i, want)
         ]
+
+    def _file(self, rank: int) -> str:
+        name = self._files.get(rank)
+        if name is None:
+            name = self._files[rank] = data_name(self.attempt, rank)
+        return name
 
 
 class TableFiles(Mapping):
@@ -619,7 +625,7 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
             raise _fail(where, f"tensor {_show(name)} has a mesh layout, which a version-{version} manifest cannot hold")
         specs.append(TensorSpec(name, t.dtype, t.shape, t.layout))
     try:
-        plan = WritePlan(specs, world, rules)
+        plan = _write_plan(specs, world, rules)
     except ValueError as e:
         raise _fail(where, str(e)) from None
     raw_ranks = _get(doc, "ranks", list, where)
@@ -648,6 +654,30 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
     keyed = _parse_keyed(doc.get("keyed", {}), where)
     return Manifest(step, run_id, world, wall, fp, files, tensors, plain, lanes, {k: None for k in keys},
                     version, attempt, rules, codec, ranks_t, keyed=keyed)
+
+
+_PLANS: dict[tuple, WritePlan] = {}  # the newest few, oldest first
+_PLANS_KEPT = 2
+_plans_lock = threading.Lock()
+
+
+def _write_plan(specs: list[TensorSpec], world: int, rules: PlanRules) -> WritePlan:
+    """The plan of a structure at a world size under the rules: a pure function of the
+    three, which caches each rank's pieces and chunks as they are asked for. Manifests of
+    one structure (each step a job saves, each load of it) share one, so a repeated load
+    plans once."""
+    key = (tuple(specs), world, rules)
+    with _plans_lock:
+        plan = _PLANS.pop(key, None)
+        if plan is not None:
+            _PLANS[key] = plan  # now the newest
+            return plan
+    plan = WritePlan(specs, world, rules)
+    with _plans_lock:
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+    return plan
 
 
 def _parse_keyed(raw: Any, where: str) -> dict[str, tuple[int, int, str]]:
