@@ -69,7 +69,7 @@ def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[tor
             and hit[3] == (rank, world_size) and local.shape == hit[5]):
         layout, shape = hit[4]
         return (local.detach() if local.requires_grad else local), layout, shape
-    source, reshaped = local, False
+    source = local
     if local.requires_grad:  # to_local() would add an autograd node on parameters
         local = local.detach()
     shape = tuple(value.shape)
@@ -80,13 +80,12 @@ def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[tor
         raise ValueError(f"cannot checkpoint DTensor {name!r} on {where} placements {tuple(value.placements)}: {e}") from None
     if coordinate is None and local.numel() == 0 and tuple(local.shape) != want:
         local = local.reshape(want)  # a rank outside the tensor's mesh: torch gives it an empty tensor
-        reshaped = True
     if tuple(local.shape) != want:
         raise ValueError(
             f"DTensor {name!r} on {where} placements {tuple(value.placements)}: this rank's local tensor has shape "
             f"{list(local.shape)}, but its mesh coordinate gives it a piece of shape {list(want)} of {list(shape)}"
         )
-    if not reshaped:  # (an empty piece reshaped anew each time is left to this slow path)
+    if local.shape == source.shape:  # not an empty piece reshaped (left to this path each time)
         key = id(value)
         _LEAVES[key] = (weakref.ref(value, lambda _ref: _LEAVES.pop(key, None)), value._spec, source,
                         (rank, world_size), (layout, shape), source.shape)
