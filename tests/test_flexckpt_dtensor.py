@@ -335,3 +335,29 @@ def test_hsdp_dtensors_on_a_two_by_two_mesh_saved_at_four_load_at_two(tmp_path):
     assert run_workers(_hsdp_load, 2, url, timeout=120) == [[], []]
     with Checkpointer(url) as ck:
         assert ck.contents().tensors["a"].layout == flexshard.HybridShard(2)
+
+
+def _leaf_cache(rank: int, world: int) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard as DShard
+
+    from flexckpt.dtensor import _LEAVES
+    from flexckpt.structure import walk
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = DTensor.from_local(torch.arange(6.0).reshape(3, 2) + 10 * rank, mesh, [DShard(0)], run_check=False)
+    first, again = walk({"w": dt}, rank, world), walk({"w": dt}, rank, world)
+    out = [first.key == again.key, again.tensors[0] is dt._local_tensor, id(dt) in _LEAVES]
+    dt._local_tensor = torch.zeros(2, 2)  # the local piece swapped for one of another shape: mapped again
+    try:
+        walk({"w": dt}, rank, world)
+        out.append("no error")
+    except Exception as e:  # noqa: BLE001 - the message travels back to the test
+        out.append(str(e))
+    return out
+
+
+def test_a_dtensor_seen_again_maps_at_once_and_a_changed_local_piece_is_mapped_again():
+    for same_key, same_local, cached, refusal in run_workers(_leaf_cache, 2, timeout=120):
+        assert same_key and same_local and cached
+        assert "local tensor has shape [2, 2]" in refusal and "piece of shape [3, 2] of [6, 2]" in refusal

@@ -60,8 +60,16 @@ def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[tor
 
     The local tensor shares storage with the DTensor (loads write into it in place). This
     runs for every DTensor on every save: what depends only on the mesh is computed once
-    per mesh, and the mapping once per (placements, shape, mesh, rank, world)."""
+    per mesh, the mapping once per (placements, shape, mesh, rank, world), and a DTensor
+    seen before (a parameter, an optimizer moment: the same objects every save) with the
+    same spec, local tensor and shapes gets its answer back at once."""
     local = value._local_tensor
+    hit = _LEAVES.get(id(value))
+    if (hit is not None and hit[0]() is value and hit[1] is value._spec and hit[2] is local
+            and hit[3] == (rank, world_size) and local.shape == hit[5]):
+        layout, shape = hit[4]
+        return (local.detach() if local.requires_grad else local), layout, shape
+    source = local
     if local.requires_grad:  # to_local() would add an autograd node on parameters
         local = local.detach()
     shape = tuple(value.shape)
@@ -79,7 +87,14 @@ def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[tor
             f"DTensor {name!r} on {where} placements {tuple(value.placements)}: this rank's local tensor has shape "
             f"{list(local.shape)}, but its mesh coordinate gives it a piece of shape {list(want)} of {list(shape)}"
         )
+    if local.shape == source.shape:  # not an empty piece reshaped (left to this path each time)
+        key = id(value)
+        _LEAVES[key] = (weakref.ref(value, lambda _ref: _LEAVES.pop(key, None)), value._spec, source,
+                        (rank, world_size), (layout, shape), source.shape)
     return local, layout, shape
+
+
+_LEAVES: dict[int, tuple] = {}  # id of a DTensor -> (weakref, spec, local tensor, world, answer, local shape)
 
 
 _MESHES: dict[int, tuple[Any, tuple]] = {}

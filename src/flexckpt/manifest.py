@@ -17,6 +17,7 @@ leave the checkpoint's folder.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import reprlib
@@ -170,10 +171,10 @@ class FileEntry:
         return {"nbytes": self.nbytes, "chunks": [c.to_json() for c in self.chunks]}
 
 
-@dataclass(frozen=True)
-class SavedPiece:
+class SavedPiece(NamedTuple):
     """Elements ``[start, stop)`` of ``box`` (row-major in the box; None: the whole tensor)
-    of a tensor, stored contiguously at raw byte ``raw_offset`` of ``file``."""
+    of a tensor, stored contiguously at raw byte ``raw_offset`` of ``file``. (A named tuple:
+    a load recomputes one a piece it reads.)"""
 
     file: str
     start: int
@@ -228,24 +229,32 @@ class PlanPieces:
         self.attempt = attempt
         self.index = {s.name: i for i, s in enumerate(plan.specs)}
         self._offsets: dict[int, dict[int, int]] = {}
+        self._files: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def offset(self, rank: int, spec_index: int) -> int:
-        with self._lock:
-            offsets = self._offsets.get(rank)
-            if offsets is None:
-                # pieces only: cutting chunks waits for the table that vouches for the sizes
-                offsets = self._offsets[rank] = {p.spec_index: p.offset for p in self.plan.rank_pieces(rank)[0]}
+        offsets = self._offsets.get(rank)  # a dict lookup is atomic: the lock guards the filling
+        if offsets is None:
+            with self._lock:
+                offsets = self._offsets.get(rank)
+                if offsets is None:
+                    # pieces only: cutting chunks waits for the table that vouches for the sizes
+                    offsets = self._offsets[rank] = {p.spec_index: p.offset for p in self.plan.rank_pieces(rank)[0]}
         return offsets[spec_index]
 
     def pieces_in(self, name: str, want: FlatRange | Part) -> list[SavedPiece]:
         i = self.index[name]
         shape = self.plan.specs[i].shape
         return [
-            SavedPiece(data_name(self.attempt, r), part.start, part.stop, self.offset(r, i),
-                       None if part.box.sizes == shape else part.box)
+            SavedPiece(self._file(r), part.start, part.stop, self.offset(r, i), None if part.box.sizes == shape else part.box)
             for r, part in self.plan.writers(i, want)
         ]
+
+    def _file(self, rank: int) -> str:
+        name = self._files.get(rank)
+        if name is None:
+            name = self._files[rank] = data_name(self.attempt, rank)
+        return name
 
 
 class TableFiles(Mapping):
@@ -352,14 +361,14 @@ class TableFiles(Mapping):
         lengths = table.stored_lengths.tolist()
         if any(n > MAX_CHUNK_BYTES for n in lengths) or sum(lengths) != self.ranks[rank].stored_nbytes:
             raise ManifestError(f"{where}: chunk lengths do not add up to the {self.ranks[rank].stored_nbytes} bytes stored")
-        chunks = []
-        pos = 0
-        for c, n, check in zip(raw.chunks, lengths, table.checksums.tolist()):
-            if self.codec == "none" and n != c.length:
-                raise ManifestError(f"{where}: uncompressed chunk at {c.offset} stores {n} bytes for {c.length}")
-            chunks.append(StoredChunk(c.offset, c.length, pos, n, self.codec, format(check, "016x")))
-            pos += n
-        return FileEntry(name, raw.nbytes, tuple(chunks))
+        if self.codec == "none":
+            bad = next(((c, n) for c, n in zip(raw.chunks, lengths) if n != c.length), None)
+            if bad is not None:
+                raise ManifestError(f"{where}: uncompressed chunk at {bad[0].offset} stores {bad[1]} bytes for {bad[0].length}")
+        stored_at = itertools.accumulate(lengths, initial=0)
+        chunks = tuple(map(StoredChunk, (c.offset for c in raw.chunks), (c.length for c in raw.chunks), stored_at,
+                           lengths, itertools.repeat(self.codec), map("{:016x}".format, table.checksums.tolist())))
+        return FileEntry(name, raw.nbytes, chunks)
 
 
 @dataclass(frozen=True)
@@ -616,7 +625,7 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
             raise _fail(where, f"tensor {_show(name)} has a mesh layout, which a version-{version} manifest cannot hold")
         specs.append(TensorSpec(name, t.dtype, t.shape, t.layout))
     try:
-        plan = WritePlan(specs, world, rules)
+        plan = _write_plan(specs, world, rules)
     except ValueError as e:
         raise _fail(where, str(e)) from None
     raw_ranks = _get(doc, "ranks", list, where)
@@ -645,6 +654,30 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
     keyed = _parse_keyed(doc.get("keyed", {}), where)
     return Manifest(step, run_id, world, wall, fp, files, tensors, plain, lanes, {k: None for k in keys},
                     version, attempt, rules, codec, ranks_t, keyed=keyed)
+
+
+_PLANS: dict[tuple, WritePlan] = {}  # the newest few, oldest first
+_PLANS_KEPT = 2
+_plans_lock = threading.Lock()
+
+
+def _write_plan(specs: list[TensorSpec], world: int, rules: PlanRules) -> WritePlan:
+    """The plan of a structure at a world size under the rules: a pure function of the
+    three, which caches each rank's pieces and chunks as they are asked for. Manifests of
+    one structure (each step a job saves, each load of it) share one, so a repeated load
+    plans once."""
+    key = (tuple(specs), world, rules)
+    with _plans_lock:
+        plan = _PLANS.pop(key, None)
+        if plan is not None:
+            _PLANS[key] = plan  # now the newest
+            return plan
+    plan = WritePlan(specs, world, rules)
+    with _plans_lock:
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+    return plan
 
 
 def _parse_keyed(raw: Any, where: str) -> dict[str, tuple[int, int, str]]:
@@ -739,7 +772,9 @@ def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str
     shape_raw = entry.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > 64:
         raise _fail(where, f"tensor {_show(name)} shape must be a list of at most 64 ints")
-    shape = tuple(_int(s, 0, MAX_NUMEL, f"tensor {_show(name)} dimension", where) for s in shape_raw)
+    if not all(type(s) is int and 0 <= s <= MAX_NUMEL for s in shape_raw):  # the message only on failure
+        shape = tuple(_int(s, 0, MAX_NUMEL, f"tensor {_show(name)} dimension", where) for s in shape_raw)
+    shape = tuple(shape_raw)
     numel = math.prod(shape)
     if numel > MAX_NUMEL:
         raise _fail(where, f"tensor {_show(name)} has {numel} elements, more than {MAX_NUMEL}")

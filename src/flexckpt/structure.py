@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import torch
 
-from flexckpt.dtensor import dtensor_leaf, is_dtensor
+from flexckpt.dtensor import DTensor, dtensor_leaf, is_dtensor
 from flexckpt.dtypes import dtype_name
 from flexckpt.errors import UnsupportedState
 from flexckpt.values import MAX_BYTES_VALUE, ByLane, PerRank
@@ -196,6 +196,14 @@ def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> N
         if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
             key_list.append((name, value.dtype, value.shape, value.device))
             tensors.append(value)
+        elif type(value) is DTensor:  # FSDP2's optimizer moments, get_state_dict's leaves: as short
+            try:
+                local, layout, shape = dtensor_leaf(value, name, rank, world_size)
+            except _REFUSALS as e:
+                out.errors.append((name, e))
+                continue
+            key_list.append((name, local.dtype, shape, layout, local.shape, local.device))
+            tensors.append(local)
         else:
             _walk_value(value, name, d, key, out, rank, world_size)
 
