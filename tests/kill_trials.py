@@ -185,6 +185,29 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
+def wait_all(pids: list[int], stop_on_kill: bool, deadline_s: float | None = None) -> tuple[dict[int, int], bool]:
+    """Exit statuses by rank; one rank killed: the others are killed too (``stop_on_kill``).
+    Past ``deadline_s``: all killed, and hung (True)."""
+    status: dict[int, int] = {}
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    while len(status) < len(pids):
+        for rank, pid in enumerate(pids):
+            if rank not in status:
+                done, st = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status[rank] = st
+                    if stop_on_kill and os.WIFSIGNALED(st):
+                        _kill([p for r, p in enumerate(pids) if r not in status])
+        if deadline is not None and time.monotonic() > deadline:
+            _kill([p for r, p in enumerate(pids) if r not in status])
+            for rank, pid in enumerate(pids):
+                if rank not in status:
+                    status[rank] = os.waitpid(pid, 0)[1]
+            return status, True
+        time.sleep(0.002)
+    return status, False
+
+
 def run_trial(root: str, trial: Trial) -> dict[str, Any]:
     log_path = root + ".log"
     Path(log_path).write_text("")
@@ -193,16 +216,7 @@ def run_trial(root: str, trial: Trial) -> dict[str, Any]:
     if trial.method is None:
         time.sleep(trial.delay)
         _kill(pids)
-    status: dict[int, int] = {}
-    while len(status) < len(pids):
-        for rank, pid in enumerate(pids):
-            if rank not in status:
-                done, st = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    status[rank] = st
-                    if os.WIFSIGNALED(st):  # one rank died: the launcher stops the others
-                        _kill([p for r, p in enumerate(pids) if r not in status])
-        time.sleep(0.002)
+    status, _ = wait_all(pids, stop_on_kill=True)  # one rank died: the launcher stops the others
     child_s = time.monotonic() - t0
     killed = os.WIFSIGNALED(status[trial.rank]) and os.WTERMSIG(status[trial.rank]) == signal.SIGKILL
     if any(os.WIFEXITED(st) and os.WEXITSTATUS(st) == 3 for st in status.values()) and not any(

@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kill_trials import N_ELEMENTS, _kill, state_for  # noqa: E402
+from kill_trials import N_ELEMENTS, _kill, state_for, wait_all  # noqa: E402
 
 NODES = ("n0", "n1", "n2")
 WORLD = len(NODES)
@@ -278,26 +278,7 @@ def _fork(fn: Any, *args: Any) -> int:
 
 
 def _wait_all(pids: list[int], stop_on_kill: bool) -> tuple[dict[int, int], bool]:
-    """Exit statuses by rank; one rank killed: the others are killed too (``stop_on_kill``).
-    Past ``DEADLINE``: all killed, and hung."""
-    status: dict[int, int] = {}
-    deadline = time.monotonic() + DEADLINE
-    while len(status) < len(pids):
-        for rank, pid in enumerate(pids):
-            if rank not in status:
-                done, st = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    status[rank] = st
-                    if stop_on_kill and os.WIFSIGNALED(st):
-                        _kill([p for r, p in enumerate(pids) if r not in status])
-        if time.monotonic() > deadline:
-            _kill([p for r, p in enumerate(pids) if r not in status])
-            for rank, pid in enumerate(pids):
-                if rank not in status:
-                    status[rank] = os.waitpid(pid, 0)[1]
-            return status, True
-        time.sleep(0.002)
-    return status, False
+    return wait_all(pids, stop_on_kill, DEADLINE)
 
 
 # -- what the restart must load, worked out from the files --------------------------------------
