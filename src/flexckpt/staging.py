@@ -170,8 +170,3 @@ def staging_device(devices: "set[torch.device]") -> torch.device:
 def copies_for(device: torch.device) -> "HostCopies | StreamCopies":
     """How staging copies from ``device`` (the one place that decides)."""
     return HostCopies() if device.type == "cpu" else StreamCopies(device)
-
-
-def copy_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copy every CPU source into its view (the host path of :class:`HostCopies`)."""
-    HostCopies().copy(dsts, srcs)
