@@ -29,12 +29,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
 from flexckpt import ByLane
-from zephon_state import ConfigError, JsonLines, Mix, Pipeline, TextFiles, Topology
-
-
-def _source(path: str) -> Any:
-    stripped = path.removesuffix(".zst").removesuffix(".gz")
-    return JsonLines(path) if stripped.endswith((".jsonl", ".json")) else TextFiles(path)
+from zephon_state import ConfigError, Mix, Pipeline, Topology
 
 
 def _training_global_batch() -> int | None:
@@ -112,11 +107,11 @@ class ZephonDataLoader(BaseDataLoader):
         if not paths:
             raise ValueError("ZephonDataLoader needs dataloader.dataset_path or dataloader.sources (name -> path)")
         tokenizer_id = config.tokenizer_path or getattr(tokenizer, "tokenizer_path", "") or "gpt2"
-        sources = {n: _source(p) for n, p in paths.items()}
-        if len(sources) == 1 and not config.shares:
-            data: Any = next(iter(sources.values()))
+        # a path is read by its suffix (JSON lines or text files) by zephon_state's as_source
+        if len(paths) == 1 and not config.shares:
+            data: Any = next(iter(paths.values()))
         else:
-            data = Mix(sources, shares=dict(config.shares))
+            data = Mix(paths, shares=dict(config.shares))
         self.pipeline = (
             Pipeline(data)
             .tokenize(tokenizer_id=tokenizer_id, field=config.text_field, parallelism=config.workers)

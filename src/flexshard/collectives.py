@@ -275,9 +275,9 @@ def binomial_children(relative_rank: int, world_size: int) -> int:
 
 
 def native_all_gather(group: "dist.ProcessGroup | None" = None) -> bool:
-    """Whether the all-gather runs as the backend's own (NCCL: a ring on the device, no
-    ``W`` copies of the bucket into a scratch buffer) rather than as an all-to-all (gloo,
-    where the all-to-all is two to three times faster than its ring)."""
+    """Whether the all-gather runs as the backend's own (NCCL: a ring on the device) rather
+    than as ``W - 1`` point-to-point sends (gloo, where they are two to three times faster
+    than its ring)."""
     return dist.get_backend(group) == "nccl"
 
 

@@ -138,6 +138,8 @@ def eval_micro_batch(micro_batch: int, lanes: int, world: int) -> int:
 # ---- the range or choices of every field ------------------------------------------------------
 # A rule gets (dotted field name, value) and raises one line naming both and what is allowed.
 SEED_MAX = 2**63 - 1  # torch, numpy and zephon all take it
+DEVICES = ("auto", "cuda", "cpu")  # flextrain.device resolves them (here: read before torch is imported)
+AUTOCASTS = ("auto", "bf16", "none")
 
 
 def _fail(path: str, value: Any, allowed: str) -> None:
@@ -229,8 +231,8 @@ RULES: dict[str, Any] = {
     "optim.placement": _one_of("owned", "fsdp"),
     "optim.compute_copy": _one_of("full", "mxfp8"),
     "ckpt_local_every": _int(0), "ckpt_local_replicas": _int(0), "ckpt_local_dir": _text,
-    "device": _one_of("auto", "cuda", "cpu"),  # performance: flextrain.device
-    "autocast": _one_of("auto", "bf16", "none"),  # resolved at start, fingerprinted
+    "device": _one_of(*DEVICES),  # performance: flextrain.device
+    "autocast": _one_of(*AUTOCASTS),  # resolved at start, fingerprinted
 }
 
 

@@ -14,8 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-DEVICES = ("auto", "cuda", "cpu")
-AUTOCASTS = ("auto", "bf16", "none")
+from flextrain.config import AUTOCASTS, DEVICES
 
 
 def choose_device(setting: str, local_rank: int | None = None, cuda_available: Callable[[], bool] | None = None) -> torch.device:
