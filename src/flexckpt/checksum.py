@@ -27,15 +27,11 @@ def checksum(data: "bytes | memoryview") -> str:
     return format(checksum_int(data), "016x")
 
 
-def checksum_parts(parts: "list[memoryview]") -> str:
-    """The checksum of the concatenation of ``parts`` (a chunk read into several places)."""
-    return format(digest_parts(parts), "016x")
-
-
 digest = xxhash.xxh3_64_intdigest  # the checksum as an int: a load compares thousands of them
 
 
 def digest_parts(parts: "list[memoryview]") -> int:
+    """The digest of the concatenation of ``parts`` (a chunk read into several places)."""
     if len(parts) == 1:
         return digest(parts[0])
     h = xxhash.xxh3_64()

@@ -5,7 +5,7 @@ A node's tier folder mirrors a checkpoint's layout: ``step-N/ATTEMPT/rNNNNN.data
 partner's copy. A saved rank's files count only once its marker
 ``ATTEMPT/rNNNNN-wWWWWW.done`` exists: a JSON document (the rank's record, the lengths and
 xxh3 of its files, the run lineage and structure fingerprint), written after the files
-(and checked against them on receipt) and renamed into place.
+(a copy's payload checked whole on receipt) and renamed into place.
 
 Ranks may save different structures (pipeline stages, each holding its own keys): a
 marker carries its rank's structure when the rank is saved rank 0 or the lowest rank of
