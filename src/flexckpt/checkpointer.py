@@ -159,6 +159,7 @@ class Checkpointer(SavePipeline, Committer):
         # files of another job written after this instant mean a live job on the same URL;
         # object stores stamp files with their own clock: allow for skew
         self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
+        self._listed_steps: set[str] = set()  # step folders the live-job check listed (commit thread)
         if self.is_coordinator:
             self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
