@@ -324,7 +324,7 @@ def commit_time(world: int, variant: str, root: str, args: argparse.Namespace) -
     entries, lanes = gather(coordinator, step=step, run_id="job", attempt=attempt, world_size=world, own=own(0),
                             timeout=120, max_delay=0.1)
     check_fingerprints(entries, step, "f" * 32, {}, {})
-    assert other_live_job(coordinator, attempt, time.time() - 3600) is None
+    assert other_live_job(coordinator, attempt, time.time() - 3600, step, set()) is None
     m = build_manifest(step=step, run_id="job", attempt=attempt, plan=plan, fingerprint="f" * 32, codec="none",
                        entries=entries, plain={"step": step}, lanes=lanes, per_rank_keys=["rng"])
     commit(coordinator, m, fsync=False)

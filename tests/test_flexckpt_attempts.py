@@ -239,6 +239,37 @@ def test_two_live_jobs_at_different_steps_fail_loudly_and_delete_nothing_of_each
         cp.close()
 
 
+def test_the_live_job_check_lists_only_the_step_folders_it_has_not_listed_before(tmp_path, monkeypatch):
+    # it listed every step folder at every commit: on an object store, LIST requests growing
+    # with the steps kept (keep_last=None keeps them all)
+    import flexckpt.committer as committer
+    listed, inside = [], []
+    real_list, real_check = Storage.list_names, committer.other_live_job
+
+    def counting_list(self, rel=""):
+        if inside:
+            listed.append(rel)
+        return real_list(self, rel)
+
+    def check(*args, **kwargs):
+        inside.append(True)
+        try:
+            return real_check(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(Storage, "list_names", counting_list)
+    monkeypatch.setattr(committer, "other_live_job", check)
+    ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job")
+    per_commit = []
+    for step in range(1, 7):
+        listed.clear()
+        ck.save(step, {"w": torch.ones(64), "step": step}).result(timeout=30)
+        per_commit.append(list(listed))
+    ck.close()
+    assert per_commit == [["", f"step-{s:012d}"] for s in range(1, 7)]
+
+
 def test_retention_removes_only_this_runs_failed_saves_and_stale_folders(tmp_path):
     from flexckpt.commit import apply_retention
 

@@ -201,7 +201,7 @@ def test_import_dcp_onto_a_mesh_target_loads_bit_exact_and_a_bad_target_is_one_l
     dcp.save({"model": model, "bias": torch.arange(5.0), "step": 7}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     url = str(tmp_path / "ckpt")
     rc, out = _cli(["import-dcp", str(tmp_path / "dcp"), url, "--world", "4", "--mesh", "fsdp=2,tp=2",
-                    "--layout", "model/*=S0,S1", "--budget-mib", "0"])
+                    "--layout", "model/*=S0,S1"])
     assert rc == 0, out
     m = read_manifest(Storage(url), 7)
     assert m.world_size == 4
@@ -225,3 +225,49 @@ def test_import_dcp_onto_a_mesh_target_loads_bit_exact_and_a_bad_target_is_one_l
         assert rc == 2 and out.count("\n") == 1 and out.startswith("flexckpt: "), (extra, out)
         with Checkpointer(str(tmp_path / "bad"), run_id="look") as ck:
             assert ck.steps() == [], extra  # nothing committed
+
+
+@pytest.mark.timeout(120)
+def test_import_dcp_onto_a_target_honours_the_budget_or_refuses_before_writing(tmp_path):
+    # --budget-mib bounded the import alone: the reshard to --world then held each target
+    # rank's whole share (at --world 1, the whole checkpoint) whatever the budget said
+    import torch.distributed.checkpoint as dcp
+
+    from flexckpt.commit import read_manifest
+    from flexckpt.storage import Storage
+
+    a, b = torch.arange(2**18, dtype=torch.float32), -torch.arange(2**18, dtype=torch.float32)  # 1 MiB each
+    dcp.save({"a": a, "b": b, "step": 3}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    whole = str(tmp_path / "whole")
+    rc, out = _cli(["import-dcp", str(tmp_path / "dcp"), whole, "--world", "1", "--budget-mib", "1"])
+    assert rc == 2 and out.count("\n") == 1 and out.startswith("flexckpt: "), out
+    assert "--budget-mib 1: with --world 1 target rank 0 holds 2.00 MiB" in out, out
+    assert "raise --budget-mib to 2" in out, out
+    assert os.listdir(whole) == []  # refused before anything was written
+    url = str(tmp_path / "two")
+    rc, out = _cli(["import-dcp", str(tmp_path / "dcp"), url, "--world", "2", "--budget-mib", "1"])
+    assert rc == 0, out  # each rank owns one tensor: 1 MiB a rank
+    assert read_manifest(Storage(url), 3).world_size == 2
+    state = {"a": torch.zeros_like(a), "b": torch.zeros_like(b), "step": 0}
+    with Checkpointer(url, rank=0, world_size=1, run_id="reader") as ck:
+        assert ck.load(state) == 3
+    assert torch.equal(state["a"], a) and torch.equal(state["b"], b) and state["step"] == 3
+
+
+@pytest.mark.timeout(60)
+def test_import_dcp_in_more_batches_than_a_record_group_commits(tmp_path):
+    # batch 64 (a group leader, which gathers the records of batches 65..) was saved and waited
+    # for before them: the import stalled until commit_timeout
+    import torch.distributed.checkpoint as dcp
+
+    from flexckpt.manifest import GROUP
+
+    model = {f"t{i}": torch.full((4,), float(i)) for i in range(GROUP + 6)}
+    dcp.save(model, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    url = str(tmp_path / "ckpt")
+    rc, out = _cli(["import-dcp", str(tmp_path / "dcp"), url, "--budget-mib", "0"])  # a batch per tensor
+    assert rc == 0, out
+    state = {k: torch.zeros(4) for k in model}
+    with Checkpointer(url, rank=0, world_size=1, run_id="reader") as ck:
+        assert ck.load(state) == 0
+    assert all(torch.equal(state[k], v) for k, v in model.items())

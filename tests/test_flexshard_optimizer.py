@@ -202,16 +202,25 @@ def _optimizer_checks(rank, world, saved):
             "ns_flops": opt.ns_flops,
             "wire": opt.stats.bytes_sent,
         }
-    if world > 1:  # the NCCL path's all-gather (the backend's own), run on gloo
+    if world > 1:  # the NCCL path (the backend's own all-gather, packed buckets), run on gloo
         import flexshard.collectives as collectives
-        plain = collectives.native_all_gather
-        collectives.native_all_gather = lambda group=None: True
+        import flexshard.optimizer as optimizer
+        plain, gather, native_calls = collectives.sends_point_to_point, collectives._ALL_GATHER_SINGLE, []
+
+        def counted_gather(*args, **kwargs):
+            native_calls.append(1)
+            return gather(*args, **kwargs)
+
+        collectives.sends_point_to_point = optimizer.sends_point_to_point = lambda group=None: False
+        collectives._ALL_GATHER_SINGLE = counted_gather
         try:
             params, opt = build(CONFIG_A, "owned")
             _run_steps(opt, params, 1, STEPS, _feed_reduced)
         finally:
-            collectives.native_all_gather = plain
-        out["owned/native-gather"] = {"params": {n: p.detach().clone() for n, p in params.items()}}
+            collectives.sends_point_to_point = optimizer.sends_point_to_point = plain
+            collectives._ALL_GATHER_SINGLE = gather
+        out["owned/native-gather"] = {"params": {n: p.detach().clone() for n, p in params.items()},
+                                      "native_calls": len(native_calls)}
     # MXFP8 compute copy: masters stay exact, parameters are their MXFP8 image
     mx_shapes = {n: s for n, s in SHAPES.items() if n != "gain"}
     params = {n: t.clone().requires_grad_() for n, t in initial_params(shapes=mx_shapes).items()}
@@ -310,6 +319,7 @@ def test_backends_own_all_gather_nccls_path_gives_the_same_bits(world, reference
         pytest.skip("no gather at world 1")
     want, _ = references["A"]
     for rank, res in enumerate(launch(world)):
+        assert res["owned/native-gather"]["native_calls"] == STEPS, f"rank {rank}/{world} ran the point-to-point path"
         assert_params_match(res["owned/native-gather"]["params"], want, f"native gather rank {rank}/{world}")
 
 

@@ -159,6 +159,7 @@ class Checkpointer(SavePipeline, Committer):
         # files of another job written after this instant mean a live job on the same URL;
         # object stores stamp files with their own clock: allow for skew
         self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
+        self._listed_steps: set[str] = set()  # step folders the live-job check listed (commit thread)
         if self.is_coordinator:
             self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
@@ -377,7 +378,7 @@ class Checkpointer(SavePipeline, Committer):
         """
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
-        excluder(exclude)  # a malformed pattern list raises here, on every rank alike
+        gone = excluder(exclude)  # a malformed pattern list raises here, on every rank alike
         self.wait()
         if self.tier is not None and step is None and strict:  # load(step=...) and partial loads bypass it
             self.tier.wait()
@@ -391,7 +392,7 @@ class Checkpointer(SavePipeline, Committer):
             pending = None
             try:
                 manifest = read_manifest(self.storage, chosen)
-                pending = PendingLoad(self.storage, manifest, w, self.rank, self.world_size, strict, exclude)
+                pending = PendingLoad(self.storage, manifest, w, self.rank, self.world_size, strict, gone)
                 pending.read(self.read_threads)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 error = exc

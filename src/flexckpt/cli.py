@@ -331,6 +331,14 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     m = read_manifest(src, step)
     world = args.world
     layouts = checked_layouts(m, world, args.layout, getattr(args, "mesh", None))
+    budget = getattr(args, "budget", None)  # import-dcp --world --budget-mib: one rank's share at a time, bounded
+    if budget is not None:
+        holds = [r.holds for r in restore_plan(m, layouts, world).ranks]
+        big = max(range(world), key=holds.__getitem__)
+        if holds[big] > budget:
+            raise CheckpointError(
+                f"--budget-mib {budget >> 20}: with --world {world} target rank {big} holds {_mib(holds[big])} (a rank's "
+                f"share is read and written whole); raise --budget-mib to {-(-holds[big] >> 20)} or give a larger --world")
     _writable_folder(args.dst)
     run_id = uuid.uuid4().hex[:16]
     same_world = world == m.world_size
@@ -339,7 +347,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     writers = [Checkpointer(args.dst, rank=r, world_size=world, run_id=run_id, compression=args.compression) for r in range(world)]
     handles = []
     try:
-        for r in range(world):
+        for r in reversed(range(world)):  # a group leader after its group (it gathers their records), rank 0 last
             state: dict[str, Any] = {}
             for name, t in m.tensors.items():
                 _put(state, name, ShardedTensor.empty(t.shape, layouts[name], t.dtype, rank=r, world_size=world))
@@ -359,7 +367,10 @@ def cmd_reshard(args: argparse.Namespace) -> int:
                 if r != 0:
                     _get(state, name).values = {}
             h = writers[r].save(step, state)
-            h.wait_staged()
+            if budget is not None and r != 0:
+                writers[r].wait()  # written: its buffers are free before the next rank's share is read
+            else:
+                h.wait_staged()
             handles.append(h)
             held = sum(t.local.numel() * t.local.element_size() for t in _tensors(state))
             print(f"  rank {r}/{world}: {_mib(held)} staged")
@@ -421,7 +432,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
             step_dir(args.step)
         except ValueError as e:
             raise CheckpointError(f"--step {args.step}: {e}") from None
-    if getattr(args, "budget_mib", 0) < 0:
+    if (getattr(args, "budget_mib", None) or 0) < 0:
         raise CheckpointError(f"--budget-mib must be >= 0 (0: one tensor at a time), got {args.budget_mib}")
     for name in ("url", "src", "dst"):  # checkpoint locations
         if name in vars(args):

@@ -340,21 +340,29 @@ def _launch(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def other_live_job(storage: Storage, attempt: str, since: float) -> str | None:
-    """An attempt folder, in any step, of another job launch (another run id, or the same
-    run id launched again) written to after ``since`` (when this job started): two jobs
-    are saving into one URL, whatever their step numbers. (A job that ended before this
-    one started, e.g. the one this job was requeued from, is not live: its steps may be
-    saved again.) One listing per step folder, and one age per other launch's folder."""
-    ours = _launch(attempt)
-    for step_name in storage.list_names(""):
-        if parse_step_dir(step_name) is None:
+def other_live_job(storage: Storage, attempt: str, since: float, step: int, listed: set[str]) -> str | None:
+    """An attempt folder of another job launch (another run id, or the same run id
+    launched again) written to after ``since`` (when this job started): two jobs are
+    saving into one URL, whatever their step numbers. (A job that ended before this one
+    started, e.g. the one this job was requeued from, is not live: its steps may be saved
+    again.) Looks in ``step``'s folder (the step being committed) and in every step folder
+    not in ``listed`` (those an earlier check of this job listed; the folders listed now are
+    added when nothing is found): one listing of the root, one per such folder, and one age
+    per other launch's folder in them; not one listing per step kept at every commit."""
+    ours, current = _launch(attempt), step_dir(step)
+    names = [n for n in storage.list_names("") if parse_step_dir(n) is not None]
+    listed.intersection_update(names)  # a folder removed since (retention) is listed again if it comes back
+    checked = []
+    for step_name in names:
+        if step_name in listed and step_name != current:
             continue
         for name in storage.list_names(step_name):
             if attempt_run_id(name) is None or _launch(name) == ours:
                 continue
             if _written_since(storage, f"{step_name}/{name}", since):
                 return f"{step_name}/{name}"
+        checked.append(step_name)
+    listed.update(checked)
     return None
 
 

@@ -51,7 +51,7 @@ class Committer:
             )
             job.handle.timings["gather_s"] = time.perf_counter() - t0
             plan, fp = self._union_plan(e, entries, job.step)
-            other = other_live_job(self.storage, job.attempt, self._since)
+            other = other_live_job(self.storage, job.attempt, self._since, job.step, self._listed_steps)
             if other is not None:
                 raise SaveError(
                     f"step {job.step}: another job is saving into {self.storage.url}: run "

@@ -30,7 +30,7 @@ from flexckpt.plan import part_of_world
 from flexckpt.readplan import Fetch, coalesce, plan_reads
 from flexckpt.stall import bounded
 from flexckpt.storage import RangeReader, Storage
-from flexckpt.structure import Walk, decode_plain, excluder
+from flexckpt.structure import Excluder, Walk, decode_plain
 from flexshard import FlatRange, Part, part_of
 
 log = logging.getLogger("flexckpt")
@@ -89,9 +89,8 @@ class PendingLoad:
     only after every rank has read successfully."""
 
     def __init__(self, storage: Storage, manifest: Manifest, w: Walk, rank: int, world_size: int, strict: bool,
-                 exclude: tuple[str, ...] = ()) -> None:
-        gone = excluder(exclude)
-        w = w.without(exclude)
+                 gone: Excluder | None = None) -> None:
+        w = w.without(gone)
         kept = (lambda names: set(names)) if gone is None else (lambda names: {n for n in names if not gone(n)})
         self.storage = storage
         self.manifest = manifest

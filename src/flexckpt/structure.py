@@ -19,7 +19,7 @@ import fnmatch
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 import torch
@@ -91,10 +91,9 @@ class Walk:
             ]
         return self._specs
 
-    def without(self, patterns: tuple[str, ...]) -> "Walk":
-        """This walk less the leaves ``patterns`` exclude (see :func:`excluder`); a stateful
-        object whose own name is excluded is not asked to ``load_state_dict`` either."""
-        gone = excluder(patterns)
+    def without(self, gone: "Excluder | None") -> "Walk":
+        """This walk less the leaves ``gone`` names (the test :func:`excluder` builds); a
+        stateful object whose own name is excluded is not asked to ``load_state_dict`` either."""
         if gone is None:
             return self
         out = Walk()
@@ -137,7 +136,10 @@ def escape_key(key: Any) -> str:
     return s.replace("%", "%25").replace("/", "%2F")
 
 
-def excluder(patterns: Any) -> "Any":
+Excluder = Callable[[str], bool]  # name -> whether load(..., exclude=...) leaves it out
+
+
+def excluder(patterns: Any) -> "Excluder | None":
     """A test ``name -> bool`` for ``load(..., exclude=patterns)``: a leaf is excluded when a
     pattern (``fnmatch``: ``*`` also crosses ``/``) matches its name or the name of a
     container above it (``"data"`` and ``"data/*"`` both exclude ``data/dp_rank_0``).

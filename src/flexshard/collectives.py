@@ -16,7 +16,7 @@ Byte model (checked against the bytes gloo writes to its sockets in the tests):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,19 +100,14 @@ def all_gather_bucket(
         raise ValueError(f"out must be {(world, plan.padded)} {mine.dtype}, got {tuple(out.shape)} {out.dtype}")
     mine = mine.reshape(-1)
     item = mine.element_size()
-    if world > 1 and native_all_gather(group):
+    if world > 1 and not sends_point_to_point(group):
         _ALL_GATHER_SINGLE(as_bytes(out), as_bytes(mine), group=group)  # in place when mine is out[rank]
     else:
         if out[rank].data_ptr() != mine.data_ptr():
             out[rank].copy_(mine)
         if world == 1:
             return out
-        wire, works = as_bytes(mine), []
-        for k in range(1, world):  # shifted pairs: every rank sends to and receives from a different peer each round
-            works.append(dist.isend(wire, _peer(group, (rank + k) % world), group=group))
-            works.append(dist.irecv(as_bytes(out[(rank - k) % world]), _peer(group, (rank - k) % world), group=group))
-        for w in works:
-            w.wait()
+        _exchange_shifted(group, rank, world, lambda to, frm: [(mine, out[frm])])
     _record(stats, "all_gather", (world - 1) * plan.padded * item, (world - 1) * plan.padding(rank) * item)
     return out
 
@@ -138,24 +133,50 @@ def all_gather_pieces(
         if piece.numel() != len(own) or piece.dtype != flat.dtype:
             raise ValueError(f"entry {i}: piece of {piece.numel()} {piece.dtype}, the range holds {len(own)} {flat.dtype}")
         flat[own.start : own.stop].copy_(piece.reshape(-1))
-    works, sent = [], 0
-    for k in range(1, world):  # shifted pairs, pieces in entry order on every pair
-        to, frm = (rank + k) % world, (rank - k) % world
-        for i, (piece, flat) in enumerate(zip(mine, whole)):
-            if piece.numel():
-                works.append(dist.isend(as_bytes(piece), _peer(group, to), group=group))
-                sent += piece.numel() * piece.element_size()
-            src = ranges[frm][i]
-            if len(src):
-                works.append(dist.irecv(as_bytes(flat[src.start : src.stop]), _peer(group, frm), group=group))
-    for w in works:
-        w.wait()
+    sent = _exchange_shifted(group, rank, world, lambda to, frm: [
+        (piece, flat[ranges[frm][i].start : ranges[frm][i].stop]) for i, (piece, flat) in enumerate(zip(mine, whole))
+    ])
     _record(stats, "all_gather", sent)
 
 
 def _peer(group: "dist.ProcessGroup | None", group_rank: int) -> int:
     """The global rank point-to-point calls take for a rank of ``group``."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _exchange_shifted(
+    group: "dist.ProcessGroup | None",
+    rank: int,
+    world: int,
+    pairs: Callable[[int, int], Sequence[tuple[torch.Tensor, torch.Tensor]]],
+) -> int:
+    """Point-to-point exchange in ``W - 1`` shifted rounds, all in flight at once: in round
+    ``k`` this rank sends to ``to = rank + k`` and receives from ``frm = rank - k`` (mod
+    ``W``), so every rank talks to a different peer each round. ``pairs(to, frm)`` lists
+    that round's ``(send, recv)`` tensors, posted in that order (``send`` goes to ``to``,
+    ``recv`` is filled from ``frm``; both contiguous, empty ones skipped, which both sides
+    agree on since a send and its receive hold the same bytes). Returns the bytes sent."""
+    works, sent = [], 0
+    for k in range(1, world):
+        to, frm = (rank + k) % world, (rank - k) % world
+        for send, recv in pairs(to, frm):
+            if send.numel():
+                works.append(dist.isend(as_bytes(send), _peer(group, to), group=group))
+                sent += send.numel() * send.element_size()
+            if recv.numel():
+                works.append(dist.irecv(as_bytes(recv), _peer(group, frm), group=group))
+    for w in works:
+        w.wait()
+    return sent
+
+
+def _sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = ((rows[0] + rows[1]) + rows[2]) ...``: a fixed order, so every rank that sums
+    the same rows gets the same bits."""
+    out.copy_(rows[0])
+    for r in range(1, rows.shape[0]):
+        out.add_(rows[r])
+    return out
 
 
 def reduce_scatter_bucket(
@@ -183,13 +204,11 @@ def reduce_scatter_bucket(
     if recv.shape != send.shape or recv.dtype != send.dtype:
         raise ValueError(f"scratch must be {tuple(send.shape)} {send.dtype}, got {tuple(recv.shape)} {recv.dtype}")
     dist.all_to_all_single(as_bytes(recv), as_bytes(send), group=group)
-    acc = out.copy_(recv[0])
-    for r in range(1, world):
-        acc.add_(recv[r])
+    _sum_in_rank_order(recv, out)
     item = send.element_size()
     padding = sum(plan.padding(r) for r in range(world) if r != rank)
     _record(stats, "reduce_scatter", (world - 1) * plan.padded * item, padding * item)
-    return acc
+    return out
 
 
 def reduce_scatter_pieces(
@@ -223,22 +242,13 @@ def reduce_scatter_pieces(
         if len(src) != len(dst):
             raise ValueError(f"entry {i}: rank {rank} holds {len(src)} elements, the plan says {len(dst)}")
         scratch[rank, dst.start : dst.stop].copy_(flat[src.start : src.stop])
-    works, sent = [], 0
-    for k in range(1, world):  # shifted pairs, pieces in entry order on every pair
-        to, frm = (rank + k) % world, (rank - k) % world
-        for i, flat in enumerate(flats):
-            src, dst = ranges[to][i], plan.slot(rank, i)
-            if len(src):
-                works.append(dist.isend(as_bytes(flat[src.start : src.stop]), _peer(group, to), group=group))
-                sent += len(src) * flat.element_size()
-            if len(dst):
-                works.append(dist.irecv(as_bytes(scratch[frm, dst.start : dst.stop]), _peer(group, frm), group=group))
-    for w in works:
-        w.wait()
+    slots = [plan.slot(rank, i) for i in range(len(flats))]
+    sent = _exchange_shifted(group, rank, world, lambda to, frm: [
+        (flat[ranges[to][i].start : ranges[to][i].stop], scratch[frm, slots[i].start : slots[i].stop])
+        for i, flat in enumerate(flats)
+    ])
     total = plan.total(rank)
-    acc = out[:total].copy_(scratch[0, :total])
-    for r in range(1, world):
-        acc.add_(scratch[r, :total])
+    _sum_in_rank_order(scratch[:, :total], out[:total])
     _record(stats, "reduce_scatter", sent)
     return out
 
@@ -274,11 +284,11 @@ def binomial_children(relative_rank: int, world_size: int) -> int:
     return count
 
 
-def native_all_gather(group: "dist.ProcessGroup | None" = None) -> bool:
-    """Whether the all-gather runs as the backend's own (NCCL: a ring on the device) rather
-    than as ``W - 1`` point-to-point sends (gloo, where they are two to three times faster
-    than its ring)."""
-    return dist.get_backend(group) == "nccl"
+def sends_point_to_point(group: "dist.ProcessGroup | None" = None) -> bool:
+    """Whether the group's all-gather and piece-wise reduce run here as ``W - 1`` rounds of
+    point-to-point sends: on gloo (where they are two to three times faster than its ring)
+    and any backend but NCCL; NCCL runs its own all-gather (a ring on the device)."""
+    return dist.get_backend(group) != "nccl"
 
 
 def _check_plan(plan: BucketPlan, world: int) -> None:

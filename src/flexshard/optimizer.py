@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from flexshard.adamw import AdamWConfig, adamw_step_
 from flexshard.buckets import BucketPlan
-from flexshard.collectives import (WireStats, all_gather_bucket, all_gather_pieces, native_all_gather,
+from flexshard.collectives import (WireStats, all_gather_bucket, all_gather_pieces, sends_point_to_point,
                                    reduce_scatter_bucket, reduce_scatter_pieces)
 from flexshard.gather import check_blocks_stay_whole, pack_mx, unpack_mx
 from flexshard.layout import BlockShard, Layout, Owned, Shard, local_shape, row_numel
@@ -198,7 +198,7 @@ class ShardedOptimizer:
                 )
             flats.append(e.param.grad.detach().reshape(-1))
         recv = self._comm_buffer(1)
-        if w > 1 and not native_all_gather(self.group) and all(f.dtype == torch.float32 for f in flats):
+        if w > 1 and sends_point_to_point(self.group) and all(f.dtype == torch.float32 for f in flats):
             # gloo: every piece goes from the gradient's own memory to its rank (no pack)
             reduce_scatter_pieces(plan, self._ranges, flats, self.group, self.stats, out=self._grad_bucket,
                                   scratch=recv)
@@ -298,7 +298,7 @@ class ShardedOptimizer:
             return
         w, plan = self.world_size, self._plan
         dtype = self.entries[0].param.dtype
-        if w > 1 and dtype == torch.float32 and not native_all_gather(self.group):
+        if w > 1 and dtype == torch.float32 and sends_point_to_point(self.group):
             # gloo, fp32: each master piece goes straight into every rank's parameter (no pack, no unpack)
             all_gather_pieces(self._ranges, [e.master.local for e in self.entries],
                               [e.param.detach().view(-1) for e in self.entries], self.group, self.stats)

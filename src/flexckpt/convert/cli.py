@@ -36,7 +36,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     if args.world is None:
         if args.mesh is not None or args.layout:
             raise CheckpointError("import-dcp: --mesh and --layout lay tensors out for --world N ranks; give --world")
-        r = import_dcp(args.dcp_dir, args.url, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
+        r = import_dcp(args.dcp_dir, args.url, args.step, budget=_budget(args), progress=sys.stderr.isatty())
     else:
         r = _import_for_world(args, import_dcp)
     print(f"imported {r.tensors} tensors ({_mib(r.nbytes)}) from {args.dcp_dir} as step {r.step} "
@@ -46,8 +46,16 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget(args: argparse.Namespace) -> int:
+    """--budget-mib in bytes; the default when not given."""
+    return DEFAULT_BUDGET if args.budget_mib is None else args.budget_mib << 20
+
+
 def _import_for_world(args: argparse.Namespace, import_dcp: Any) -> Any:
-    """Import into a temporary folder, then reshard it to --world (--mesh, --layout) at URL."""
+    """Import into a temporary folder, then reshard it to --world (--mesh, --layout) at URL.
+    A --budget-mib given bounds the reshard too: each target rank's share is read and
+    written whole, one rank after another, and a share over the budget is refused before
+    anything is written to URL."""
     import math
     import tempfile
 
@@ -58,16 +66,17 @@ def _import_for_world(args: argparse.Namespace, import_dcp: Any) -> Any:
                               "make them agree")
     _writable_folder(args.url)
     with tempfile.TemporaryDirectory(prefix="flexckpt-import-", dir=args.tmp_dir) as tmp:
-        r = import_dcp(args.dcp_dir, tmp, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
+        r = import_dcp(args.dcp_dir, tmp, args.step, budget=_budget(args), progress=sys.stderr.isatty())
+        budget = None if args.budget_mib is None else _budget(args)
         cmd_reshard(argparse.Namespace(src=tmp, dst=args.url, step=r.step, world=args.world, layout=args.layout,
-                                       mesh=args.mesh, compression=None))
+                                       mesh=args.mesh, compression=None, budget=budget))
     return r
 
 
 def cmd_export_dcp(args: argparse.Namespace) -> int:
     from flexckpt.convert.dcp import export_dcp
 
-    r = export_dcp(args.url, args.dcp_dir, args.step, budget=args.budget_mib << 20, progress=sys.stderr.isatty())
+    r = export_dcp(args.url, args.dcp_dir, args.step, budget=_budget(args), progress=sys.stderr.isatty())
     print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) to {args.dcp_dir}")
     for what in r.left_out:
         print(f"  left out: {what}")
@@ -78,7 +87,7 @@ def cmd_export_safetensors(args: argparse.Namespace) -> int:
     from flexckpt.convert.safetensors_out import export_safetensors
 
     r = export_safetensors(args.url, args.out_dir, args.step, select=args.select, strip_prefix=args.strip_prefix,
-                           dtype=args.dtype, max_shard_size=args.max_shard_size, budget=args.budget_mib << 20,
+                           dtype=args.dtype, max_shard_size=args.max_shard_size, budget=_budget(args),
                            progress=sys.stderr.isatty())
     print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) in {len(r.files)} files to {args.out_dir}")
     return 0
@@ -93,8 +102,10 @@ def _command(sub: Any, name: str, fn: Any, src: str, dst: str, help: str, descri
                    if dst == "url" else what[dst])
     p.add_argument("--step", type=int, help="the step number to write (default: see above)" if name == "import-dcp"
                    else "a committed step (default: the newest)")
-    p.add_argument("--budget-mib", type=int, default=DEFAULT_BUDGET >> 20, metavar="MIB",
-                   help="tensors read together, in MiB (peak memory is about twice this or the largest tensor)")
+    p.add_argument("--budget-mib", type=int, default=None, metavar="MIB",
+                   help=f"tensors read together, in MiB (default {DEFAULT_BUDGET >> 20}; peak memory is about twice "
+                   "this or the largest tensor)" + ("; with --world, also the most one target rank may hold (its share "
+                   "is read and written whole): a larger share is refused before writing" if name == "import-dcp" else ""))
     p.set_defaults(fn=_one_line_os_errors(fn))
     return p
 

@@ -143,7 +143,7 @@ def import_dcp(dcp_dir: str, url: str, step: int | None = None, *, budget: int =
     run_id = uuid.uuid4().hex[:16]
     bar = progress_bar(sum(sizes.values()), "import-dcp", progress)
     try:
-        for rank in [*range(1, world), 0]:  # rank 0 last: its save commits once every batch is written
+        for rank in reversed(range(world)):  # a group leader after its group (it gathers their records), rank 0 last
             whole = {k: torch.empty(tuple(tensors[k].size), dtype=tensors[k].properties.dtype) for k in groups[rank]}
             if whole:
                 _dcp_load(dcp_dir, dict(whole))
