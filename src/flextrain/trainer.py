@@ -75,13 +75,14 @@ def checkpoint_state(opt: ShardedOptimizer, step: int, cfg: TrainConfig, data_st
     by lane, the rest as plain values under ``trainer/``."""
     sd = opt.state_dict()
     meta = {k: v for k, v in data_state.items() if k != "lanes"}
+    values = cfg.to_dict()
     return {
         "model": {n: p["master"] for n, p in sd["params"].items()},
         "optim": {"step": sd["step"], "state": {n: {k: v for k, v in p.items() if k != "master"}
                                                 for n, p in sd["params"].items()}},
         "data": ByLane(dict(data_state.get("lanes", {}))),
-        "trainer": {"step": step, "config": json.dumps(cfg.to_dict()),
-                    "fingerprint": fingerprint(cfg.to_dict()), "data_state": json.dumps(meta, sort_keys=True),
+        "trainer": {"step": step, "config": json.dumps(values),
+                    "fingerprint": fingerprint(values), "data_state": json.dumps(meta, sort_keys=True),
                     "calibration": json.dumps(calibration)},
     }
 
