@@ -104,10 +104,14 @@ def step_classes(rows: dict[int, dict], every: int, last: int) -> dict[str, list
     ``after`` (the next one: the fence, and the background write running beside it) and
     ``other``; over whole periods only, from step ``every + 2`` to ``last`` (the warm-up
     with the first save, and the final step's save and evaluation, left out)."""
-    out: dict[str, list[float]] = {"save": [], "after": [], "other": []}
+    out: dict[str, list[float]] = {"save": [], "after": [], "other": [], "work": [], "fence": []}
     for s in range(every + 2, last + 1):
         kind = "save" if s % every == 0 else "after" if s % every == 1 else "other"
         out[kind].append(rows[s]["step_s"])
+        if kind == "save":
+            out["work"].append(rows[s]["save_s"])
+        elif kind == "after":
+            out["fence"].append(rows[s]["ckpt_wait_s"])
     return out
 
 
@@ -119,11 +123,13 @@ def part_stepcost(work: Path, steps: int) -> None:
     print(f"\n## Step cost of a checkpoint every {every} steps, inside one run (D=2, {runs} run(s) of {steps} steps; "
           f"steps {every + 2}-{last}: {(last - every - 1) // every} whole periods of one save step, the step after it and "
           f"{every - 2} others; rank 0's step_s)", flush=True)
-    print("cost = (mean of all steps) / (mean of the other steps) - 1; the same by the median")
+    print("cost = (mean of all steps) / (mean of the other steps) - 1; the same by the median. 'save work' is the "
+          "training thread's own part (save_s: weights check, state, save(); the fence: ckpt_wait_s of the step after), "
+          "p50, and its share of all step time (the cost without the background write's contention)")
     print("| run | load (1 min) | save step mean | after mean | other mean | other p50 / p99 | all mean | all p50 / p99 "
-          "| cost by mean | cost by p50 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    pooled: dict[str, list[float]] = {"save": [], "after": [], "other": []}
+          "| cost by mean | cost by p50 | save work / fence p50 | their share |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    pooled: dict[str, list[float]] = {"save": [], "after": [], "other": [], "work": [], "fence": []}
     costs = []
 
     def line(label: str, load: str, c: dict[str, list[float]]) -> float:
@@ -133,7 +139,9 @@ def part_stepcost(work: Path, steps: int) -> None:
         print(f"| {label} | {load} | {ms(statistics.mean(c['save']))} ms | {ms(statistics.mean(c['after']))} ms | "
               f"{ms(statistics.mean(c['other']))} ms | {ms(p(c['other'], 50))} / {ms(p(c['other'], 99))} ms | "
               f"{ms(statistics.mean(every_step))} ms | {ms(p(every_step, 50))} / {ms(p(every_step, 99))} ms | "
-              f"{cost:+.1%} | {p(every_step, 50) / p(c['other'], 50) - 1:+.1%} |", flush=True)
+              f"{cost:+.1%} | {p(every_step, 50) / p(c['other'], 50) - 1:+.1%} | "
+              f"{p(c['work'], 50) * 1e3:.1f} / {p(c['fence'], 50) * 1e3:.1f} ms | "
+              f"{(sum(c['work']) + sum(c['fence'])) / sum(every_step):.2%} |", flush=True)
         return cost
 
     for i in range(runs):

@@ -353,7 +353,9 @@ class Trainer:
                 final = stop or self.step == cfg.steps
                 save = self.step % cfg.ckpt_every == 0 or final
                 save_local = not save and bool(cfg.ckpt_local_every) and self.step % cfg.ckpt_local_every == 0
+                t_save = time.perf_counter()
                 weights_ok = not (save or save_local) or weights_finite([e.master.local for e in self.opt.entries])
+                save_s = time.perf_counter() - t_save  # with the state and save() below: this thread's save work
                 digest, loss_total, finite = self._gather_step(micro, loss_sum, weights_ok)
                 if not (finite and math.isfinite(loss_total)):  # every rank has the same values: all stop here
                     raise TrainingDiverged(
@@ -364,15 +366,18 @@ class Trainer:
                         + "); lower optim.muon_lr / optim.adamw_lr or check the data")
                 row = {"step": self.step, "loss": loss_total / labels, "tokens": int(labels),
                        "lr": o.muon_lr * scale, "lr_adamw": o.adamw_lr * scale, "global_batch_sha256": digest,
-                       "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "world": self.world,
+                       "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "save_s": save_s,
+                       "world": self.world,
                        "sync_s": sync_s, "optim_s": opt_s, **{f"optim_{k}_s": v for k, v in self.opt.phase_s.items()}}
                 if save or save_local:
+                    t_save = time.perf_counter()
                     state = checkpoint_state(self.opt, self.step, cfg, self.pipeline.state_dict(), self._calibration)
                     if save:
                         last_save = self.step
                         handle = self.ckpt.save(self.step, state)
                     else:  # None: skipped, the previous fast save is still copying (counted by the tier)
                         handle = self.ckpt.save_local(self.step, state)
+                    row["save_s"] += time.perf_counter() - t_save
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     row["eval_loss"] = self.evaluate()
                 row["step_s"] = time.perf_counter() - t0
