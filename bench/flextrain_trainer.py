@@ -3,6 +3,7 @@ Owned-Muon vs FSDP optimizer time, and zephon's restore cost against lanes per r
 
     python3 dev.py bench flextrain_trainer [--steps 60] [--parts ckpt,restart,optim,lanes]
     python3 dev.py bench flextrain_trainer --parts optim --preset small --worlds 4 --reps 3 --steps 40
+    python3 dev.py bench flextrain_trainer --parts stepcost --runs 3 --steps 62
 
 Sizes: `tiny` (GPT-2 vocabulary, d=128, 2 layers), T=128, global batch 8, micro batch 2,
 one torch thread per rank, checkpoints to a local folder. Each part prints a table.
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from flextrain.launch import metrics, train  # noqa: E402
 
 OPTIM = {"preset": "tiny", "worlds": (2, 4), "reps": 1}  # the optim part's settings (--preset, --worlds, --reps)
+STEPCOST = {"runs": 3}  # the stepcost part's runs (--runs)
 SIZES = ["data.max_length=128", "data.global_batch=8", "data.micro_batch=2", "eval_every=100000"]
 
 
@@ -88,11 +90,71 @@ def part_ckpt(work: Path, steps: int) -> None:
         print(f"| {label} | {r['step_med'] * 1e3:.0f} ms | {r['step_mean'] * 1e3:.0f} ms | {len(ws)} | "
               + (f"{p(ws, 50) * 1e3:.2f} ms | {p(ws, 99) * 1e3:.2f} ms" if ws else "- | -")
               + f" | {copy * 1e3:.2f} ms ({nbytes / 2**20:.0f} MiB) | {r['goodput']:.1%} |")
-    print(f"step time with checkpoints / without (mean): {on['step_mean'] / off['step_mean']:.3f}; "
+    print(f"step time with checkpoints / without (mean, two runs: the load's drift between them lands here; "
+          f"--parts stepcost measures it inside one run): {on['step_mean'] / off['step_mean']:.3f}; "
           f"p99 wait / memcpy: {p(w, 99) / copy:.2f}")
     d = on["data"] + off["data"]
     print(f"data wait per step after step 1: p50 {p(d, 50) * 1e3:.3f} ms, p99 {p(d, 99) * 1e3:.3f} ms, "
           f"max {max(d) * 1e3:.3f} ms ({len(d)} steps)")
+
+
+def step_classes(rows: dict[int, dict], every: int, last: int) -> dict[str, list[float]]:
+    """Step times (``step_s``) of one run with a checkpoint every ``every`` steps, by kind:
+    ``save`` (the step that calls save(): the weights check, the state dict, save()),
+    ``after`` (the next one: the fence, and the background write running beside it) and
+    ``other``; over whole periods only, from step ``every + 2`` to ``last`` (the warm-up
+    with the first save, and the final step's save and evaluation, left out)."""
+    out: dict[str, list[float]] = {"save": [], "after": [], "other": [], "work": [], "fence": []}
+    for s in range(every + 2, last + 1):
+        kind = "save" if s % every == 0 else "after" if s % every == 1 else "other"
+        out[kind].append(rows[s]["step_s"])
+        if kind == "save":
+            out["work"].append(rows[s]["save_s"])
+        elif kind == "after":
+            out["fence"].append(rows[s]["ckpt_wait_s"])
+    return out
+
+
+def part_stepcost(work: Path, steps: int) -> None:
+    every, runs = 10, STEPCOST["runs"]
+    last = every * ((steps - 2) // every) + 1  # the window ends after a whole period, before the final step
+    if last < 2 * every + 1:
+        raise SystemExit(f"--parts stepcost needs --steps >= {2 * every + 2} (two whole periods), got {steps}")
+    print(f"\n## Step cost of a checkpoint every {every} steps, inside one run (D=2, {runs} run(s) of {steps} steps; "
+          f"steps {every + 2}-{last}: {(last - every - 1) // every} whole periods of one save step, the step after it and "
+          f"{every - 2} others; rank 0's step_s)", flush=True)
+    print("cost = (mean of all steps) / (mean of the other steps) - 1; the same by the median. 'save work' is the "
+          "training thread's own part (save_s: weights check, state, save(); the fence: ckpt_wait_s of the step after), "
+          "p50, and its share of all step time (the cost without the background write's contention)")
+    print("| run | load (1 min) | save step mean | after mean | other mean | other p50 / p99 | all mean | all p50 / p99 "
+          "| cost by mean | cost by p50 | save work / fence p50 | their share |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    pooled: dict[str, list[float]] = {"save": [], "after": [], "other": [], "work": [], "fence": []}
+    costs = []
+
+    def line(label: str, load: str, c: dict[str, list[float]]) -> float:
+        every_step = c["save"] + c["after"] + c["other"]
+        cost = statistics.mean(every_step) / statistics.mean(c["other"]) - 1
+        ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
+        print(f"| {label} | {load} | {ms(statistics.mean(c['save']))} ms | {ms(statistics.mean(c['after']))} ms | "
+              f"{ms(statistics.mean(c['other']))} ms | {ms(p(c['other'], 50))} / {ms(p(c['other'], 99))} ms | "
+              f"{ms(statistics.mean(every_step))} ms | {ms(p(every_step, 50))} / {ms(p(every_step, 99))} ms | "
+              f"{cost:+.1%} | {p(every_step, 50) / p(c['other'], 50) - 1:+.1%} | "
+              f"{p(c['work'], 50) * 1e3:.1f} / {p(c['fence'], 50) * 1e3:.1f} ms | "
+              f"{(sum(c['work']) + sum(c['fence'])) / sum(every_step):.2%} |", flush=True)
+        return cost
+
+    for i in range(runs):
+        run = work / f"stepcost-{i}"
+        before = os.getloadavg()[0]
+        train(2, run, SIZES + [f"steps={steps}", f"ckpt_every={every}"])
+        c = step_classes(metrics(run), every, last)
+        for k in pooled:
+            pooled[k] += c[k]
+        costs.append(line(str(i + 1), f"{before:.1f} - {os.getloadavg()[0]:.1f}", c))
+    if runs > 1:
+        line("all runs", "", pooled)
+        print(f"cost by mean, run by run: {', '.join(f'{c:+.1%}' for c in costs)}; median {statistics.median(costs):+.1%}")
 
 
 def part_restart(work: Path, steps: int) -> None:
@@ -234,14 +296,16 @@ def main() -> int:
     ap.add_argument("--preset", default="tiny", help="model preset of the optim part (tiny, small)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="D of the optim part")
     ap.add_argument("--reps", type=int, default=1, help="runs per placement in the optim part, interleaved")
+    ap.add_argument("--runs", type=int, default=3, help="runs of the stepcost part")
     args = ap.parse_args()
     OPTIM.update(preset=args.preset, worlds=tuple(args.worlds), reps=args.reps)
+    STEPCOST.update(runs=args.runs)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     torch.set_num_threads(1)
     for part in args.parts.split(","):
-        {"ckpt": part_ckpt, "mxfp8": part_mxfp8, "restart": part_restart, "optim": part_optim,
+        {"ckpt": part_ckpt, "stepcost": part_stepcost, "mxfp8": part_mxfp8, "restart": part_restart, "optim": part_optim,
          "lanes": part_lanes}[part](work, args.steps)
     return 0
 

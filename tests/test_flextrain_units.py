@@ -149,3 +149,24 @@ def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     (tmp_path / "ok.toml").write_text("steps = 7\n[data]\nmax_length = 64\n")
     cfg = load_config("tiny", str(tmp_path / "ok.toml"))
     assert (cfg.steps, cfg.data.max_length) == (7, 64)
+
+
+def test_weights_finite_finds_one_bad_element_and_survives_an_overflowing_sum():
+    """The save step's weights check: one NaN or infinity anywhere fails it, whatever its
+    position among large values; finite values whose sum overflows fp32 pass (the
+    element-by-element fallback); empty tensors count as finite."""
+    from flextrain.trainer import weights_finite
+
+    good = [torch.randn(37, 5), torch.empty(0), torch.randn(11)]
+    assert weights_finite(good) and weights_finite([]) and weights_finite([torch.empty(0, 3)])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 93, 184):
+            t = torch.randn(37, 5)
+            t.view(-1)[where] = bad
+            assert not weights_finite([good[0], t, good[2]]), (bad, where)
+    huge = torch.full((64,), 3e38)
+    assert not bool(huge.sum().isfinite())  # the fallback's case: the sum overflows
+    assert weights_finite([huge, -huge])
+    huge_then_inf = huge.clone()
+    huge_then_inf[-1] = -float("inf")  # +inf from the overflow, -inf here: the sum is NaN, the tensor not finite
+    assert not weights_finite([huge_then_inf])

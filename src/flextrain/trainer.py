@@ -75,13 +75,14 @@ def checkpoint_state(opt: ShardedOptimizer, step: int, cfg: TrainConfig, data_st
     by lane, the rest as plain values under ``trainer/``."""
     sd = opt.state_dict()
     meta = {k: v for k, v in data_state.items() if k != "lanes"}
+    values = cfg.to_dict()
     return {
         "model": {n: p["master"] for n, p in sd["params"].items()},
         "optim": {"step": sd["step"], "state": {n: {k: v for k, v in p.items() if k != "master"}
                                                 for n, p in sd["params"].items()}},
         "data": ByLane(dict(data_state.get("lanes", {}))),
-        "trainer": {"step": step, "config": json.dumps(cfg.to_dict()),
-                    "fingerprint": fingerprint(cfg.to_dict()), "data_state": json.dumps(meta, sort_keys=True),
+        "trainer": {"step": step, "config": json.dumps(values),
+                    "fingerprint": fingerprint(values), "data_state": json.dumps(meta, sort_keys=True),
                     "calibration": json.dumps(calibration)},
     }
 
@@ -124,6 +125,19 @@ class Metrics:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+
+def weights_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite, in one reduction pass and one host
+    sync: IEEE addition keeps a NaN or an infinity, so a tensor whose sum is finite holds
+    only finite values; only a sum that is not finite (a non-finite element, or finite
+    values whose sum overflows) sends its tensors to the element-by-element check."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    if bool(torch.stack([t.sum() for t in tensors]).isfinite().all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def p99(xs: list[float]) -> float:
@@ -339,7 +353,9 @@ class Trainer:
                 final = stop or self.step == cfg.steps
                 save = self.step % cfg.ckpt_every == 0 or final
                 save_local = not save and bool(cfg.ckpt_local_every) and self.step % cfg.ckpt_local_every == 0
-                weights_ok = not (save or save_local) or all(bool(torch.isfinite(e.master.local).all()) for e in self.opt.entries)
+                t_save = time.perf_counter()
+                weights_ok = not (save or save_local) or weights_finite([e.master.local for e in self.opt.entries])
+                save_s = time.perf_counter() - t_save  # with the state and save() below: this thread's save work
                 digest, loss_total, finite = self._gather_step(micro, loss_sum, weights_ok)
                 if not (finite and math.isfinite(loss_total)):  # every rank has the same values: all stop here
                     raise TrainingDiverged(
@@ -350,16 +366,18 @@ class Trainer:
                         + "); lower optim.muon_lr / optim.adamw_lr or check the data")
                 row = {"step": self.step, "loss": loss_total / labels, "tokens": int(labels),
                        "lr": o.muon_lr * scale, "lr_adamw": o.adamw_lr * scale, "global_batch_sha256": digest,
-                       "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "world": self.world,
+                       "step_s": 0.0, "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, "save_s": save_s,
+                       "world": self.world,
                        "sync_s": sync_s, "optim_s": opt_s, **{f"optim_{k}_s": v for k, v in self.opt.phase_s.items()}}
-                if save:
-                    last_save = self.step
-                    handle = self.ckpt.save(self.step, checkpoint_state(self.opt, self.step, cfg,
-                                                                        self.pipeline.state_dict(), self._calibration))
-                elif save_local:
-                    # None: skipped, the previous fast save is still copying (counted by the tier)
-                    handle = self.ckpt.save_local(self.step, checkpoint_state(
-                        self.opt, self.step, cfg, self.pipeline.state_dict(), self._calibration))
+                if save or save_local:
+                    t_save = time.perf_counter()
+                    state = checkpoint_state(self.opt, self.step, cfg, self.pipeline.state_dict(), self._calibration)
+                    if save:
+                        last_save = self.step
+                        handle = self.ckpt.save(self.step, state)
+                    else:  # None: skipped, the previous fast save is still copying (counted by the tier)
+                        handle = self.ckpt.save_local(self.step, state)
+                    row["save_s"] += time.perf_counter() - t_save
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     row["eval_loss"] = self.evaluate()
                 row["step_s"] = time.perf_counter() - t0
