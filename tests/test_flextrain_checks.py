@@ -206,3 +206,18 @@ def test_sigterm_during_start_up_stops_cleanly(tmp_path):
     assert err == ("flextrain: SIGTERM received: during start-up: stopping before the first step\n"
                    "flextrain: stopped by a signal during start-up, before any step; nothing to save\n")
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_resuming_a_run_already_at_its_steps_says_there_is_nothing_to_train(tmp_path, capsys):
+    """A resume whose checkpoint is at (or past) ``steps`` trains nothing: it says so and
+    how to go on, rather than ending without a word."""
+    run = tmp_path / "run"
+    tiny = ["--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+            "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=1"]
+    assert main(["train", *tiny, "--set", "steps=1"]) == 0
+    capsys.readouterr()
+    assert main(["train", *tiny, "--set", "steps=1"]) == 0
+    assert capsys.readouterr().err.endswith(
+        "flextrain: the checkpoint is at step 1 and steps=1: nothing to train; pass --set steps=N with N > 1 "
+        "to train on\n")
+    assert sorted(metrics(run)) == [1]

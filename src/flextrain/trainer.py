@@ -234,6 +234,9 @@ class Trainer:
         (self.run_dir / f"resume-w{self.world}-r{self.rank}.json").write_text(json.dumps(record))
         self._say(f"flextrain: resumed step {got} on {self.world} ranks; rank {self.rank} read "
                   f"{record['bytes_read']} bytes", all_ranks=True)
+        if self.step >= self.cfg.steps:  # else the run ends at once, without a word
+            self._say(f"flextrain: the checkpoint is at step {self.step} and steps={self.cfg.steps}: nothing to "
+                      f"train; pass --set steps=N with N > {self.step} to train on")
         return data_state
 
     def _stop_if_signalled(self, agree: bool = False) -> None:
