@@ -84,7 +84,10 @@ def test_a_folder_without_checkpoints_is_an_error_that_points_at_a_run_folders_c
     assert main(["export-safetensors", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     assert f"pass {tmp_path / 'run'}/ckpt" in capsys.readouterr().err
     assert main(["steps", str(tmp_path / "missing")]) == 2
-    assert capsys.readouterr().err == f"flexckpt: no committed checkpoint under {tmp_path / 'missing'}\n"
+    assert capsys.readouterr().err == (f"flexckpt: no committed checkpoint under {tmp_path / 'missing'}: "
+                                       f"{tmp_path / 'missing'} does not exist; check the path (for a flextrain "
+                                       f"run, RUN_DIR/ckpt)\n")
+    assert not (tmp_path / "missing").exists()  # looking does not create it
 
 
 @pytest.mark.parametrize("cmd", ["steps", "inspect", "verify", "plan", "reshard", "import-dcp", "export-dcp",

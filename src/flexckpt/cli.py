@@ -63,6 +63,9 @@ def _mib(n: float) -> str:
 def _no_checkpoint(storage: Storage) -> CheckpointError:
     """"Nothing here", with a hint when URL is a flextrain run folder (its checkpoints are in ckpt/)."""
     msg = f"no committed checkpoint under {storage.url}"
+    if storage.local and not os.path.exists(storage.root):  # a typo reads as "no checkpoint" otherwise
+        return CheckpointError(f"{msg}: {storage.root} does not exist; check the path (for a flextrain run, "
+                               f"RUN_DIR/ckpt)")
     try:
         if committed_steps(Storage(storage.url.rstrip("/") + "/ckpt")):
             msg += f"; it looks like a flextrain run folder: pass {storage.url.rstrip('/')}/ckpt"
