@@ -119,9 +119,9 @@ def describe(plan: dict[str, Any]) -> str:
                  f"{plan['lanes'] // plan['world']}; the global batches stay the same")
     lines.append(f"  plain values ({len(plan['plain'])}: step, config, fingerprints): restored as they are")
     lines.append(f"  per-rank values: {plan['per_rank'] or 'none'} (RNG is derived from seed and step)")
-    lines.append(f"  {'rank':>4}  {'lanes':>7}  {'micro':>5}  {'holds':>12}  {'reads':>12}  {'requests':>8}  {'memory':>12}")
+    lines.append(f"  {'rank':>4}  {'lanes':>7}  {'microbatches':>12}  {'holds':>12}  {'reads':>12}  {'requests':>8}  {'memory':>12}")
     for r in plan["ranks"]:
-        lines.append(f"  {r['rank']:>4}  {r['lanes'][0]:>3}-{r['lanes'][1]:<3}  {r['microbatches']:>5}  "
+        lines.append(f"  {r['rank']:>4}  {r['lanes'][0]:>3}-{r['lanes'][1]:<3}  {r['microbatches']:>12}  "
                      f"{_mib(r['holds']):>12}  {_mib(r['reads']):>12}  {r['requests']:>8}  {_mib(r['memory']):>12}")
     for b in plan.get("next_batches", []):
         lines.append(f"  step {b['step']:>6}  global_batch_sha256 {b['global_batch_sha256']}")
