@@ -67,6 +67,8 @@ BAD_VALUES = [
     ("seed=100000000000000000000000", "seed=100000000000000000000000", "an int from 0 to 9223372036854775807"),
     ("seed=true", "seed=True", "an int from 0"),
     ("steps=0", "steps=0", "an int >= 1"),
+    ("steps=abc", "steps='abc'", "an int >= 1"),  # not JSON: named like any other bad value
+    ("optim.muon_lr=fast", "optim.muon_lr='fast'", "a number in [0, 100]"),
     ("data.packing=bogus", "data.packing='bogus'", "one of 'wrap', 'best_fit'"),
     ("data.tokenizer=./no-such-tokenizer.json", "data.tokenizer='./no-such-tokenizer.json'",
      "pass tokenizer_id='gpt2' or the path of a tokenizer.json"),

@@ -302,6 +302,8 @@ def _parse_value(text: str, current: Any, key: str) -> Any:
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
+        if not isinstance(current, (dict, list)):  # steps=abc: validate() names the field and its range
+            return text
         raise ConfigError(f"--set {key}={text}: not a JSON value (quote strings inside dicts)") from None
     if isinstance(current, float) and type(value) is int:  # --set optim.muon_lr=1 means 1.0
         value = float(value) if abs(value) < 1e308 else value  # a huge int stays one: the range check names it
