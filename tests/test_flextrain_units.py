@@ -137,6 +137,19 @@ def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path, capsys):
                                        "drop --resume to start a new run there\n")
 
 
+@pytest.mark.parametrize("argv,err", [
+    (["--world", "0"], "flextrain: --world 0: must be >= 1\n"),
+    (["--world", "2", "--batches", "-1"],
+     "flextrain: --batches -1: must be >= 0 (how many of the next global batches to digest)\n"),
+])
+def test_plan_refuses_a_bad_world_or_batch_count_in_one_line(tmp_path, capsys, argv, err):
+    from flextrain.cli import main
+
+    assert main(["plan", str(tmp_path / "run"), *argv]) == 2
+    assert capsys.readouterr().err == err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^--config .*nope.toml: cannot read it \(No such file or directory\)$"):
         load_config("tiny", str(tmp_path / "nope.toml"))

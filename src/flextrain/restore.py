@@ -57,6 +57,8 @@ def plan_restore(run_dir: str, world: int, step: int | None = None, batches: int
     url = str(Path(run_dir).resolve() / "ckpt")
     if world < 1:
         raise ConfigError(f"--world {world}: must be >= 1")
+    if batches < 0:
+        raise ConfigError(f"--batches {batches}: must be >= 0 (how many of the next global batches to digest)")
     ckpt = Checkpointer(url, rank=0, world_size=1, run_id="plan")
     try:
         probe = {"data": ByLane(), "trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "",
