@@ -162,3 +162,20 @@ def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     (tmp_path / "ok.toml").write_text("steps = 7\n[data]\nmax_length = 64\n")
     cfg = load_config("tiny", str(tmp_path / "ok.toml"))
     assert (cfg.steps, cfg.data.max_length) == (7, 64)
+
+
+def test_the_demo_refuses_a_folder_it_did_not_write_and_leaves_it_whole(tmp_path, capsys):
+    """The demo empties --dir first: a folder holding anything but an earlier demo's runs is
+    refused before a byte is removed."""
+    from flextrain.demo import main
+
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "my-notes.txt").write_text("mine")
+    assert main(["--dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"demo: --dir {tmp_path} holds ['my-notes.txt'], not only an earlier demo's "
+                                       f"folders, and the demo empties it first; pass a new folder\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-notes.txt", "reference"]
+    with pytest.raises(SystemExit) as e:
+        main(["--dir", str(tmp_path / "new"), "--steps", "3"])
+    assert e.value.code == 2 and "--steps 3: must be >= 4" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
