@@ -223,3 +223,19 @@ def test_resuming_a_run_already_at_its_steps_says_there_is_nothing_to_train(tmp_
         "flextrain: the checkpoint is at step 1 and steps=1: nothing to train; pass --set steps=N with N > 1 "
         "to train on\n")
     assert sorted(metrics(run)) == [1]
+
+
+def test_fresh_is_refused_where_an_earlier_run_left_checkpoints(tmp_path, capsys):
+    """``--fresh`` over an earlier run's steps would lose: a restart resumes the earlier run's
+    newest step, and retention keeps those over the new run's (it removed the new run's own).
+    It is refused in one line, and nothing of the earlier run is touched."""
+    run = tmp_path / "run"
+    with Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="earlier") as ck:
+        ck.save(15, {"x": torch.ones(2)}).result()
+    assert main(["train", "--run-dir", str(run), "--fresh", *SHRINK, "--set", "steps=1"]) == 2
+    assert capsys.readouterr().err == (
+        f"flextrain: --fresh: {run / 'ckpt'} holds committed steps up to 15 of an earlier run, which a restart "
+        f"would resume from and retention would keep over this run's; pass a new --run-dir (or remove that "
+        f"folder to start over there)\n")
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps() == [15]
+    assert not (run / "metrics.jsonl").exists()

@@ -162,6 +162,11 @@ class Trainer:
         elif resume:
             raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}; "
                                 "drop --resume to start a new run there")
+        elif (earlier := self.ckpt.latest_step()) is not None:  # --fresh: they would outrank this run's
+            raise ResumeRefused(f"--fresh: {self.run_dir / 'ckpt'} holds committed steps up to "
+                                f"{earlier} of an earlier run, which a restart would resume from "
+                                f"and retention would keep over this run's; pass a new --run-dir (or remove that "
+                                f"folder to start over there)")
         self.timings["checkpoint_probe_s"] = time.perf_counter() - t
         # the pipeline is built, restored and started on a thread while the model builds and
         # the tensors load: a restart waits only for what is left of it (pipeline_build_s)
