@@ -85,6 +85,18 @@ def _pick_step(storage: Storage, step: int | None) -> int:
     return step
 
 
+def _read_step(storage: Storage, step: int, newest: bool) -> Any:
+    """The step's manifest; when the newest step (taken by default) is damaged, the error
+    names the step before it."""
+    try:
+        return read_manifest(storage, step)
+    except CheckpointError as e:
+        older = [s for s in committed_steps(storage) if s < step] if newest else []
+        if not older:
+            raise
+        raise CheckpointError(f"{e}; pass --step {older[-1]} for the step before it") from None
+
+
 def cmd_steps(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
     steps = committed_steps(storage)
@@ -109,7 +121,7 @@ def _when(t: float) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
-    m = read_manifest(storage, _pick_step(storage, args.step))
+    m = _read_step(storage, _pick_step(storage, args.step), args.step is None)
     kinds = Counter(type(t.layout).__name__ for t in m.tensors.values())
     print(f"step {m.step} of run {m.run_id}, saved by {m.world_size} ranks at "
           f"{_when(m.time)} (format version {m.version})")
@@ -317,7 +329,7 @@ def checked_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[i
 
 def cmd_plan(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
-    m = read_manifest(storage, _pick_step(storage, args.step))
+    m = _read_step(storage, _pick_step(storage, args.step), args.step is None)
     layouts = checked_layouts(m, args.world, args.layout, getattr(args, "mesh", None))
     plan = restore_plan(m, layouts, args.world)
     print(f"restore of step {m.step} (saved by {m.world_size} ranks) on {args.world} ranks:")
@@ -331,7 +343,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_reshard(args: argparse.Namespace) -> int:
     src = Storage(args.src)
     step = _pick_step(src, args.step)
-    m = read_manifest(src, step)
+    m = _read_step(src, step, args.step is None)
     world = args.world
     layouts = checked_layouts(m, world, args.layout, getattr(args, "mesh", None))
     _writable_folder(args.dst)
