@@ -159,6 +159,12 @@ def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(ConfigError, match=r"list.json: wants a table of sections and keys, got list$"):
         load_config("tiny", str(tmp_path / "list.json"))
+    (tmp_path / "typo.toml").write_text("stepz = 7\n")
+    with pytest.raises(ConfigError, match=r"typo.toml: stepz: unknown key 'stepz'; known: \['run_dir', 'seed'"):
+        load_config("tiny", str(tmp_path / "typo.toml"))
+    (tmp_path / "typo.toml").write_text("[data]\nmax_lenght = 64\n")
+    with pytest.raises(ConfigError, match=r"typo.toml: data.max_lenght: unknown key 'max_lenght'; known: \['sources'"):
+        load_config("tiny", str(tmp_path / "typo.toml"))
     (tmp_path / "ok.toml").write_text("steps = 7\n[data]\nmax_length = 64\n")
     cfg = load_config("tiny", str(tmp_path / "ok.toml"))
     assert (cfg.steps, cfg.data.max_length) == (7, 64)

@@ -286,7 +286,7 @@ def _merge(cfg: Any, values: dict[str, Any], where: str) -> None:
     for key, value in values.items():
         if not hasattr(cfg, key) or key.startswith("_"):
             known = [f.name for f in dataclasses.fields(cfg)]
-            raise ConfigError(f"{where}: unknown key {key!r}; known: {known}")
+            raise ConfigError(f"{where}{key}: unknown key {key!r}; known: {known}")
         current = getattr(cfg, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
