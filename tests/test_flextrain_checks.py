@@ -239,3 +239,19 @@ def test_fresh_is_refused_where_an_earlier_run_left_checkpoints(tmp_path, capsys
         f"folder to start over there)\n")
     assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps() == [15]
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_plan_of_a_run_whose_newest_checkpoint_is_damaged_follows_the_resume_to_the_one_before(tmp_path, capsys):
+    """``flextrain train`` falls back to the previous step when the newest cannot be read;
+    ``flextrain plan`` plans that step too (it stopped with the newest step's error)."""
+    from flexckpt.manifest import MANIFEST, step_dir
+
+    run = tmp_path / "run"
+    tiny = ["--run-dir", str(run), *SHRINK, "--set", "data.lanes=2", "--set", "data.global_batch=2",
+            "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=1", "--set", "steps=2"]
+    assert main(["train", *tiny]) == 0
+    (run / "ckpt" / step_dir(2) / MANIFEST).write_bytes(b"{")  # cut short
+    capsys.readouterr()
+    assert main(["plan", str(run), "--world", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"{run}: step 1 saved on 1 ranks; resume on 2:\n")
+    assert main(["plan", str(run), "--world", "2", "--step", "2"]) == 2  # asked for by number: no other

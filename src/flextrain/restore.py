@@ -64,7 +64,7 @@ def plan_restore(run_dir: str, world: int, step: int | None = None, batches: int
         probe = {"data": ByLane(), "trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "",
                                                "calibration": ""}}
         try:
-            got = ckpt.load(probe, step=step, strict=False)
+            got = ckpt.load(probe, step=step, strict=False, fallback=step is None)  # as the resume would
         except Exception as e:  # noqa: BLE001 - a missing or unreadable run is the user's to fix
             raise ConfigError(f"{url}: {e}") from None
     finally:
