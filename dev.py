@@ -25,6 +25,7 @@ VENV = ROOT / ".venv"
 # The CPU build lies on these machines' disk; a bare "torch" would download a CUDA build.
 TORCH = "torch==2.13.0"
 EXTRAS = "test,bench"
+TASKS = ("demo", "demo-checkpoint", "test", "test-torchtitan", "test-tierkill", "test-nodeloss", "bench", "shell")
 
 
 def _venv_python() -> Path:
@@ -65,6 +66,14 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0
     task, rest = argv[0], argv[1:]
+    if task not in TASKS:  # before the set-up: a typo must not install anything
+        print(f"unknown task {task!r}; expected {', '.join(TASKS[:-1])} or {TASKS[-1]}\n{__doc__}")
+        return 2
+    if task == "bench" and not (rest and (ROOT / "bench" / f"{rest[0]}.py").is_file()):
+        names = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if "__main__" in p.read_text())  # not helpers
+        got = f"no benchmark {rest[0]!r}; " if rest else ""
+        print(f"{got}usage: python3 dev.py bench NAME [args], NAME one of {', '.join(names)}; see bench/README.md")
+        return 2
     py = str(ensure_env())
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if task == "demo":
@@ -81,16 +90,10 @@ def main(argv: list[str]) -> int:
         env["FLEXTRAIN_NODELOSS"] = "1"
         cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_flextrain_nodeloss.py"), "-q", "-s", *rest]
     elif task == "bench":
-        if not rest:
-            print("usage: python3 dev.py bench NAME [args]; see bench/README.md")
-            return 2
         cmd = [py, str(ROOT / "bench" / f"{rest[0]}.py"), *rest[1:]]
     elif task == "shell":
         cmd = [py, *rest] if rest and rest[0].endswith(".py") else rest or [py]
         cmd = [str(VENV / "bin" / cmd[0]) if (VENV / "bin" / cmd[0]).exists() else cmd[0], *cmd[1:]]
-    else:
-        print(f"unknown task {task!r}; expected demo, demo-checkpoint, test, test-torchtitan, test-tierkill, test-nodeloss, bench or shell\n{__doc__}")
-        return 2
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
 

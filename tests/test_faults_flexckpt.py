@@ -98,6 +98,20 @@ def test_checkpointers_dropped_without_close_are_freed_with_their_threads(tmp_pa
     assert helpers <= 4, helpers  # a few reused helper threads, not some per checkpointer
 
 
+def test_a_save_its_checkpointer_dropped_fails_on_its_handle_instead_of_hanging(tmp_path):
+    """Its threads may still finish it (each holds the Checkpointer while it works on the
+    save); otherwise the handle fails naming the fix. Before the fix: no result ever (a plain
+    result() waited for ever)."""
+    handle = Checkpointer(str(tmp_path), run_id="gone").save(1, {"w": torch.ones(1000)})  # freed at once
+    gc.collect()
+    try:
+        assert handle.result(timeout=30) == 1
+    except SaveError as e:
+        assert str(e) == ("save of step 1 failed: the Checkpointer was freed without close() before this save "
+                          "finished; keep a reference to it and call close() (or use it in a with block) to finish "
+                          "its saves")
+
+
 def test_a_process_that_exits_without_close_still_commits_its_saves_in_flight(tmp_path):
     code = (
         "import torch\n"

@@ -84,7 +84,27 @@ def test_a_folder_without_checkpoints_is_an_error_that_points_at_a_run_folders_c
     assert main(["export-safetensors", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     assert f"pass {tmp_path / 'run'}/ckpt" in capsys.readouterr().err
     assert main(["steps", str(tmp_path / "missing")]) == 2
-    assert capsys.readouterr().err == f"flexckpt: no committed checkpoint under {tmp_path / 'missing'}\n"
+    assert capsys.readouterr().err == (f"flexckpt: no committed checkpoint under {tmp_path / 'missing'}: "
+                                       f"{tmp_path / 'missing'} does not exist; check the path (for a flextrain "
+                                       f"run, RUN_DIR/ckpt)\n")
+    assert not (tmp_path / "missing").exists()  # looking does not create it
+
+
+def test_a_damaged_newest_manifest_names_the_step_before_it(tmp_path, capsys):
+    _save(tmp_path, step=5)
+    _save(tmp_path, step=7)
+    manifest = tmp_path / step_dir(7) / MANIFEST
+    manifest.write_bytes(manifest.read_bytes()[:10])  # cut short
+    for argv in (["inspect", str(tmp_path)], ["plan", str(tmp_path), "--world", "2"],
+                 ["reshard", str(tmp_path), str(tmp_path / "out"), "--world", "1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"flexckpt: invalid checkpoint manifest {step_dir(7)}/{MANIFEST}: not valid JSON"), err
+        assert err.endswith("; pass --step 5 for the step before it\n") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+    assert main(["inspect", str(tmp_path), "--step", "7"]) == 2  # asked for by number: no other step offered
+    assert "--step 5" not in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path), "--step", "5"]) == 0
 
 
 @pytest.mark.parametrize("cmd", ["steps", "inspect", "verify", "plan", "reshard", "import-dcp", "export-dcp",

@@ -67,6 +67,8 @@ BAD_VALUES = [
     ("seed=100000000000000000000000", "seed=100000000000000000000000", "an int from 0 to 9223372036854775807"),
     ("seed=true", "seed=True", "an int from 0"),
     ("steps=0", "steps=0", "an int >= 1"),
+    ("steps=abc", "steps='abc'", "an int >= 1"),  # not JSON: named like any other bad value
+    ("optim.muon_lr=fast", "optim.muon_lr='fast'", "a number in [0, 100]"),
     ("data.packing=bogus", "data.packing='bogus'", "one of 'wrap', 'best_fit'"),
     ("data.tokenizer=./no-such-tokenizer.json", "data.tokenizer='./no-such-tokenizer.json'",
      "pass tokenizer_id='gpt2' or the path of a tokenizer.json"),
@@ -206,3 +208,50 @@ def test_sigterm_during_start_up_stops_cleanly(tmp_path):
     assert err == ("flextrain: SIGTERM received: during start-up: stopping before the first step\n"
                    "flextrain: stopped by a signal during start-up, before any step; nothing to save\n")
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_resuming_a_run_already_at_its_steps_says_there_is_nothing_to_train(tmp_path, capsys):
+    """A resume whose checkpoint is at (or past) ``steps`` trains nothing: it says so and
+    how to go on, rather than ending without a word."""
+    run = tmp_path / "run"
+    tiny = ["--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+            "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=1"]
+    assert main(["train", *tiny, "--set", "steps=1"]) == 0
+    capsys.readouterr()
+    assert main(["train", *tiny, "--set", "steps=1"]) == 0
+    assert capsys.readouterr().err.endswith(
+        "flextrain: the checkpoint is at step 1 and steps=1: nothing to train; pass --set steps=N with N > 1 "
+        "to train on\n")
+    assert sorted(metrics(run)) == [1]
+
+
+def test_fresh_is_refused_where_an_earlier_run_left_checkpoints(tmp_path, capsys):
+    """``--fresh`` over an earlier run's steps would lose: a restart resumes the earlier run's
+    newest step, and retention keeps those over the new run's (it removed the new run's own).
+    It is refused in one line, and nothing of the earlier run is touched."""
+    run = tmp_path / "run"
+    with Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="earlier") as ck:
+        ck.save(15, {"x": torch.ones(2)}).result()
+    assert main(["train", "--run-dir", str(run), "--fresh", *SHRINK, "--set", "steps=1"]) == 2
+    assert capsys.readouterr().err == (
+        f"flextrain: --fresh: {run / 'ckpt'} holds committed steps up to 15 of an earlier run, which a restart "
+        f"would resume from and retention would keep over this run's; pass a new --run-dir (or remove that "
+        f"folder to start over there)\n")
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps() == [15]
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_plan_of_a_run_whose_newest_checkpoint_is_damaged_follows_the_resume_to_the_one_before(tmp_path, capsys):
+    """``flextrain train`` falls back to the previous step when the newest cannot be read;
+    ``flextrain plan`` plans that step too (it stopped with the newest step's error)."""
+    from flexckpt.manifest import MANIFEST, step_dir
+
+    run = tmp_path / "run"
+    tiny = ["--run-dir", str(run), *SHRINK, "--set", "data.lanes=2", "--set", "data.global_batch=2",
+            "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=1", "--set", "steps=2"]
+    assert main(["train", *tiny]) == 0
+    (run / "ckpt" / step_dir(2) / MANIFEST).write_bytes(b"{")  # cut short
+    capsys.readouterr()
+    assert main(["plan", str(run), "--world", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"{run}: step 1 saved on 1 ranks; resume on 2:\n")
+    assert main(["plan", str(run), "--world", "2", "--step", "2"]) == 2  # asked for by number: no other

@@ -137,6 +137,19 @@ def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path, capsys):
                                        "drop --resume to start a new run there\n")
 
 
+@pytest.mark.parametrize("argv,err", [
+    (["--world", "0"], "flextrain: --world 0: must be >= 1\n"),
+    (["--world", "2", "--batches", "-1"],
+     "flextrain: --batches -1: must be >= 0 (how many of the next global batches to digest)\n"),
+])
+def test_plan_refuses_a_bad_world_or_batch_count_in_one_line(tmp_path, capsys, argv, err):
+    from flextrain.cli import main
+
+    assert main(["plan", str(tmp_path / "run"), *argv]) == 2
+    assert capsys.readouterr().err == err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^--config .*nope.toml: cannot read it \(No such file or directory\)$"):
         load_config("tiny", str(tmp_path / "nope.toml"))
@@ -146,6 +159,12 @@ def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(ConfigError, match=r"list.json: wants a table of sections and keys, got list$"):
         load_config("tiny", str(tmp_path / "list.json"))
+    (tmp_path / "typo.toml").write_text("stepz = 7\n")
+    with pytest.raises(ConfigError, match=r"typo.toml: stepz: unknown key 'stepz'; known: \['run_dir', 'seed'"):
+        load_config("tiny", str(tmp_path / "typo.toml"))
+    (tmp_path / "typo.toml").write_text("[data]\nmax_lenght = 64\n")
+    with pytest.raises(ConfigError, match=r"typo.toml: data.max_lenght: unknown key 'max_lenght'; known: \['sources'"):
+        load_config("tiny", str(tmp_path / "typo.toml"))
     (tmp_path / "ok.toml").write_text("steps = 7\n[data]\nmax_length = 64\n")
     cfg = load_config("tiny", str(tmp_path / "ok.toml"))
     assert (cfg.steps, cfg.data.max_length) == (7, 64)
@@ -170,3 +189,20 @@ def test_weights_finite_finds_one_bad_element_and_survives_an_overflowing_sum():
     huge_then_inf = huge.clone()
     huge_then_inf[-1] = -float("inf")  # +inf from the overflow, -inf here: the sum is NaN, the tensor not finite
     assert not weights_finite([huge_then_inf])
+
+
+def test_the_demo_refuses_a_folder_it_did_not_write_and_leaves_it_whole(tmp_path, capsys):
+    """The demo empties --dir first: a folder holding anything but an earlier demo's runs is
+    refused before a byte is removed."""
+    from flextrain.demo import main
+
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "my-notes.txt").write_text("mine")
+    assert main(["--dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"demo: --dir {tmp_path} holds ['my-notes.txt'], not only an earlier demo's "
+                                       f"folders, and the demo empties it first; pass a new folder\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-notes.txt", "reference"]
+    with pytest.raises(SystemExit) as e:
+        main(["--dir", str(tmp_path / "new"), "--steps", "3"])
+    assert e.value.code == 2 and "--steps 3: must be >= 4" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

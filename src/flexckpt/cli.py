@@ -63,6 +63,9 @@ def _mib(n: float) -> str:
 def _no_checkpoint(storage: Storage) -> CheckpointError:
     """"Nothing here", with a hint when URL is a flextrain run folder (its checkpoints are in ckpt/)."""
     msg = f"no committed checkpoint under {storage.url}"
+    if storage.local and not os.path.exists(storage.root):  # a typo reads as "no checkpoint" otherwise
+        return CheckpointError(f"{msg}: {storage.root} does not exist; check the path (for a flextrain run, "
+                               f"RUN_DIR/ckpt)")
     try:
         if committed_steps(Storage(storage.url.rstrip("/") + "/ckpt")):
             msg += f"; it looks like a flextrain run folder: pass {storage.url.rstrip('/')}/ckpt"
@@ -80,6 +83,18 @@ def _pick_step(storage: Storage, step: int | None) -> int:
     if step not in steps:
         raise CheckpointError(f"step {step} is not committed under {storage.url}; committed: {steps}")
     return step
+
+
+def _read_step(storage: Storage, step: int, newest: bool) -> Any:
+    """The step's manifest; when the newest step (taken by default) is damaged, the error
+    names the step before it."""
+    try:
+        return read_manifest(storage, step)
+    except CheckpointError as e:
+        older = [s for s in committed_steps(storage) if s < step] if newest else []
+        if not older:
+            raise
+        raise CheckpointError(f"{e}; pass --step {older[-1]} for the step before it") from None
 
 
 def cmd_steps(args: argparse.Namespace) -> int:
@@ -106,7 +121,7 @@ def _when(t: float) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
-    m = read_manifest(storage, _pick_step(storage, args.step))
+    m = _read_step(storage, _pick_step(storage, args.step), args.step is None)
     kinds = Counter(type(t.layout).__name__ for t in m.tensors.values())
     print(f"step {m.step} of run {m.run_id}, saved by {m.world_size} ranks at "
           f"{_when(m.time)} (format version {m.version})")
@@ -314,7 +329,7 @@ def checked_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[i
 
 def cmd_plan(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
-    m = read_manifest(storage, _pick_step(storage, args.step))
+    m = _read_step(storage, _pick_step(storage, args.step), args.step is None)
     layouts = checked_layouts(m, args.world, args.layout, getattr(args, "mesh", None))
     plan = restore_plan(m, layouts, args.world)
     print(f"restore of step {m.step} (saved by {m.world_size} ranks) on {args.world} ranks:")
@@ -328,7 +343,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_reshard(args: argparse.Namespace) -> int:
     src = Storage(args.src)
     step = _pick_step(src, args.step)
-    m = read_manifest(src, step)
+    m = _read_step(src, step, args.step is None)
     world = args.world
     layouts = checked_layouts(m, world, args.layout, getattr(args, "mesh", None))
     budget = getattr(args, "budget", None)  # import-dcp --world --budget-mib: one rank's share at a time, bounded

@@ -25,6 +25,7 @@ import torch
 
 from flexckpt.checksum import checksum
 from flexckpt.commit import keyed_entries, record_doc
+from flexckpt.errors import SaveError
 from flexckpt.handle import SaveHandle
 from flexckpt.manifest import (
     GROUP,
@@ -266,11 +267,28 @@ def serve(ref: "weakref.ref[Any]", method: str, inbox: queue.Queue, outbox: queu
                 return
             owner = ref()
             if owner is None:
+                abandon(job, inbox)
                 return
             getattr(owner, method)(job)
         finally:
             job = owner = None  # hold nothing while waiting for the next job
             inbox.task_done()
+
+
+def abandon(job: Any, inbox: queue.Queue) -> None:
+    """Fail the saves a Checkpointer freed without close() left in ``inbox``: their
+    ``result()`` would otherwise wait for ever."""
+    error = SaveError("the Checkpointer was freed without close() before this save finished; keep a reference to "
+                      "it and call close() (or use it in a with block) to finish its saves")
+    while job is not None:
+        handle = getattr(job, "handle", None)
+        if handle is not None:
+            handle._fail(error)
+        try:
+            job = inbox.get_nowait()
+        except queue.Empty:
+            return
+        inbox.task_done()
 
 
 def stop_threads(queues: tuple[queue.Queue, ...], at_exit: Any) -> None:

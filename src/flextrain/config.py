@@ -286,7 +286,7 @@ def _merge(cfg: Any, values: dict[str, Any], where: str) -> None:
     for key, value in values.items():
         if not hasattr(cfg, key) or key.startswith("_"):
             known = [f.name for f in dataclasses.fields(cfg)]
-            raise ConfigError(f"{where}: unknown key {key!r}; known: {known}")
+            raise ConfigError(f"{where}{key}: unknown key {key!r}; known: {known}")
         current = getattr(cfg, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
@@ -302,6 +302,8 @@ def _parse_value(text: str, current: Any, key: str) -> Any:
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
+        if not isinstance(current, (dict, list)):  # steps=abc: validate() names the field and its range
+            return text
         raise ConfigError(f"--set {key}={text}: not a JSON value (quote strings inside dicts)") from None
     if isinstance(current, float) and type(value) is int:  # --set optim.muon_lr=1 means 1.0
         value = float(value) if abs(value) < 1e308 else value  # a huge int stays one: the range check names it

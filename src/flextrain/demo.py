@@ -23,6 +23,7 @@ from pathlib import Path
 from flextrain.launch import env, metrics, train, train_until_signal
 
 SIZES = ["data.max_length=128", "data.global_batch=8", "data.micro_batch=2", "optim.warmup_steps=5"]
+WRITES = {"reference", "run", "resume-d1", "resume-d4", "loss.png"}  # all --dir may hold: it is emptied first
 
 
 def plot(curves: dict[str, dict[int, dict]], path: Path, title: str) -> None:
@@ -46,10 +47,19 @@ def plot(curves: dict[str, dict[int, dict]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="runs/demo")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--dir", default="runs/demo",
+                    help="the run folders and the plot (emptied first: a new folder or an earlier demo's; "
+                         "default runs/demo)")
+    ap.add_argument("--steps", type=int, default=40, help="steps of each run, >= 4 (default 40; stopped at half)")
     args = ap.parse_args(argv)
+    if args.steps < 4:  # a checkpoint every steps // 4
+        ap.error(f"--steps {args.steps}: must be >= 4")
     root = Path(args.dir).resolve()
+    others = sorted(p.name for p in root.iterdir() if p.name not in WRITES) if root.is_dir() else []
+    if others or (root.exists() and not root.is_dir()):
+        print(f"demo: --dir {root} holds {others[:3] or 'a file'}, not only an earlier demo's folders, and the "
+              f"demo empties it first; pass a new folder", file=sys.stderr)
+        return 2
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     sets = SIZES + [f"steps={args.steps}", f"ckpt_every={args.steps // 4}", f"eval_every={args.steps // 2}"]

@@ -57,12 +57,14 @@ def plan_restore(run_dir: str, world: int, step: int | None = None, batches: int
     url = str(Path(run_dir).resolve() / "ckpt")
     if world < 1:
         raise ConfigError(f"--world {world}: must be >= 1")
+    if batches < 0:
+        raise ConfigError(f"--batches {batches}: must be >= 0 (how many of the next global batches to digest)")
     ckpt = Checkpointer(url, rank=0, world_size=1, run_id="plan")
     try:
         probe = {"data": ByLane(), "trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "",
                                                "calibration": ""}}
         try:
-            got = ckpt.load(probe, step=step, strict=False)
+            got = ckpt.load(probe, step=step, strict=False, fallback=step is None)  # as the resume would
         except Exception as e:  # noqa: BLE001 - a missing or unreadable run is the user's to fix
             raise ConfigError(f"{url}: {e}") from None
     finally:
@@ -119,9 +121,9 @@ def describe(plan: dict[str, Any]) -> str:
                  f"{plan['lanes'] // plan['world']}; the global batches stay the same")
     lines.append(f"  plain values ({len(plan['plain'])}: step, config, fingerprints): restored as they are")
     lines.append(f"  per-rank values: {plan['per_rank'] or 'none'} (RNG is derived from seed and step)")
-    lines.append(f"  {'rank':>4}  {'lanes':>7}  {'micro':>5}  {'holds':>12}  {'reads':>12}  {'requests':>8}  {'memory':>12}")
+    lines.append(f"  {'rank':>4}  {'lanes':>7}  {'microbatches':>12}  {'holds':>12}  {'reads':>12}  {'requests':>8}  {'memory':>12}")
     for r in plan["ranks"]:
-        lines.append(f"  {r['rank']:>4}  {r['lanes'][0]:>3}-{r['lanes'][1]:<3}  {r['microbatches']:>5}  "
+        lines.append(f"  {r['rank']:>4}  {r['lanes'][0]:>3}-{r['lanes'][1]:<3}  {r['microbatches']:>12}  "
                      f"{_mib(r['holds']):>12}  {_mib(r['reads']):>12}  {r['requests']:>8}  {_mib(r['memory']):>12}")
     for b in plan.get("next_batches", []):
         lines.append(f"  step {b['step']:>6}  global_batch_sha256 {b['global_batch_sha256']}")

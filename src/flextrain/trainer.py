@@ -176,6 +176,11 @@ class Trainer:
         elif resume:
             raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}; "
                                 "drop --resume to start a new run there")
+        elif (earlier := self.ckpt.latest_step()) is not None:  # --fresh: they would outrank this run's
+            raise ResumeRefused(f"--fresh: {self.run_dir / 'ckpt'} holds committed steps up to "
+                                f"{earlier} of an earlier run, which a restart would resume from "
+                                f"and retention would keep over this run's; pass a new --run-dir (or remove that "
+                                f"folder to start over there)")
         self.timings["checkpoint_probe_s"] = time.perf_counter() - t
         # the pipeline is built, restored and started on a thread while the model builds and
         # the tensors load: a restart waits only for what is left of it (pipeline_build_s)
@@ -248,6 +253,9 @@ class Trainer:
         (self.run_dir / f"resume-w{self.world}-r{self.rank}.json").write_text(json.dumps(record))
         self._say(f"flextrain: resumed step {got} on {self.world} ranks; rank {self.rank} read "
                   f"{record['bytes_read']} bytes", all_ranks=True)
+        if self.step >= self.cfg.steps:  # else the run ends at once, without a word
+            self._say(f"flextrain: the checkpoint is at step {self.step} and steps={self.cfg.steps}: nothing to "
+                      f"train; pass --set steps=N with N > {self.step} to train on")
         return data_state
 
     def _stop_if_signalled(self, agree: bool = False) -> None:
