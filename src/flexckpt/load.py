@@ -13,7 +13,6 @@ import contextlib
 import gc
 import logging
 import math
-import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,10 +25,10 @@ from flexckpt.checksum import checksum, digest, digest_parts
 from flexckpt.codec import decompress_into
 from flexckpt.dtypes import dtype_from_name, dtype_name
 from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
-from flexckpt.manifest import FileEntry, Manifest, keyed_name, step_dir
+from flexckpt.manifest import Manifest, keyed_name, step_dir
 from flexckpt.plan import part_of_world
-from flexckpt.readplan import ChunkRead, Fetch, coalesce, file_reads, gather_runs
-from flexckpt.stall import bounded, progress
+from flexckpt.readplan import Fetch, coalesce, plan_reads
+from flexckpt.stall import bounded
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.structure import Walk, decode_plain, excluder
 from flexshard import FlatRange, Part, part_of
@@ -37,9 +36,6 @@ from flexshard import FlatRange, Part, part_of
 log = logging.getLogger("flexckpt")
 
 FETCH_BYTES = 16 << 20  # adjacent chunks are fetched together, up to this many bytes a request
-# ... a local file's fetches: smaller, so each fetch is hashed while its bytes are still in the
-# CPU cache, and the reading threads stay balanced (a remote store pays per request: 16 MiB)
-LOCAL_FETCH_BYTES = 4 << 20
 
 
 @dataclass
@@ -154,13 +150,7 @@ class PendingLoad:
             self._read(threads)
 
     def _read(self, threads: int) -> None:
-        """Plan and fetch at once: the runs every target wants are gathered per file from
-        the manifest's plan alone; the kernel is asked to start reading those bytes (a
-        local, uncompressed checkpoint) while this thread reads each file's chunk table and
-        cuts its runs at the chunks' bounds, and each file's fetches go to the reading
-        threads as soon as they are cut, so reading overlaps the rest of the planning."""
-        m = self.manifest
-        by_file = gather_runs([(m.tensors[self.walk.specs[i].name], rng) for i, rng in self.targets])
+        reads = plan_reads(self.manifest, [(self.manifest.tensors[self.walk.specs[i].name], rng) for i, rng in self.targets])
         dests: list[torch.Tensor] = []  # where bytes land: the target itself, or a CPU staging copy
         self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, _ in self.targets:
@@ -175,7 +165,7 @@ class PendingLoad:
         readers: dict[str, RangeReader] = {}
         lock = threading.Lock()
         local = threading.local()
-        folder = step_dir(m.step)
+        folder = step_dir(self.manifest.step)
 
         def reader(file: str) -> RangeReader:
             with lock:
@@ -240,105 +230,54 @@ class PendingLoad:
                 ends.append(len(places))
                 whole += direct
             reader(f.file).read_scatter(f.offset, places)
-            got, begin = [], 0
-            for end in ends:  # hashed now, while the bytes are in the cache
-                got.append(digest(places[begin]) if end - begin == 1 else digest_parts(places[begin:end]))
+            begin = 0
+            for cr, end in zip(f.reads, ends):
+                got = digest(places[begin]) if end - begin == 1 else digest_parts(places[begin:end])
                 begin = end
-            check(f, got)
+                if got != int(cr.chunk.checksum, 16):
+                    raise ChecksumError(
+                        f"{where}: chunk at byte {cr.chunk.offset} has checksum {got:016x}, the manifest says "
+                        f"{cr.chunk.checksum}; the file is damaged"
+                    )
             return whole
 
-        def check(f: Fetch, got: list[int]) -> None:
-            """Compare a fetch's digests with its chunks' checksums. A file read by its plan
-            entry has none there (""): they come from its table, read alongside by
-            ``ahead`` (read first, so rarely waited for)."""
-            real = None if f.reads[0].chunk.checksum else ahead.entry(f.file)
-            for cr, g in zip(f.reads, got):
-                want = real.chunks[chunk_index[f.file][cr.chunk.offset]].checksum if real else cr.chunk.checksum
-                if g != int(want, 16):
-                    raise ChecksumError(
-                        f"{folder}/{f.file} bytes [{f.offset}, {f.offset + f.length}): chunk at byte {cr.chunk.offset} "
-                        f"has checksum {g:016x}, the manifest says {want}; the file is damaged"
-                    )
-
-        work: "queue.SimpleQueue[Fetch | None]" = queue.SimpleQueue()
-        stop = threading.Event()  # a worker failed, or planning did: the rest is skipped
+        # per-rank values are read (version 2: from this rank's chunk table) and checked
+        # now, before the ranks agree, so that apply() cannot fail half-way
+        same_world = self.manifest.world_size == self.world_size
+        self._rank_values = self.manifest.rank_values(self.rank) if self.per_rank and same_world else {}
+        self._decoded = {
+            name: decode_per_rank(self._rank_values[name], name) for name in self.per_rank if name in self._rank_values
+        }
+        missing = sorted(n for n in self.per_rank if same_world and n not in self._rank_values)
+        if missing:
+            raise ManifestError(f"checkpoint step {self.manifest.step} has no per-rank values {missing} for rank {self.rank}")
+        self._values = self._decode_values()
+        self._keyed = self._read_keyed()
+        fetches = coalesce(reads, FETCH_BYTES)
         stall = self.storage.stall_timeout
 
-        def drain() -> list[int]:
-            def loop() -> list[int]:
-                done = []
-                while (f := work.get()) is not None:
-                    progress()
-                    if stop.is_set():
-                        continue
-                    try:
-                        done.append(fetch(f))
-                    except BaseException:
-                        stop.set()
-                        raise
-                return done
-            # one stall watch over all the fetches a worker takes (each read reports progress),
+        def fetch_all(part: list[Fetch]) -> list[int]:
+            # one stall watch over a whole share of the reads (each read reports progress),
             # not one per read: a watch hands its call to a helper thread, and a resharding
             # load makes hundreds of small reads
-            return bounded(stall, f"reading {folder} on {self.storage.url}", loop)
+            return bounded(stall, f"reading {len(part)} ranges on {self.storage.url}", lambda: [fetch(f) for f in part])
 
-        files = sorted(by_file)
-        ahead = _Ahead(m, files)
-        chunk_index: dict[str, dict[int, int]] = {}  # a file read by its plan entry: chunk offset -> index
-        workers = max(1, threads)
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flexckpt-read")
-        shares = [pool.submit(drain) for _ in range(workers)]
-        reads: list[ChunkRead] = []
-        fetches = 0
-        ok = False
         try:
-            for file in files:
-                # uncompressed: the plan gives every chunk's place; the table (read alongside
-                # by ``ahead``) only its checksum, compared once it is read
-                plan_entry = getattr(m.files, "plan_entry", None)
-                entry = plan_entry(file) if plan_entry is not None else None
-                if entry is None:
-                    entry = ahead.entry(file)
-                else:
-                    chunk_index[file] = {c.offset: k for k, c in enumerate(entry.chunks)}
-                cut = file_reads(file, entry, by_file[file])  # type: ignore[arg-type]
-                reads += cut
-                for f in coalesce(cut, LOCAL_FETCH_BYTES if self.storage.local else FETCH_BYTES):
-                    work.put(f)
-                    fetches += 1
-            # per-rank values are read (version 2: from this rank's chunk table) and checked
-            # now, while the fetches run and before the ranks agree, so that apply() cannot
-            # fail half-way
-            same_world = m.world_size == self.world_size
-            self._rank_values = m.rank_values(self.rank) if self.per_rank and same_world else {}
-            self._decoded = {
-                name: decode_per_rank(self._rank_values[name], name) for name in self.per_rank if name in self._rank_values
-            }
-            missing = sorted(n for n in self.per_rank if same_world and n not in self._rank_values)
-            if missing:
-                raise ManifestError(f"checkpoint step {m.step} has no per-rank values {missing} for rank {self.rank}")
-            self._values = self._decode_values()
-            self._keyed = self._read_keyed()
-            ok = True
-        except BaseException:
-            stop.set()
-            raise
+            if threads > 1 and len(fetches) > 1:
+                parts = [fetches[i::threads] for i in range(min(threads, len(fetches)))]
+                with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="flexckpt-read") as pool:
+                    whole = [n for done in pool.map(fetch_all, parts) for n in done]
+            else:
+                whole = fetch_all(fetches)
         finally:
-            for _ in shares:
-                work.put(None)
-            pool.shutdown(wait=True)
-            try:
-                ahead.finish(tables=ok)  # every table verified, whether or not a fetch needed it
-            finally:
-                for r in readers.values():
-                    r.close()
-        whole = [n for share in shares for n in share.result()]  # a reading thread's error raises here
-        self.stats.fetches = fetches
+            for r in readers.values():
+                r.close()
+        self.stats.fetches = len(fetches)
         self.stats.direct_chunks = sum(whole)
         self.stats.chunks = len(reads)
         self.stats.bytes_read = sum(cr.chunk.length for cr in reads) + sum(len(v) for v in self._keyed.values())
         self.stats.tensors = len(self.targets)
-        self.stats.metadata_bytes = m.metadata_bytes_read
+        self.stats.metadata_bytes = self.manifest.metadata_bytes_read
 
     def _read_keyed(self) -> dict[str, bytes]:
         """The bytes values this rank holds keys of (see :func:`read_bytes_values`)."""
@@ -393,51 +332,6 @@ class PendingLoad:
             w.per_rank[name].restored = False
         for _name, obj, sd in reversed(w.statefuls):
             obj.load_state_dict(sd)
-
-
-class _Ahead:
-    """The chunk tables of a load's data files, read and verified on a thread of their own
-    (``manifest.files[file]``, in file order) while the load plans and fetches: an
-    uncompressed file's fetches are cut from its plan entry and need its table only to
-    compare checksums."""
-
-    def __init__(self, manifest: Manifest, files: list[str]) -> None:
-        self._entries: dict[str, FileEntry] = {}
-        self._ready = {file: threading.Event() for file in files}
-        self._error: BaseException | None = None
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, args=(manifest, files), name="flexckpt-tables", daemon=True)
-        self._thread.start()
-
-    def _run(self, manifest: Manifest, files: list[str]) -> None:
-        try:
-            for file in files:
-                if self._stop:
-                    break
-                self._entries[file] = manifest.files[file]
-                self._ready[file].set()
-        except BaseException as e:  # noqa: BLE001 - raised to whoever waits for a table
-            self._error = e
-        finally:
-            for ev in self._ready.values():
-                ev.set()
-
-    def entry(self, file: str) -> FileEntry:
-        """``file``'s entry from its verified table, once read; raises what reading a
-        table raised."""
-        self._ready[file].wait()
-        if self._error is not None:
-            raise self._error
-        return self._entries[file]
-
-    def finish(self, tables: bool) -> None:
-        """With ``tables``: wait for every table and raise what reading one raised (each
-        read is under the storage's stall watch). Without (the load failed already): stop
-        after the table being read."""
-        self._stop = not tables
-        self._thread.join()
-        if tables and self._error is not None:
-            raise self._error
 
 
 @contextlib.contextmanager

@@ -298,25 +298,6 @@ class TableFiles(Mapping):
                 self._entries[rank] = entry
         return entry
 
-    def plan_entry(self, name: str) -> FileEntry | None:
-        """An uncompressed data file's entry as the plan alone gives it, before its table
-        is read: chunk bounds, and stored bytes equal to the raw stream (what the table,
-        once read, must confirm), with no checksums (""). None when compressed (stored
-        offsets come only from the table) or when the manifest's sizes do not bound the
-        work (``self[name]`` then says why)."""
-        rank = self._names.get(name)
-        if self.codec != "none" or rank is None:
-            return None
-        _pieces, raw_nbytes = self.plan.rank_pieces(rank)
-        if raw_nbytes != self.ranks[rank].stored_nbytes or (
-                raw_nbytes // min(self.plan.rules.min_chunk, self.plan.chunk_bytes) > MAX_CHUNKS_PER_FILE):
-            return None
-        raw = self.plan.rank_plan(rank)
-        offsets = [c.offset for c in raw.chunks]
-        lengths = [c.length for c in raw.chunks]
-        return FileEntry(name, raw.nbytes, tuple(map(StoredChunk, offsets, lengths, offsets, lengths,
-                                                     itertools.repeat("none"), itertools.repeat(""))))
-
     def table(self, rank: int) -> ChunkTable:
         """Rank ``rank``'s table file, read and verified once."""
         with self._lock:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from flexckpt.dtypes import itemsize
-from flexckpt.load import FETCH_BYTES  # the load's largest coalesced request (a local load's are smaller)
+from flexckpt.load import FETCH_BYTES  # the load's largest coalesced request: the same fetches
 from flexckpt.manifest import Manifest
 from flexckpt.readplan import coalesce, plan_reads
 from flexshard import Layout, part_of
@@ -20,9 +20,7 @@ from flexshard import Layout, part_of
 class RankRestore:
     """One target rank: ``holds`` bytes of tensors, ``reads`` stored bytes in ``requests``
     ranged reads of ``chunks`` chunks from ``files`` files; ``memory`` = ``holds`` plus the
-    largest request (a compressed chunk is read into scratch before it is decoded). Requests
-    are counted as a remote store's (``load.FETCH_BYTES``); a local file's load cuts them
-    smaller (``load.LOCAL_FETCH_BYTES``), so there these are upper bounds."""
+    largest request (a compressed chunk is read into scratch before it is decoded)."""
 
     rank: int
     holds: int
