@@ -82,7 +82,7 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | 
 def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str, list[np.ndarray]]:
     """The runs ``targets`` want, by data file: four int64 columns (raw byte start, length,
     target index, byte position in the target). Needs only the manifest's plan, not the
-    files' chunk tables: a load can start fetching the bytes before it reads those."""
+    files' chunk tables (:func:`file_reads` then cuts them at the chunks' bounds)."""
     by_file: dict[str, _Runs] = {}
     for t, (saved, want) in enumerate(targets):
         shape = saved.shape
