@@ -4,6 +4,13 @@ cold page cache (the checkpoint's files dropped with fadvise) and from a warm on
 
     python3 dev.py bench restore [--mb-per-rank 50] [--tensors 200] [--load-worlds 2 1 4]
         [--runs 3] [--dir PATH] [--out PATH]
+    python3 dev.py bench restore --versus c0aceba [--runs 3] [--repeat 5]
+
+``--versus REF`` is another mode (issue 18's "warm restore 2 -> 1, this format against
+v1" row): the same state saved at world 2 by this tree's flexckpt and by the one at git
+revision REF (``git archive`` of its ``src/``; c0aceba writes format 1), each loaded at
+world 1 in one process, ``--repeat`` loads warm then ``--repeat`` cold, best wall and CPU
+seconds; the two trees take turns, ``--runs`` rounds, each in a fresh process.
 
 The state is the same as save_latency's (Shard(0) pieces of fp32 tensors; DTensors for
 DCP, ShardedTensors for flexckpt), saved once by each library at world 2 (flexckpt
@@ -67,6 +74,8 @@ def save_worker(rank: int, world: int, cfg: dict, root: str) -> dict:
     local = H.build_local_state(specs, rank, world, version=7)
     with Checkpointer(os.path.join(root, "flexckpt"), run_id="restore-bench") as ckpt:
         ckpt.save(7, _sharded(local, specs, rank, world)).result()
+    if not cfg.get("dcp", True):
+        return {"bytes": H.state_bytes(local)}
     dcp.save(_dtensors(local, specs, world), checkpoint_id=os.path.join(root, "dcp"))
     return {"bytes": H.state_bytes(local)}
 
@@ -163,6 +172,94 @@ def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -
     return out
 
 
+def _one_process(root: str, cfg: dict, repeat: int) -> dict:
+    """Save (once per ``root``) at world 2, then load at world 1 in this process: best wall
+    and CPU seconds of ``repeat`` warm loads, then of ``repeat`` cold ones."""
+    import torch
+
+    from flexckpt import Checkpointer
+    from flexshard.spawn import run_workers
+
+    _quiet()
+    if not os.path.isdir(os.path.join(root, "flexckpt")):
+        run_workers(save_worker, SAVE_WORLD, dict(cfg, dcp=False), root, timeout=600)
+    specs = H.state_specs(cfg["mb_per_rank"], cfg["tensors"], SAVE_WORLD)
+    target = {s.name: torch.zeros(H.piece_range(s, 0, 1)[2]) for s in specs}
+    state = _sharded(target, specs, 0, 1)
+    out: dict[str, Any] = {}
+    with Checkpointer(os.path.join(root, "flexckpt")) as ckpt:
+        ckpt.load(state)  # imports and first-use caches, as in a process that loads once
+        for kind in ("warm", "cold"):
+            walls, cpus = [], []
+            for _ in range(repeat):
+                for t in target.values():
+                    t.zero_()
+                if kind == "cold":
+                    _drop_all(root)
+                t0, c0 = time.perf_counter(), time.process_time()
+                ckpt.load(state)
+                walls.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+            out[kind] = [min(walls), min(cpus)]
+    out["bad"] = H.mismatches(target, specs, 0, 1, version=7)[:5]
+    return out
+
+
+def versus(args: argparse.Namespace, cfg: dict) -> int:
+    """This tree against git revision ``args.versus``, 2 -> 1 in one process (see the module doc)."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(here)
+    root = args.dir or tempfile.mkdtemp(prefix="flexckpt-restore-versus-")
+    old_src = os.path.join(root, "src-" + args.versus)
+    if not os.path.isdir(old_src):
+        os.makedirs(old_src)
+        tar = subprocess.run(["git", "-C", repo, "archive", args.versus, "src"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", old_src], input=tar, check=True)
+    trees = {"this": os.path.join(repo, "src"), args.versus: os.path.join(old_src, "src")}
+    rows, best = [], {name: {"warm": [1e9, 1e9], "cold": [1e9, 1e9]} for name in trees}
+    any_bad = False
+    try:
+        for run in range(args.runs):
+            got = {}
+            for name in (list(trees) if run % 2 == 0 else list(trees)[::-1]):
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([trees[name], here]))
+                cmd = [sys.executable, os.path.abspath(__file__), "--one-process", os.path.join(root, name),
+                       "--mb-per-rank", str(args.mb_per_rank), "--tensors", str(args.tensors), "--repeat", str(args.repeat)]
+                done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=900)
+                got[name] = json.loads(done.stdout.strip().splitlines()[-1])
+                any_bad |= bool(got[name]["bad"])
+                for kind in ("warm", "cold"):
+                    best[name][kind] = [min(a, b) for a, b in zip(best[name][kind], got[name][kind])]
+            this, old = got["this"], got[args.versus]
+            rows.append([f"{run + 1}", H.load_line()] + [
+                f"{this[k][0] * 1e3:.0f} / {this[k][1] * 1e3:.0f} vs {old[k][0] * 1e3:.0f} / {old[k][1] * 1e3:.0f} "
+                f"({this[k][0] / old[k][0]:.2f}x / {this[k][1] / old[k][1]:.2f}x)" for k in ("warm", "cold")])
+            print(f"round {run + 1}: {rows[-1]}", file=sys.stderr, flush=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    b, o = best["this"], best[args.versus]
+    text = "\n".join([
+        f"## Restore 2 -> 1 in one process: this tree against {args.versus}",
+        "",
+        f"State: {args.mb_per_rank * SAVE_WORLD:.0f} MiB in {args.tensors} tensors saved at world 2 by each tree, loaded at "
+        f"world 1; per round, the best of {args.repeat} warm loads then of {args.repeat} cold ones (ms wall / CPU), "
+        f"this tree vs {args.versus}; each round a fresh process per tree.",
+        "",
+        H.markdown_table(["round", "load average", "warm", "cold"], rows),
+        "",
+        f"Best over the rounds: warm {b['warm'][0] * 1e3:.0f} / {b['warm'][1] * 1e3:.0f} ms vs "
+        f"{o['warm'][0] * 1e3:.0f} / {o['warm'][1] * 1e3:.0f} ms (**{b['warm'][0] / o['warm'][0]:.2f}x** wall, "
+        f"{b['warm'][1] / o['warm'][1]:.2f}x CPU; goal within 1.1x); cold {b['cold'][0] * 1e3:.0f} / "
+        f"{b['cold'][1] * 1e3:.0f} ms vs {o['cold'][0] * 1e3:.0f} / {o['cold'][1] * 1e3:.0f} ms "
+        f"({b['cold'][0] / o['cold'][0]:.2f}x wall).",
+    ] + (["", "WRONG: a load did not restore the saved state"] if any_bad else []))
+    print(text)
+    return 1 if any_bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from flexshard.spawn import run_workers
 
@@ -175,8 +272,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="flexckpt Checkpointer(read_threads=...) (default: flexckpt's own default)")
     p.add_argument("--dir", default=None, help="folder for the checkpoints (default: a new temporary folder, removed after)")
     p.add_argument("--out", default=None, help="also write the markdown report here (default bench/out/restore-DATE.md)")
+    p.add_argument("--versus", default=None, metavar="REF",
+                   help="compare this tree with git revision REF instead: 2 -> 1 in one process (see above)")
+    p.add_argument("--repeat", type=int, default=5, help="--versus: loads per kind and round, best taken (default 5)")
+    p.add_argument("--one-process", default=None, help=argparse.SUPPRESS)  # --versus's child: its folder
     args = p.parse_args(argv)
     cfg = {"mb_per_rank": args.mb_per_rank, "tensors": args.tensors, "read_threads": args.read_threads}
+    if args.one_process:
+        print(json.dumps(_one_process(args.one_process, cfg, args.repeat)))
+        return 0
+    if args.versus:
+        return versus(args, cfg)
 
     root = args.dir or tempfile.mkdtemp(prefix="flexckpt-restore-")
     os.makedirs(root, exist_ok=True)

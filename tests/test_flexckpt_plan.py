@@ -1,4 +1,5 @@
 """Write plans, read plans and manifest validation: pure functions, no processes, no files."""
+import dataclasses
 import math
 
 import orjson
@@ -18,7 +19,7 @@ from flexckpt.manifest import (
     parse_manifest,
 )
 from flexckpt.plan import ALIGN, make_write_plan
-from flexckpt.readplan import coalesce, plan_reads
+from flexckpt.readplan import coalesce, file_reads, gather_runs, plan_reads
 from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Replicate, Shard
 
@@ -254,3 +255,21 @@ def test_adjacent_chunks_are_fetched_together_up_to_a_limit():
     assert [len(f.reads) for f in fetches] == [9]  # a: 4 chunks, b: 1 shared chunk, c: 4 chunks
     assert sum(f.length for f in fetches) == manifest.files["r0"].nbytes
     assert [len(f.reads) for f in coalesce(reads, 2048)] == [2, 2, 2, 2, 1]
+
+
+def test_the_runs_a_load_wants_are_gathered_per_file_before_any_chunk_table():
+    # Shard(0) of 4096 floats saved at world 2: elements 1000..2999 are the end of rank 0's
+    # piece and the start of rank 1's, one run in each file
+    specs = [TensorSpec("big", torch.float32, (4096,), Shard(0))]
+    manifest, _ = _save_in_memory({"big": torch.arange(4096.0)}, specs, 2, 1024)
+    want = [(manifest.tensors["big"], FlatRange(1000, 3000))]
+    runs = gather_runs(want)
+    assert {f: [c.tolist() for c in cols] for f, cols in runs.items()} == {
+        "r0": [[4000], [4192], [0], [0]],     # raw byte start, length, target, byte position in the target
+        "r1": [[0], [3808], [0], [4192]],
+    }
+    # cut at the chunks' bounds file by file, they are the whole read plan
+    assert [cr for f in sorted(runs) for cr in file_reads(f, manifest.files[f], runs[f])] == plan_reads(manifest, want)
+    with pytest.raises(ManifestError, match="hold 2048 of the 4096 elements"):
+        half = dataclasses.replace(manifest.tensors["big"], pieces=manifest.tensors["big"].pieces[:1])
+        gather_runs([(half, FlatRange(0, 4096))])

@@ -69,8 +69,20 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | 
     contiguously in the target; or a flat range of it), each chunk once, in file order.
     Every wanted element must be in the checkpoint exactly once.
 
-    The runs of every target are gathered per file, then cut at the chunks' bounds in one
-    vectorized pass a file: array calls per piece were most of a warm load's time."""
+    The runs of every target are gathered per file (:func:`gather_runs`), then cut at the
+    chunks' bounds in one vectorized pass a file (:func:`file_reads`): array calls per
+    piece were most of a warm load's time."""
+    by_file = gather_runs(targets)
+    out: list[ChunkRead] = []
+    for file in sorted(by_file):
+        out += file_reads(file, manifest.files[file], by_file[file])
+    return out
+
+
+def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str, list[np.ndarray]]:
+    """The runs ``targets`` want, by data file: four int64 columns (raw byte start, length,
+    target index, byte position in the target). Needs only the manifest's plan, not the
+    files' chunk tables (:func:`file_reads` then cuts them at the chunks' bounds)."""
     by_file: dict[str, _Runs] = {}
     for t, (saved, want) in enumerate(targets):
         shape = saved.shape
@@ -103,10 +115,12 @@ def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | 
                 f"tensor {saved.name!r}: the checkpoint's pieces hold {found} of the {len(want)} elements wanted "
                 f"({want}); the checkpoint does not cover every element exactly once"
             )
-    out: list[ChunkRead] = []
-    for file in sorted(by_file):
-        out += _file_reads(file, manifest.files[file], *by_file[file].columns())
-    return out
+    return {file: acc.columns() for file, acc in by_file.items()}
+
+
+def file_reads(file: str, entry: FileEntry, columns: list[np.ndarray]) -> list[ChunkRead]:
+    """:func:`gather_runs`' runs of ``file`` cut at its chunks' bounds (see :func:`_file_reads`)."""
+    return _file_reads(file, entry, *columns)
 
 
 def _file_reads(file: str, entry: FileEntry, starts: np.ndarray, nbytes: np.ndarray, dest: np.ndarray,
