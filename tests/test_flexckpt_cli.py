@@ -96,7 +96,9 @@ def test_a_damaged_newest_manifest_names_the_step_before_it(tmp_path, capsys):
     manifest = tmp_path / step_dir(7) / MANIFEST
     manifest.write_bytes(manifest.read_bytes()[:10])  # cut short
     for argv in (["inspect", str(tmp_path)], ["plan", str(tmp_path), "--world", "2"],
-                 ["reshard", str(tmp_path), str(tmp_path / "out"), "--world", "1"]):
+                 ["reshard", str(tmp_path), str(tmp_path / "out"), "--world", "1"],
+                 ["export-dcp", str(tmp_path), str(tmp_path / "out")],
+                 ["export-safetensors", str(tmp_path), str(tmp_path / "out")]):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"flexckpt: invalid checkpoint manifest {step_dir(7)}/{MANIFEST}: not valid JSON"), err
