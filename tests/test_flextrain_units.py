@@ -2,6 +2,8 @@
 independence from D, and the split (disjoint, fingerprinted only when set)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -135,6 +137,7 @@ def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path), "--resume", "--set", "steps=1"]) == 2
     assert capsys.readouterr().err == (f"flextrain: --resume: no committed checkpoint under {tmp_path / 'ckpt'}; "
                                        "drop --resume to start a new run there\n")
+    assert sorted(os.listdir(tmp_path)) == []  # the refused run leaves the folder as it found it
 
 
 @pytest.mark.parametrize("argv,err", [

@@ -158,8 +158,6 @@ class Trainer:
         self._stop_if_signalled()
         self.quiet = quiet or self.rank != 0
         self.run_dir = Path(cfg.run_dir).resolve()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
         self.timings: dict[str, float] = {}
         launched = os.environ.get("FLEXTRAIN_LAUNCH_TIME")  # set by a benchmark: wall clock at launch
         if launched:
@@ -182,6 +180,8 @@ class Trainer:
                                 f"and retention would keep over this run's; pass a new --run-dir (or remove that "
                                 f"folder to start over there)")
         self.timings["checkpoint_probe_s"] = time.perf_counter() - t
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # not before: a refused run leaves the folder as it was
+        (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
         # the pipeline is built, restored and started on a thread while the model builds and
         # the tensors load: a restart waits only for what is left of it (pipeline_build_s)
         starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
