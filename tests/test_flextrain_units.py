@@ -153,6 +153,34 @@ def test_plan_refuses_a_bad_world_or_batch_count_in_one_line(tmp_path, capsys, a
     assert not (tmp_path / "run").exists()
 
 
+class _ClosedPipe:
+    """stdout whose reader has gone (``| head``): every write fails as a real pipe's does."""
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    flush = write
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_plan_into_a_closed_pipe_exits_141_without_a_traceback(tmp_path, capsys, monkeypatch):
+    import sys
+
+    import flextrain.restore
+    from flextrain.cli import main
+
+    monkeypatch.setattr(flextrain.restore, "plan_restore", lambda *a, **k: {"ok": True})
+    monkeypatch.setattr(flextrain.restore, "describe", lambda plan: "line\n" * 10_000)
+    with open(tmp_path / "out", "w") as f:
+        monkeypatch.setattr(sys, "stdout", _ClosedPipe(f.fileno()))
+        assert main(["plan", str(tmp_path), "--world", "2"]) == 141
+    assert capsys.readouterr().err == ""
+
+
 def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^--config .*nope.toml: cannot read it \(No such file or directory\)$"):
         load_config("tiny", str(tmp_path / "nope.toml"))

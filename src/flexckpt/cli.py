@@ -508,6 +508,13 @@ def _one_line_log() -> Iterator[_HeldErrors]:
         logger.propagate = propagate
 
 
+def _reader_gone() -> int:
+    """stdout's reader stopped early (``| head``): no traceback and no message, exit 141 as a
+    process ended by SIGPIPE does (flextrain's CLI does the same)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+    return 141
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -563,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _check_arguments(args)
             rc = args.fn(args)
+            sys.stdout.flush()  # here, so that a reader gone is seen here
+        except BrokenPipeError:
+            return _reader_gone()
         except CheckpointError as e:
             print(f"flexckpt: {e}", file=sys.stderr)
             return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from flextrain.config import ConfigError, load_config
@@ -82,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        rc = args.fn(args)
+        sys.stdout.flush()  # here, so that a reader gone is seen here
+    except BrokenPipeError:  # stdout's reader stopped early (| head): exit as flexckpt's CLI does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        return 141  # as a process ended by SIGPIPE
+    return rc
 
 
 if __name__ == "__main__":
