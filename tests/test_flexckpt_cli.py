@@ -38,6 +38,8 @@ def test_steps_inspect_and_plan_describe_the_checkpoint(tmp_path, capsys):
     assert main(["plan", str(tmp_path), "--world", "3"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [r[0] for r in rows] == ["0", "1", "2"]
+    assert main(["plan", str(tmp_path), "--world", "1"]) == 0
+    assert capsys.readouterr().out.startswith("restore of step 5 (saved by 2 ranks) on 1 rank:\n")
 
 
 def test_verify_finds_a_damaged_chunk(tmp_path, capsys):

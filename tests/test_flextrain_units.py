@@ -181,6 +181,15 @@ def test_plan_into_a_closed_pipe_exits_141_without_a_traceback(tmp_path, capsys,
     assert capsys.readouterr().err == ""
 
 
+def test_a_world_of_one_is_one_rank_in_messages():
+    from flexshard.world import ranks
+
+    assert (ranks(1), ranks(0), ranks(3)) == ("1 rank", "0 ranks", "3 ranks")
+    cfg = load_config(sets=["data.lanes=2", "data.global_batch=6", "data.micro_batch=4"])
+    with pytest.raises(ConfigError, match=r"^cannot run on 1 rank: the per-rank batch 6 "):
+        cfg.check_world(1)
+
+
 def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^--config .*nope.toml: cannot read it \(No such file or directory\)$"):
         load_config("tiny", str(tmp_path / "nope.toml"))

@@ -109,7 +109,7 @@ class TrainConfig:
         """Lanes and the global batch must split evenly over ``world`` ranks."""
         problems = world_problems(self.data.lanes, self.data.global_batch, self.data.micro_batch, world)
         if problems:
-            raise ConfigError(f"cannot run on {world} ranks: {problems}; rank counts that work with these "
+            raise ConfigError(f"cannot run on {world} rank{'' if world == 1 else 's'}: {problems}; rank counts that work with these "
                               f"settings: {working_sizes(self.data.lanes, self.data.global_batch, self.data.micro_batch)}")
 
 

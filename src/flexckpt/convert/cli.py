@@ -60,9 +60,10 @@ def _import_for_world(args: argparse.Namespace, import_dcp: Any) -> Any:
     import tempfile
 
     from flexckpt.cli import _writable_folder, cmd_reshard
+    from flexshard.world import ranks
 
     if args.mesh is not None and math.prod(args.mesh) != args.world:
-        raise CheckpointError(f"--mesh {args.mesh} spans {math.prod(args.mesh)} ranks, --world is {args.world}; "
+        raise CheckpointError(f"--mesh {args.mesh} spans {ranks(math.prod(args.mesh))}, --world is {args.world}; "
                               "make them agree")
     _writable_folder(args.url)
     with tempfile.TemporaryDirectory(prefix="flexckpt-import-", dir=args.tmp_dir) as tmp:
