@@ -190,6 +190,18 @@ def test_a_world_of_one_is_one_rank_in_messages():
         cfg.check_world(1)
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_world_the_data_does_not_split_over_is_said_by_rank_0_only(tmp_path, capsys, monkeypatch, rank):
+    import flextrain.trainer
+    from flextrain.cli import main
+
+    monkeypatch.setattr(flextrain.trainer, "init_distributed", lambda backend: (int(rank), 3))  # as torchrun's rank
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", "--run-dir", str(tmp_path), "--set", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flextrain: cannot run on 3 ranks: ") if rank == "0" else err == ""
+
+
 def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^--config .*nope.toml: cannot read it \(No such file or directory\)$"):
         load_config("tiny", str(tmp_path / "nope.toml"))

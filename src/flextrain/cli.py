@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from flextrain.config import ConfigError, load_config
+from flextrain.config import ConfigError, WorldRefused, load_config
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -28,6 +28,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                 cfg.run_dir = args.run_dir
             resume = True if args.resume else (False if args.fresh else None)
             run(cfg, resume=resume, preempt=preempt)
+        except WorldRefused as e:  # every rank finds it: said once
+            if os.environ.get("RANK", "0") == "0":
+                print(f"flextrain: {e}", file=sys.stderr)
+            return 2
         except StartupStopped as e:
             print(f"flextrain: {e}", file=sys.stderr)
             return 0  # as a stop in training: the run did what it was asked
