@@ -38,6 +38,8 @@ def test_steps_inspect_and_plan_describe_the_checkpoint(tmp_path, capsys):
     assert main(["plan", str(tmp_path), "--world", "3"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [r[0] for r in rows] == ["0", "1", "2"]
+    assert main(["plan", str(tmp_path), "--world", "1"]) == 0
+    assert capsys.readouterr().out.startswith("restore of step 5 (saved by 2 ranks) on 1 rank:\n")
 
 
 def test_verify_finds_a_damaged_chunk(tmp_path, capsys):
@@ -96,7 +98,9 @@ def test_a_damaged_newest_manifest_names_the_step_before_it(tmp_path, capsys):
     manifest = tmp_path / step_dir(7) / MANIFEST
     manifest.write_bytes(manifest.read_bytes()[:10])  # cut short
     for argv in (["inspect", str(tmp_path)], ["plan", str(tmp_path), "--world", "2"],
-                 ["reshard", str(tmp_path), str(tmp_path / "out"), "--world", "1"]):
+                 ["reshard", str(tmp_path), str(tmp_path / "out"), "--world", "1"],
+                 ["export-dcp", str(tmp_path), str(tmp_path / "out")],
+                 ["export-safetensors", str(tmp_path), str(tmp_path / "out")]):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"flexckpt: invalid checkpoint manifest {step_dir(7)}/{MANIFEST}: not valid JSON"), err
@@ -105,6 +109,30 @@ def test_a_damaged_newest_manifest_names_the_step_before_it(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--step", "7"]) == 2  # asked for by number: no other step offered
     assert "--step 5" not in capsys.readouterr().err
     assert main(["inspect", str(tmp_path), "--step", "5"]) == 0
+
+
+class _ClosedPipe:
+    """stdout whose reader has gone (``| head``): every write fails as a real pipe's does."""
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    flush = write
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_output_into_a_closed_pipe_exits_141_without_a_message(tmp_path, capsys, monkeypatch):
+    import sys
+
+    _save(tmp_path)
+    with open(tmp_path / "out", "w") as f:
+        monkeypatch.setattr(sys, "stdout", _ClosedPipe(f.fileno()))
+        assert main(["inspect", str(tmp_path), "--tensors"]) == 141
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("cmd", ["steps", "inspect", "verify", "plan", "reshard", "import-dcp", "export-dcp",

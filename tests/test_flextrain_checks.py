@@ -253,5 +253,5 @@ def test_plan_of_a_run_whose_newest_checkpoint_is_damaged_follows_the_resume_to_
     (run / "ckpt" / step_dir(2) / MANIFEST).write_bytes(b"{")  # cut short
     capsys.readouterr()
     assert main(["plan", str(run), "--world", "2"]) == 0
-    assert capsys.readouterr().out.startswith(f"{run}: step 1 saved on 1 ranks; resume on 2:\n")
+    assert capsys.readouterr().out.startswith(f"{run}: step 1 saved on 1 rank; resume on 2:\n")
     assert main(["plan", str(run), "--world", "2", "--step", "2"]) == 2  # asked for by number: no other

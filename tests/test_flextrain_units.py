@@ -2,6 +2,8 @@
 independence from D, and the split (disjoint, fingerprinted only when set)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -135,6 +137,7 @@ def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path), "--resume", "--set", "steps=1"]) == 2
     assert capsys.readouterr().err == (f"flextrain: --resume: no committed checkpoint under {tmp_path / 'ckpt'}; "
                                        "drop --resume to start a new run there\n")
+    assert sorted(os.listdir(tmp_path)) == []  # the refused run leaves the folder as it found it
 
 
 @pytest.mark.parametrize("argv,err", [
@@ -148,6 +151,55 @@ def test_plan_refuses_a_bad_world_or_batch_count_in_one_line(tmp_path, capsys, a
     assert main(["plan", str(tmp_path / "run"), *argv]) == 2
     assert capsys.readouterr().err == err
     assert not (tmp_path / "run").exists()
+
+
+class _ClosedPipe:
+    """stdout whose reader has gone (``| head``): every write fails as a real pipe's does."""
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    flush = write
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_plan_into_a_closed_pipe_exits_141_without_a_traceback(tmp_path, capsys, monkeypatch):
+    import sys
+
+    import flextrain.restore
+    from flextrain.cli import main
+
+    monkeypatch.setattr(flextrain.restore, "plan_restore", lambda *a, **k: {"ok": True})
+    monkeypatch.setattr(flextrain.restore, "describe", lambda plan: "line\n" * 10_000)
+    with open(tmp_path / "out", "w") as f:
+        monkeypatch.setattr(sys, "stdout", _ClosedPipe(f.fileno()))
+        assert main(["plan", str(tmp_path), "--world", "2"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_a_world_of_one_is_one_rank_in_messages():
+    from flexshard.world import ranks
+
+    assert (ranks(1), ranks(0), ranks(3)) == ("1 rank", "0 ranks", "3 ranks")
+    cfg = load_config(sets=["data.lanes=2", "data.global_batch=6", "data.micro_batch=4"])
+    with pytest.raises(ConfigError, match=r"^cannot run on 1 rank: the per-rank batch 6 "):
+        cfg.check_world(1)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_world_the_data_does_not_split_over_is_said_by_rank_0_only(tmp_path, capsys, monkeypatch, rank):
+    import flextrain.trainer
+    from flextrain.cli import main
+
+    monkeypatch.setattr(flextrain.trainer, "init_distributed", lambda backend: (int(rank), 3))  # as torchrun's rank
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", "--run-dir", str(tmp_path), "--set", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flextrain: cannot run on 3 ranks: ") if rank == "0" else err == ""
 
 
 def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):

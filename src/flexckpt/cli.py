@@ -54,6 +54,7 @@ from flexckpt.storage import Storage
 from flexckpt.structure import decode_plain
 from flexckpt.values import ByLane, PerRank
 from flexshard import BlockShard, HybridShard, Layout, MeshLayout, Owned, Replicate, Shard, ShardedTensor, assign_owners, part_of
+from flexshard.world import ranks
 
 
 def _mib(n: float) -> str:
@@ -123,7 +124,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     storage = Storage(args.url)
     m = _read_step(storage, _pick_step(storage, args.step), args.step is None)
     kinds = Counter(type(t.layout).__name__ for t in m.tensors.values())
-    print(f"step {m.step} of run {m.run_id}, saved by {m.world_size} ranks at "
+    print(f"step {m.step} of run {m.run_id}, saved by {ranks(m.world_size)} at "
           f"{_when(m.time)} (format version {m.version})")
     if m.version == 1:
         codecs = Counter(c.codec for f in m.files.values() for c in f.chunks)
@@ -277,7 +278,7 @@ def target_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[in
     """Each tensor's layout at ``world``: its saved kind unless a --layout pattern says
     otherwise; placements (``S0,S1``) lay a tensor out on ``mesh``."""
     if mesh is not None and math.prod(mesh) != world:
-        raise CheckpointError(f"--mesh {mesh} spans {math.prod(mesh)} ranks, --world is {world}; make them agree")
+        raise CheckpointError(f"--mesh {mesh} spans {ranks(math.prod(mesh))}, --world is {world}; make them agree")
     rules = []
     for rule in overrides:
         if "=" not in rule:
@@ -308,7 +309,7 @@ def target_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[in
         saved = m.tensors[n].layout
         on_saved_mesh = mesh is None and isinstance(saved, MeshLayout) and k == ",".join(saved.placements)
         if on_saved_mesh and saved.size != world:
-            raise CheckpointError(f"tensor {n!r} is saved on mesh {saved.mesh}, which does not span {world} ranks; give "
+            raise CheckpointError(f"tensor {n!r} is saved on mesh {saved.mesh}, which does not span {ranks(world)}; give "
                              f"the target mesh (--mesh NAME=SIZE,...) or a --layout for it")
         out[n] = saved if on_saved_mesh else _parse_kind(k, mesh)(n, world, owners)
     return out
@@ -323,7 +324,7 @@ def checked_layouts(m: Manifest, world: int, overrides: list[str], mesh: tuple[i
             for r in range(world) if isinstance(layouts[name], MeshLayout) else (0,):
                 part_of(layouts[name], t.shape, world, r)
     except ValueError as e:  # e.g. a HybridShard group that does not divide --world
-        raise CheckpointError(f"cannot lay step {m.step}'s tensors out on {world} ranks: {e}") from None
+        raise CheckpointError(f"cannot lay step {m.step}'s tensors out on {ranks(world)}: {e}") from None
     return layouts
 
 
@@ -332,7 +333,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     m = _read_step(storage, _pick_step(storage, args.step), args.step is None)
     layouts = checked_layouts(m, args.world, args.layout, getattr(args, "mesh", None))
     plan = restore_plan(m, layouts, args.world)
-    print(f"restore of step {m.step} (saved by {m.world_size} ranks) on {args.world} ranks:")
+    print(f"restore of step {m.step} (saved by {ranks(m.world_size)}) on {ranks(args.world)}:")
     print(f"  {'rank':>4}  {'holds':>14}  {'reads':>14}  {'ratio':>6}  {'requests':>8}  files")
     for r in plan.ranks:
         ratio = f"{r.read_ratio:.2f}" if r.holds else "-"
@@ -394,7 +395,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     finally:
         for w in writers:
             w.close()
-    print(f"wrote step {step} for {world} ranks to {args.dst}")
+    print(f"wrote step {step} for {ranks(world)} to {args.dst}")
     return 0
 
 
@@ -508,6 +509,13 @@ def _one_line_log() -> Iterator[_HeldErrors]:
         logger.propagate = propagate
 
 
+def _reader_gone() -> int:
+    """stdout's reader stopped early (``| head``): no traceback and no message, exit 141 as a
+    process ended by SIGPIPE does (flextrain's CLI does the same)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+    return 141
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -563,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _check_arguments(args)
             rc = args.fn(args)
+            sys.stdout.flush()  # here, so that a reader gone is seen here
+        except BrokenPipeError:
+            return _reader_gone()
         except CheckpointError as e:
             print(f"flexckpt: {e}", file=sys.stderr)
             return 2

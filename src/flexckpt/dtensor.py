@@ -132,7 +132,7 @@ def _mapping(mesh_shape: tuple, table_id: int, coordinate: tuple | None, placeme
     codes = tuple(_code(p) for p in placements)
     if not all(0 <= r < world_size for r in table):
         raise ValueError(f"the mesh's rank table reaches rank {max(table)}, outside the checkpoint's world of "
-                         f"{world_size} ranks; supported: {SUPPORTED}")
+                         f"{flexshard.world.ranks(world_size)}; supported: {SUPPORTED}")
     mesh_layout = MeshLayout(mesh_shape, codes, table)
     if mesh_layout.coordinate(rank) != coordinate:
         where = "is not in the mesh" if coordinate is None else f"is at {coordinate}"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from flexshard.buckets import BucketPlan
 from flexshard.ranges import FlatRange
-from flexshard.world import current_world
+from flexshard.world import current_world, ranks
 
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there); torch 2.11 has only that name
@@ -293,4 +293,4 @@ def sends_point_to_point(group: "dist.ProcessGroup | None" = None) -> bool:
 
 def _check_plan(plan: BucketPlan, world: int) -> None:
     if plan.world_size != world:
-        raise ValueError(f"bucket plan is for {plan.world_size} ranks but the group has {world}")
+        raise ValueError(f"bucket plan is for {ranks(plan.world_size)} but the group has {world}")

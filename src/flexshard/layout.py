@@ -15,6 +15,7 @@ from typing import Sequence, Union
 
 from flexshard.box import Part, box_part, flat_part
 from flexshard.ranges import FlatRange
+from flexshard.world import ranks
 
 Shape = tuple[int, ...]
 
@@ -104,7 +105,7 @@ class Owned:
         _check_world(world_size, rank)
         if self.owner >= world_size:
             raise ValueError(
-                f"Owned(owner={self.owner}) does not exist in a world of {world_size} ranks; "
+                f"Owned(owner={self.owner}) does not exist in a world of {ranks(world_size)}; "
                 f"recompute owners for this world with flexshard.assign_owners"
             )
         n = numel(normalize_shape(shape))

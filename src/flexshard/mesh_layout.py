@@ -25,6 +25,7 @@ from typing import Sequence
 
 from flexshard.box import Box
 from flexshard.ranges import FlatRange
+from flexshard.world import ranks
 
 _PLACEMENT = re.compile(r"^(R|S(\d+)|SS(\d+):(\d+))$")
 MAX_MESH_DIMS = 8
@@ -169,7 +170,7 @@ class MeshLayout:
 
     def check(self, shape: Sequence[int], world_size: int) -> None:
         if self.last_rank >= world_size:
-            raise ValueError(f"{self} reaches rank {self.last_rank}, the world has {world_size} ranks; give a mesh "
+            raise ValueError(f"{self} reaches rank {self.last_rank}, the world has {ranks(world_size)}; give a mesh "
                              f"whose rank table lies inside the world (sizes that multiply to {world_size})")
         for kind, dim, _sf in self.parsed:
             if kind != "R" and dim >= len(shape):

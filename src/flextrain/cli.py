@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from flextrain.config import ConfigError, load_config
+from flextrain.config import ConfigError, WorldRefused, load_config
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -27,6 +28,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                 cfg.run_dir = args.run_dir
             resume = True if args.resume else (False if args.fresh else None)
             run(cfg, resume=resume, preempt=preempt)
+        except WorldRefused as e:  # every rank finds it: said once
+            if os.environ.get("RANK", "0") == "0":
+                print(f"flextrain: {e}", file=sys.stderr)
+            return 2
         except StartupStopped as e:
             print(f"flextrain: {e}", file=sys.stderr)
             return 0  # as a stop in training: the run did what it was asked
@@ -82,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        rc = args.fn(args)
+        sys.stdout.flush()  # here, so that a reader gone is seen here
+    except BrokenPipeError:  # stdout's reader stopped early (| head): exit as flexckpt's CLI does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        return 141  # as a process ended by SIGPIPE
+    return rc
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names it and the fix."""
 
 
+class WorldRefused(ConfigError):
+    """The data layout does not split over this many ranks: the same on every rank, so the
+    CLI prints it on rank 0 only."""
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 50257  # GPT-2
@@ -109,7 +114,7 @@ class TrainConfig:
         """Lanes and the global batch must split evenly over ``world`` ranks."""
         problems = world_problems(self.data.lanes, self.data.global_batch, self.data.micro_batch, world)
         if problems:
-            raise ConfigError(f"cannot run on {world} ranks: {problems}; rank counts that work with these "
+            raise WorldRefused(f"cannot run on {world} rank{'' if world == 1 else 's'}: {problems}; rank counts that work with these "
                               f"settings: {working_sizes(self.data.lanes, self.data.global_batch, self.data.micro_batch)}")
 
 

@@ -14,6 +14,7 @@ from flexckpt.commit import read_manifest
 from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
 from flexshard import MuonConfig, ShardingConfig, plan_layouts
+from flexshard.world import ranks
 from zephon_state import global_batch_digest
 
 from flextrain.config import ConfigError, from_dict, working_sizes, world_problems
@@ -109,7 +110,7 @@ def _mib(n: int) -> str:
 
 
 def describe(plan: dict[str, Any]) -> str:
-    lines = [f"{plan['run_dir']}: step {plan['step']} saved on {plan['saved_world']} ranks; resume on {plan['world']}:"]
+    lines = [f"{plan['run_dir']}: step {plan['step']} saved on {ranks(plan['saved_world'])}; resume on {plan['world']}:"]
     if not plan["ok"]:
         lines.append(f"  NO: {plan['problem']}")
         lines.append(f"  sizes that work (lanes {plan['lanes']}, global batch {plan['global_batch']}): "

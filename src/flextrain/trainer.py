@@ -29,6 +29,7 @@ import torch.distributed as dist
 from flexckpt import ByLane, Checkpointer
 from flexckpt.tier import LocalTier
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
+from flexshard.world import ranks
 from zephon_state import Pipeline, global_batch_digest
 
 from flextrain.config import TrainConfig, differences, fingerprint
@@ -158,8 +159,6 @@ class Trainer:
         self._stop_if_signalled()
         self.quiet = quiet or self.rank != 0
         self.run_dir = Path(cfg.run_dir).resolve()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
         self.timings: dict[str, float] = {}
         launched = os.environ.get("FLEXTRAIN_LAUNCH_TIME")  # set by a benchmark: wall clock at launch
         if launched:
@@ -182,6 +181,8 @@ class Trainer:
                                 f"and retention would keep over this run's; pass a new --run-dir (or remove that "
                                 f"folder to start over there)")
         self.timings["checkpoint_probe_s"] = time.perf_counter() - t
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # not before: a refused run leaves the folder as it was
+        (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
         # the pipeline is built, restored and started on a thread while the model builds and
         # the tensors load: a restart waits only for what is left of it (pipeline_build_s)
         starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
@@ -251,7 +252,7 @@ class Trainer:
         record = {"step": got, "world": self.world, "rank": self.rank,
                   "bytes_read": stats.bytes_read if stats else None, "chunks": stats.chunks if stats else None}
         (self.run_dir / f"resume-w{self.world}-r{self.rank}.json").write_text(json.dumps(record))
-        self._say(f"flextrain: resumed step {got} on {self.world} ranks; rank {self.rank} read "
+        self._say(f"flextrain: resumed step {got} on {ranks(self.world)}; rank {self.rank} read "
                   f"{record['bytes_read']} bytes", all_ranks=True)
         if self.step >= self.cfg.steps:  # else the run ends at once, without a word
             self._say(f"flextrain: the checkpoint is at step {self.step} and steps={self.cfg.steps}: nothing to "
@@ -460,7 +461,7 @@ class Trainer:
             "timings": self.timings, "wall_s": wall,
         }
         if rows and not self.quiet:
-            print(f"flextrain: {summary['steps']} steps on {self.world} ranks, {summary['tokens_per_s']:.0f} labelled "
+            print(f"flextrain: {summary['steps']} steps on {ranks(self.world)}, {summary['tokens_per_s']:.0f} labelled "
                   f"tokens/s, goodput {summary['goodput']:.1%} (not waiting for data or checkpoints), checkpoint "
                   f"wait p99 {summary['ckpt_wait_p99_s'] * 1e3:.1f} ms, data wait p99 after step 1 "
                   f"{summary['data_wait_p99_s'] * 1e3:.2f} ms, final loss {rows[-1]['loss']:.4f}"
