@@ -3,9 +3,10 @@
 A node's tier folder mirrors a checkpoint's layout: ``step-N/ATTEMPT/rNNNNN.data`` (and
 ``.table``, ``.values``) for each saved rank whose files the node holds, its own or a
 partner's copy. A saved rank's files count only once its marker
-``ATTEMPT/rNNNNN-wWWWWW.done`` exists: a JSON document (the rank's record, the lengths and
-xxh3 of its files, the run lineage and structure fingerprint), written after the files
-(a copy's payload checked whole on receipt) and renamed into place.
+``ATTEMPT/rNNNNN-wWWWWW.done`` exists: a JSON document (the rank's record, whose line
+holds its table's and values' xxh3, the lengths of its files, the number of chunks, the
+run lineage and structure fingerprint), written after the files (a copy's files checked
+on receipt: :func:`check_copy`) and renamed into place.
 
 Ranks may save different structures (pipeline stages, each holding its own keys): a
 marker carries its rank's structure when the rank is saved rank 0 or the lowest rank of
@@ -16,13 +17,15 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import orjson
 
-from flexckpt.manifest import parse_step_dir, step_dir
+from flexckpt.checksum import checksum, digest
+from flexckpt.chunktable import parse_table
+from flexckpt.manifest import data_name, parse_step_dir, step_dir, table_name, values_name
 from flexckpt.storage import Storage
 from flexckpt.structure import fingerprint
 
@@ -60,7 +63,7 @@ def scan(storage: Storage) -> list[Held]:
                     continue
                 try:
                     doc = orjson.loads(storage.read_bytes(f"{name}/{attempt}/{f}", limit=MAX_DONE_BYTES))
-                    ok = all(storage.size(f"{name}/{rel}") == n for rel, (n, _c) in doc["files"].items())
+                    ok = all(storage.size(f"{name}/{rel}") == n for rel, n in file_lengths(doc).items())
                 except Exception:  # noqa: BLE001 - a damaged or partial bundle is not held
                     ok = False
                 if ok:
@@ -205,40 +208,75 @@ def makedirs(storage: Storage, rel: str) -> None:
     storage.makedirs(rel)
 
 
-def keep_steps(storage: Storage, keep: int) -> None:
-    """Remove every step folder but ``keep`` (only while no rank of the node writes)."""
-    for n in storage.list_names(""):
+REMOVED = ".removed"  # a node's tier folder: step folders set aside, their files being removed
+
+
+def set_aside(root: str, keep: int, tag: str) -> list[str]:
+    """Move every step folder of the tier folder ``root`` but ``keep`` into ``root/.removed``
+    (a rename each: at once, and no scan sees them again); returns their new paths, for
+    :func:`remove_paths` to delete off the critical path (unlinking a step's files frees
+    their tmpfs pages: 0.18 s for 1 GiB, which a recovery's ``load()`` waited for).
+    ``tag`` keeps two calls' names apart. Only while no rank of the node writes."""
+    out = []
+    for n in os.listdir(root):
         s = parse_step_dir(n)
         if s is not None and s != keep:
-            storage.remove_tree(n)
-
-
-def pack(doc: dict, files: "list[bytes | memoryview]") -> np.ndarray:
-    """A transfer's payload: the marker document, then the files it names, in order (one
-    copy of the bytes, into one writable buffer that a tensor can wrap). numpy allocates it
-    unzeroed and copies without holding the GIL: a ``bytearray`` zeroes and copies holding
-    it (about 0.3 s for 50 MiB on a loaded core), and the training thread waited that long."""
-    meta = orjson.dumps(doc)
-    sizes = [memoryview(f).nbytes for f in files]
-    out = np.empty(4 + len(meta) + sum(sizes), dtype=np.uint8)
-    out[:4] = np.frombuffer(len(meta).to_bytes(4, "little"), dtype=np.uint8)
-    out[4 : 4 + len(meta)] = np.frombuffer(meta, dtype=np.uint8)
-    pos = 4 + len(meta)
-    for f, n in zip(files, sizes):
-        out[pos : pos + n] = np.frombuffer(f, dtype=np.uint8)
-        pos += n
+            os.makedirs(os.path.join(root, REMOVED), exist_ok=True)
+            dst = os.path.join(root, REMOVED, f"{n}.{tag}")
+            os.rename(os.path.join(root, n), dst)
+            out.append(dst)
     return out
 
 
-def unpack(payload: "bytes | memoryview") -> tuple[dict, list[tuple[str, memoryview]]]:
-    view = memoryview(payload)
-    n = int.from_bytes(view[:4], "little")
-    doc: dict[str, Any] = orjson.loads(view[4 : 4 + n])
-    pos = 4 + n
-    out = []
-    for rel, (length, _c) in doc["files"].items():
-        out.append((rel, view[pos : pos + length]))
-        pos += length
-    if pos != len(view):
-        raise ValueError(f"payload has {len(view)} bytes, its marker names {pos}")
-    return doc, out
+def set_aside_before(root: str) -> list[str]:
+    """What an earlier process set aside and did not finish removing (it was killed)."""
+    try:
+        return [os.path.join(root, REMOVED, n) for n in os.listdir(os.path.join(root, REMOVED))]
+    except FileNotFoundError:
+        return []
+
+
+def remove_paths(paths: list[str]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def file_lengths(doc: dict) -> dict[str, int]:
+    """The files a marker names, with their lengths, in order. A marker written before
+    the per-file xxh3 was dropped (``[length, xxh3]`` a file) still reads: its checksum
+    is ignored, as it always was."""
+    out = {}
+    for rel, v in doc["files"].items():
+        n = v[0] if isinstance(v, list) and len(v) == 2 else v
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"marker of step {doc.get('step')} rank {doc.get('rank')}: file {rel!r} has length {v!r}; "
+                             f"expected a non-negative int")
+        out[rel] = n
+    return out
+
+
+def check_copy(doc: dict, files: "list[tuple[str, Any]]") -> None:
+    """A received copy's files against its marker, each byte hashed once: the table and the
+    values against the marker's line (xxh3 and length), the data file's length against
+    the line and each of its chunks against the table. ValueError naming the file."""
+    _fp, table_ck, table_len, data_len, values_ck, values_len = doc["line"]
+    rank, attempt = doc["rank"], doc["attempt"]
+    got = {rel: memoryview(b).cast("B") if not isinstance(b, bytes) else memoryview(b) for rel, b in files}
+    where = f"copy of step {doc['step']} rank {rank}"
+    table = got.get(table_name(attempt, rank))
+    if table is None or len(table) != table_len or checksum(table) != table_ck:
+        raise ValueError(f"{where}: its chunk table is not the one its marker names")
+    values = got.get(values_name(attempt, rank), memoryview(b""))
+    if len(values) != values_len or (values_len and checksum(values) != values_ck):
+        raise ValueError(f"{where}: its per-rank values are not those its marker names")
+    data = got.get(data_name(attempt, rank), memoryview(b""))
+    if len(data) != data_len:
+        raise ValueError(f"{where}: its data file is {len(data)} bytes, its marker says {data_len}")
+    t = parse_table(bytes(table), where, rank=rank, attempt=attempt, chunks=int(doc["chunks"]))
+    if int(t.stored_lengths.sum()) != data_len:
+        raise ValueError(f"{where}: its chunk table covers {int(t.stored_lengths.sum())} bytes, its data file is {data_len}")
+    pos = 0
+    for n, want in zip(t.stored_lengths.tolist(), t.checksums.tolist()):
+        if digest(data[pos : pos + n]) != want:
+            raise ValueError(f"{where}: the data chunk at byte {pos} does not match its checksum in the chunk table")
+        pos += n
