@@ -354,6 +354,40 @@ def test_fast_step_restored_in_one_process_and_load_of_a_persistent_step_bypasse
     ck2.close()
 
 
+def test_load_with_exclude_restores_from_the_tier_and_leaves_the_excluded_leaves_alone(tmp_path, monkeypatch):
+    ck = _one(tmp_path)
+    ck.save(5, make_state(0, 1, 5)).result(60)
+    ck.save_local(7, make_state(0, 1, 7)).result(60)
+    atexit.unregister(ck._atexit)  # a crash: the tier stays
+    read = []  # the data files read, by path
+    for name in ("read_into", "read_scatter"):
+        real = getattr(RangeReader, name)
+        monkeypatch.setattr(RangeReader, name, lambda self, *a, real=real: (read.append(self.path), real(self, *a))[1])
+
+    def target() -> dict:  # without the saved "meta", with an "extra" value no save holds
+        state = make_state(0, 1, 0, zero=True)
+        del state["meta"]
+        state["extra"] = {"x": 1}
+        return state
+
+    ck2 = _one(tmp_path)
+    state = target()
+    assert ck2.load(state, exclude=("meta", "extra", "data")) == 7
+    rec = ck2.tier.last_recovery
+    assert rec.source == "tier" and rec.step == 7, rec.reason
+    assert torch.equal(state["w"].local, make_state(0, 1, 7)["w"].local)
+    assert state["data"].values == make_state(0, 1, 0, zero=True)["data"].values and state["extra"] == {"x": 1}
+    assert read and all(p.startswith(str(tmp_path / "shm")) for p in read), read  # none of the store's
+    state = target()  # the same target, "data" not excluded: restored from the tier too
+    assert ck2.load(state, exclude=("meta", "extra")) == 7 and ck2.tier.last_recovery.source == "tier"
+    assert state["data"].values == make_state(0, 1, 7)["data"].values
+    # without the exclusion the structures differ: the tier says so and the store's load names the key
+    with pytest.raises(Exception, match="extra"):
+        ck2.load(target())
+    assert "another lineage or structure" in ck2.tier.last_recovery.reason
+    ck2.close()
+
+
 def test_other_runs_tiers_are_removed_at_start_and_never_loaded(tmp_path):
     ck = _one(tmp_path)
     ck.save_local(3, make_state(0, 1, 3)).result(60)

@@ -406,12 +406,15 @@ class FastTier:
             shutil.rmtree(self.root, ignore_errors=True)
 
     # -- recovery ------------------------------------------------------------------------------
-    def recover(self, ckpt: Any, state: dict, strict: bool) -> int | None:
+    def recover(self, ckpt: Any, state: dict, strict: bool, exclude: tuple[str, ...] = ()) -> int | None:
         """Restore the newest step complete across the surviving nodes; None when the
-        persistent store must serve the load (the reason is in ``last_recovery``)."""
+        persistent store must serve the load (the reason is in ``last_recovery``).
+        ``exclude`` as ``load()`` takes it: those leaves are left out of the structure
+        compared and of the load."""
         t0 = time.perf_counter()
         try:
-            w = walk(state, self.rank, self.world)
+            full = walk(state, self.rank, self.world)
+            w = full.without(exclude)
             fp = compat_fingerprint(w.structure_json())
             held = scan(self.storage)
             persistent = ckpt.steps() if self.rank == 0 else []
@@ -425,7 +428,7 @@ class FastTier:
             decision = Decision("persistent", None, reason=f"the fast tier could not be read ({errors[0]})")
         else:
             target = self._target_compat([g[3] for g in gathered], w)
-            decision = choose(inventories, self.lineage, target, gathered[0][2])
+            decision = choose(inventories, self.lineage, target, gathered[0][2], exclude)
         leader = self.rank == min(r for r, g in enumerate(gathered) if g[0] == self.node)
         if decision.source != "tier":
             if leader and not errors:  # nothing here is loadable: older than the persistent step, or incomplete
@@ -444,7 +447,7 @@ class FastTier:
         try:
             manifest = self._store_manifest(ckpt, decision) if decision.missing else self._manifest(decision, w)
             manifest.files.bind(view, step_dir(decision.step))
-            pending = PendingLoad(view, manifest, w, self.rank, self.world, strict)
+            pending = PendingLoad(view, manifest, full, self.rank, self.world, strict, exclude)
             asks, report.parts = self._plan_sources(decision, manifest, pending, gathered, ckpt, view)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
             error, asks = exc, {}

@@ -27,7 +27,7 @@ from flexckpt.checksum import checksum, digest
 from flexckpt.chunktable import parse_table
 from flexckpt.manifest import data_name, parse_step_dir, step_dir, table_name, values_name
 from flexckpt.storage import Storage
-from flexckpt.structure import fingerprint
+from flexckpt.structure import excluder, fingerprint
 
 _DONE = re.compile(r"^r(\d{5})-w(\d{5})\.done$")
 MAX_DONE_BYTES = 64 << 20
@@ -105,12 +105,25 @@ def compat_fingerprint(structure: dict) -> str:
     return compat_union([structure])
 
 
-def saved_compat(docs: dict[int, dict]) -> tuple[str | None, str]:
+def without(structure: dict, gone: Any) -> dict:
+    """A structure less the names ``gone`` (an :func:`~flexckpt.structure.excluder`) takes out."""
+    return {"tensors": [t for t in structure["tensors"] if not gone(t["name"])],
+            **{kind: [n for n in structure[kind] if not gone(n)] for kind in ("plain", "lanes", "per_rank")}}
+
+
+def saved_compat(docs: dict[int, dict], exclude: tuple[str, ...] = ()) -> tuple[str | None, str]:
     """``(compat_union of a step's saved structures, "")`` from its markers, or ``(None,
-    why)`` when a stage's structure is in none of them."""
+    why)`` when a stage's structure is in none of them. With ``exclude`` (a load's), the
+    names it takes out are left out of each saved structure first."""
+    gone = excluder(exclude)
     fps = {d.get("fingerprint") for d in docs.values()}
-    if len(fps) == 1:
+    if len(fps) == 1 and gone is None:
         return next(iter(fps)), ""
+    if len(fps) == 1:  # saved rank 0's marker carries the structure every rank saved
+        first = docs.get(0, {}).get("structure")
+        if not isinstance(first, dict):
+            return None, f"tier step {next(iter(docs.values())).get('step')}: saved rank 0's marker is not held"
+        return compat_union([without(first, gone)]), ""
     carried = {d["line"][0]: d["structure"] for d in docs.values() if isinstance(d.get("structure"), dict) and d.get("line")}
     need: dict[str, dict] = {}
     for r in sorted(docs):
@@ -118,18 +131,19 @@ def saved_compat(docs: dict[int, dict]) -> tuple[str | None, str]:
         if line[0] not in carried:
             return None, (f"tier step {docs[r].get('step')}: the structure of saved rank {r} (its pipeline stage's) is "
                           f"in no marker of the step")
-        need[line[0]] = carried[line[0]]
+        need[line[0]] = carried[line[0]] if gone is None else without(carried[line[0]], gone)
     return compat_union(list(need.values())), ""
 
 
 def choose(
-    inventories: list[list[Held]], lineage: str, fingerprint: str, persistent: list[int]
+    inventories: list[list[Held]], lineage: str, fingerprint: str, persistent: list[int], exclude: tuple[str, ...] = ()
 ) -> Decision:
     """The newest step complete across the surviving nodes (every saved rank held by some
     node, same lineage and fingerprint), or partly held when the persistent store holds the
     same step (its ``missing`` ranks come from the store; the load checks that the store's
     step is the same save), or the newest persistent step, whole, when that is newer or no
-    tier step qualifies. Steps are never mixed."""
+    tier step qualifies. Steps are never mixed. ``fingerprint`` is the target's structure
+    less what ``exclude`` takes out, and so is each step's saved one."""
     found: dict[tuple[int, str, int], dict[int, list[int]]] = {}
     docs: dict[tuple[int, str, int], dict[int, dict]] = {}
     foreign = 0
@@ -144,7 +158,7 @@ def choose(
     complete = [k for k, ranks in found.items() if len(ranks) == k[2] and set(ranks) == set(range(k[2]))]
     whys = []  # the fingerprint is the union of the target ranks' structures; a step's, of its saved ranks'
     for k in sorted(complete, key=lambda k: (k[0], attempt_order(k[1]))):
-        fp, why = saved_compat(docs[k])
+        fp, why = saved_compat(docs[k], exclude)
         if fp != fingerprint:
             complete.remove(k)
             foreign += sum(len(v) for v in found.pop(k).values())
@@ -163,7 +177,7 @@ def choose(
         note += f"; {whys[-1]}"
     # a partial step the store holds too, with this state's structure (the store's step must
     # be the same save: checked at load)
-    mixable = [k for k in partial if k[0] in persistent and saved_compat(docs[k])[0] == fingerprint]
+    mixable = [k for k in partial if k[0] in persistent and saved_compat(docs[k], exclude)[0] == fingerprint]
     if complete or mixable:
         best = max(complete + mixable, key=lambda k: (k[0], attempt_order(k[1])))
         if newest_persistent is None or best[0] >= newest_persistent:
