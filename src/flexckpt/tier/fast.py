@@ -708,7 +708,7 @@ def _mapped(path: str, offset: int, length: int) -> np.ndarray:
         return np.empty(0, dtype=np.uint8)
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), offset + length - start, flags=mmap.MAP_SHARED,
+        m = mmap.mmap(f.fileno(), offset + length - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                       prot=mmap.PROT_READ, offset=start)
     return np.frombuffer(m, dtype=np.uint8, count=length, offset=offset - start)
 
