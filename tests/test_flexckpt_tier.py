@@ -19,7 +19,7 @@ import torch.distributed as dist
 from flexckpt import ByLane, Checkpointer
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.tier import LocalTier
-from flexckpt.tier.inventory import Held, choose, scan
+from flexckpt.tier.inventory import REMOVED, Held, choose, remove_paths, scan, set_aside, set_aside_before
 from flexckpt.tier.placement import nodes_of, partners, sources
 from flexshard import Replicate, Shard, ShardedTensor
 from flexshard.spawn import run_workers
@@ -386,6 +386,20 @@ def test_load_with_exclude_restores_from_the_tier_and_leaves_the_excluded_leaves
         ck2.load(target())
     assert "another lineage or structure" in ck2.tier.last_recovery.reason
     ck2.close()
+
+
+def test_steps_set_aside_leave_the_scan_at_once_and_a_killed_sweep_is_finished_later(tmp_path):
+    root = str(tmp_path)
+    for step in (5, 7, 9):
+        os.makedirs(os.path.join(root, f"step-{step:012d}", "s.1"))
+        with open(os.path.join(root, f"step-{step:012d}", "s.1", "r00000.data"), "wb") as f:
+            f.write(b"x" * 10)
+    aside = set_aside(root, 7, "a")
+    assert sorted(os.listdir(root)) == [REMOVED, f"step-{7:012d}"]  # renamed at once: no scan sees them
+    assert sorted(os.path.basename(p) for p in aside) == [f"step-{5:012d}.a", f"step-{9:012d}.a"]
+    assert sorted(set_aside_before(root)) == sorted(aside)  # what a killed process left, found at the next start
+    remove_paths(aside)
+    assert set_aside_before(root) == [] and set_aside(root, 7, "b") == []
 
 
 def test_other_runs_tiers_are_removed_at_start_and_never_loaded(tmp_path):
