@@ -19,7 +19,7 @@ import torch.distributed as dist
 from flexckpt import ByLane, Checkpointer
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.tier import LocalTier
-from flexckpt.tier.inventory import Held, choose, scan
+from flexckpt.tier.inventory import REMOVED, Held, choose, remove_paths, scan, set_aside, set_aside_before
 from flexckpt.tier.placement import nodes_of, partners, sources
 from flexshard import Replicate, Shard, ShardedTensor
 from flexshard.spawn import run_workers
@@ -352,6 +352,54 @@ def test_fast_step_restored_in_one_process_and_load_of_a_persistent_step_bypasse
     assert torch.equal(state["w"].local, make_state(0, 1, 7)["w"].local)
     assert ck2.load(state, step=5) == 5 and torch.equal(state["w"].local, make_state(0, 1, 5)["w"].local)
     ck2.close()
+
+
+def test_load_with_exclude_restores_from_the_tier_and_leaves_the_excluded_leaves_alone(tmp_path, monkeypatch):
+    ck = _one(tmp_path)
+    ck.save(5, make_state(0, 1, 5)).result(60)
+    ck.save_local(7, make_state(0, 1, 7)).result(60)
+    atexit.unregister(ck._atexit)  # a crash: the tier stays
+    read = []  # the data files read, by path
+    for name in ("read_into", "read_scatter"):
+        real = getattr(RangeReader, name)
+        monkeypatch.setattr(RangeReader, name, lambda self, *a, real=real: (read.append(self.path), real(self, *a))[1])
+
+    def target() -> dict:  # without the saved "meta", with an "extra" value no save holds
+        state = make_state(0, 1, 0, zero=True)
+        del state["meta"]
+        state["extra"] = {"x": 1}
+        return state
+
+    ck2 = _one(tmp_path)
+    state = target()
+    assert ck2.load(state, exclude=("meta", "extra", "data")) == 7
+    rec = ck2.tier.last_recovery
+    assert rec.source == "tier" and rec.step == 7, rec.reason
+    assert torch.equal(state["w"].local, make_state(0, 1, 7)["w"].local)
+    assert state["data"].values == make_state(0, 1, 0, zero=True)["data"].values and state["extra"] == {"x": 1}
+    assert read and all(p.startswith(str(tmp_path / "shm")) for p in read), read  # none of the store's
+    state = target()  # the same target, "data" not excluded: restored from the tier too
+    assert ck2.load(state, exclude=("meta", "extra")) == 7 and ck2.tier.last_recovery.source == "tier"
+    assert state["data"].values == make_state(0, 1, 7)["data"].values
+    # without the exclusion the structures differ: the tier says so and the store's load names the key
+    with pytest.raises(Exception, match="extra"):
+        ck2.load(target())
+    assert "another lineage or structure" in ck2.tier.last_recovery.reason
+    ck2.close()
+
+
+def test_steps_set_aside_leave_the_scan_at_once_and_a_killed_sweep_is_finished_later(tmp_path):
+    root = str(tmp_path)
+    for step in (5, 7, 9):
+        os.makedirs(os.path.join(root, f"step-{step:012d}", "s.1"))
+        with open(os.path.join(root, f"step-{step:012d}", "s.1", "r00000.data"), "wb") as f:
+            f.write(b"x" * 10)
+    aside = set_aside(root, 7, "a")
+    assert sorted(os.listdir(root)) == [REMOVED, f"step-{7:012d}"]  # renamed at once: no scan sees them
+    assert sorted(os.path.basename(p) for p in aside) == [f"step-{5:012d}.a", f"step-{9:012d}.a"]
+    assert sorted(set_aside_before(root)) == sorted(aside)  # what a killed process left, found at the next start
+    remove_paths(aside)
+    assert set_aside_before(root) == [] and set_aside(root, 7, "b") == []
 
 
 def test_other_runs_tiers_are_removed_at_start_and_never_loaded(tmp_path):

@@ -9,8 +9,8 @@ step with one copy on the next node, persistent saves at steps ``PERSISTENT``, a
 barrier each step (the trainer's collectives keep the ranks in step). A kill comes:
 
 - from a hook on one rank (the parent then kills the others, as torchrun does): the
-  ``n``-th call, before or after it, of the replication ``send``, a tier ``isend`` (odd:
-  a header, even: a payload), the receiving ``recv``, a write of a received copy
+  ``n``-th call, before or after it, of the replication ``send``, a tier ``isend`` (a copy
+  here is four: its header, its marker, its data file, its table), the receiving ``recv``, a write of a received copy
   (``put_atomic`` on the receiving thread) or of the node's own files (``write_stream`` /
   ``put_atomic`` on the tier's thread);
 - or from the parent at a random time, every rank at once.
@@ -175,8 +175,8 @@ def install_phase_log(path: str) -> None:
         return wrapped
 
     def deliver(real: Any) -> Any:  # a received copy written and marked complete
-        def wrapped(self: Any, header: Any, payload: Any) -> Any:
-            out = real(self, header, payload)
+        def wrapped(self: Any, header: Any, *a: Any) -> Any:
+            out = real(self, header, *a)
             note("copy-", header.step, header.source)
             return out
         return wrapped
@@ -284,8 +284,9 @@ def _wait_all(pids: list[int], stop_on_kill: bool) -> tuple[dict[int, int], bool
 # -- what the restart must load, worked out from the files --------------------------------------
 def complete_steps(folder: str, nodes: list[str]) -> dict[tuple[int, str], set[int]]:
     """(step, attempt) -> saved ranks whose files some node of ``nodes`` holds whole: a
-    marker, and every file it names with the marker's length and xxh3."""
-    from flexckpt.checksum import checksum
+    marker, and every file it names with the marker's length, checked as a received copy is
+    (the table and values against the marker's line, each data chunk against the table)."""
+    from flexckpt.tier.inventory import check_copy, file_lengths
 
     held: dict[tuple[int, str], set[int]] = {}
     for node in nodes:
@@ -293,9 +294,10 @@ def complete_steps(folder: str, nodes: list[str]) -> dict[tuple[int, str], set[i
             for marker in tier.glob("step-*/*/r*-w*.done"):
                 try:
                     doc = json.loads(marker.read_bytes())
-                    ok = all(len(b := (tier / marker.parent.parent.name / rel).read_bytes()) == n and checksum(b) == c
-                             for rel, (n, c) in doc["files"].items())
-                except (OSError, ValueError):
+                    files = [(rel, (tier / marker.parent.parent.name / rel).read_bytes()) for rel in file_lengths(doc)]
+                    check_copy(doc, files)
+                    ok = all(len(b) == n for (_rel, b), n in zip(files, file_lengths(doc).values()))
+                except (OSError, ValueError, KeyError):
                     ok = False
                 if ok and doc["world_size"] == WORLD:
                     held.setdefault((doc["step"], doc["attempt"]), set()).add(doc["rank"])
@@ -408,8 +410,8 @@ def chosen_trials() -> list[TierTrial]:
     out = []
     for n, lose in ((2, 0), (4, 1)):  # copies 2 and 4 of rank 0, to node n1; n0 (the source) or n1 lost
         out += [TierTrial("send", n, "before", 0, lose=lose), TierTrial("send", n, "after", 0, lose=lose)]
-    out += [TierTrial("isend", 3, "before", 0, lose=0),  # step 2's header went, its payload not
-            TierTrial("isend", 4, "after", 0, lose=0),  # the payload posted, the sender gone
+    out += [TierTrial("isend", 7, "before", 0, lose=0),  # copy 2's header and marker went, its data file not
+            TierTrial("isend", 8, "after", 0, lose=0),  # its last file posted, the sender gone
             TierTrial("recv", 3, "before", 1, lose=0), TierTrial("recv", 3, "after", 1, lose=0),
             TierTrial("copy_put", 5, "before", 1, lose=0),  # step 2's copy of n0: data written, table and marker not
             TierTrial("copy_put", 6, "after", 1, lose=0),  # its marker written

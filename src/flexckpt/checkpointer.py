@@ -382,7 +382,7 @@ class Checkpointer(SavePipeline, Committer):
         self.wait()
         if self.tier is not None and step is None and strict:  # load(step=...) and partial loads bypass it
             self.tier.wait()
-            restored = self.tier.recover(self, state, strict)
+            restored = self.tier.recover(self, state, strict, exclude)
             if restored is not None:
                 return restored
         w = walk(state, self.rank, self.world_size)

@@ -14,7 +14,9 @@ rank asks of its peers: only the byte ranges its load reads of files its node la
 ordinary load then runs over a ``StepView``: the node's folder, the ranges as they arrive
 (sent with send/recv), the store's files of missing ranks. Timings by phase go to
 ``last_recovery.timings``: inventory, plan (manifest, read plan, asks), post (sends and
-receives posted), read (the load; ``wait_peer_s`` of it waiting for ranges), drain.
+receives posted), read (the load; ``wait_peer_s`` of it waiting for ranges), drain, agree
+(the all-gather of every rank's outcome), finish (the other steps set aside, removed on
+a thread of their own, and the values applied).
 """
 from __future__ import annotations
 
@@ -53,12 +55,12 @@ from flexckpt.storage import Storage
 from flexckpt.structure import walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import (
-    Decision, Held, choose, compat_fingerprint, compat_union, done_name, keep_steps, makedirs, pack, remove_bundle,
-    scan, unpack,
+    Decision, Held, check_copy, choose, compat_fingerprint, compat_union, done_name, file_lengths, makedirs, remove_bundle,
+    remove_paths, scan, set_aside, set_aside_before,
 )
 from flexckpt.tier.placement import node_name, nodes_of, partners, sources
 from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_rank
-from flexckpt.tier.transport import Header, Inbox, Incoming, announce, digest, send, send_range
+from flexckpt.tier.transport import Files, Header, Inbox, Incoming, announce, digest, send, send_range
 from flexckpt.tier.view import Received, StepView
 from flexckpt.writer import table_bytes, values_bytes, write_data_file
 
@@ -110,6 +112,8 @@ class FastTier:
         self.root = os.path.join(os.path.abspath(self.dir), name)
         self._remove_stale_tiers(name)
         os.makedirs(self.root, exist_ok=True)
+        self._sweepers: list[threading.Thread] = []
+        self._sweep(set_aside_before(self.root))
         self.storage = Storage(self.root, None, None)
         self.group = None
         self.store = None
@@ -277,23 +281,25 @@ class FastTier:
             "run_id": self.run_id, "line": line, "lanes": job.lanes, "plain": job.plain,
             "per_rank_keys": e.per_rank_keys, **self._saved_structure(e)[1],
             **({"keyed": keyed_entries(self.rank, job.keyed)} if job.keyed else {}),
-            "files": {rel: [memoryview(b).nbytes, checksum(b)] for rel, b in files.items()},
+            "files": {rel: memoryview(b).nbytes for rel, b in files.items()}, "chunks": len(chunks),
         }
-        self.storage.put_atomic(f"{folder}/{done_name(job.attempt, self.rank, self.world)}", orjson.dumps(doc), fsync=False)
+        meta = orjson.dumps(doc)
+        self.storage.put_atomic(f"{folder}/{done_name(job.attempt, self.rank, self.world)}", meta, fsync=False)
         self._wrote(doc)
         h.timings["write_s"] = time.perf_counter() - t1
         self.saved += 1
         t2 = time.perf_counter()
         if self.partners:
-            payload = np.frombuffer(pack(doc, list(files.values())), dtype=np.uint8)
+            # sent from where they are (the staged stream, the table and values): no packed copy
             header = Header(job.step, int(job.attempt.rsplit(".", 1)[1]), self.global_ranks[self.rank],
-                            payload.nbytes, digest(payload), 0)
+                            len(meta) + sum(doc["files"].values()), digest(meta), 0, len(meta))
             for p in self.partners:
                 if p in self._dead_partners:
                     continue
                 seq = self._seq.get(p, 0)
                 try:
-                    send(self.group, self.store, "copy", self.global_ranks[p], header._replace(seq=seq), payload, self.timeout)
+                    send(self.group, self.store, "copy", self.global_ranks[p], header._replace(seq=seq), meta,
+                         list(files.values()), self.timeout)
                     self._seq[p] = seq + 1
                     self.replicated += 1
                 except Exception as exc:  # noqa: BLE001 - a partner gone; the local copy stands
@@ -330,14 +336,19 @@ class FastTier:
             self._structure_for = e.id
         return self._structure
 
-    def _deliver(self, header: Header, payload: np.ndarray) -> None:
-        """A partner's copy: check it against its marker, write the files, then the marker.
-        The files are not hashed again: ``transport.recv`` checked the whole payload's xxh3,
-        so they are the bytes the sender hashed into the marker."""
-        doc, files = unpack(payload)
+    def _deliver(self, header: Header, meta: bytes, incoming: Files) -> None:
+        """A partner's copy: its marker (checked whole by ``transport.recv``) names its files,
+        received next; each is checked once, as the load would: the table and the values
+        against the marker's line, each chunk of the data file against the table. Then the
+        files are written, then the marker."""
+        doc = orjson.loads(meta)
+        lengths = file_lengths(doc)
+        parts = incoming.receive(list(lengths.values()))
         if (doc["step"], doc["rank"]) != (header.step, self.global_ranks.index(header.source)):
             raise ValueError(f"copy header says step {header.step} of rank {header.source}, its marker "
                              f"step {doc['step']} of rank {doc['rank']}")
+        files = list(zip(lengths, parts))
+        check_copy(doc, files)
         self._write_bundle(doc, files)
 
     def _write_bundle(self, doc: dict, files: list) -> None:
@@ -389,16 +400,21 @@ class FastTier:
             box.stop.set()
         for box in self._inboxes:
             box.join(self.timeout)
+        for sweeper in self._sweepers:
+            sweeper.join(self.timeout)
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
 
     # -- recovery ------------------------------------------------------------------------------
-    def recover(self, ckpt: Any, state: dict, strict: bool) -> int | None:
+    def recover(self, ckpt: Any, state: dict, strict: bool, exclude: tuple[str, ...] = ()) -> int | None:
         """Restore the newest step complete across the surviving nodes; None when the
-        persistent store must serve the load (the reason is in ``last_recovery``)."""
+        persistent store must serve the load (the reason is in ``last_recovery``).
+        ``exclude`` as ``load()`` takes it: those leaves are left out of the structure
+        compared and of the load."""
         t0 = time.perf_counter()
         try:
-            w = walk(state, self.rank, self.world)
+            full = walk(state, self.rank, self.world)
+            w = full.without(exclude)
             fp = compat_fingerprint(w.structure_json())
             held = scan(self.storage)
             persistent = ckpt.steps() if self.rank == 0 else []
@@ -412,11 +428,11 @@ class FastTier:
             decision = Decision("persistent", None, reason=f"the fast tier could not be read ({errors[0]})")
         else:
             target = self._target_compat([g[3] for g in gathered], w)
-            decision = choose(inventories, self.lineage, target, gathered[0][2])
+            decision = choose(inventories, self.lineage, target, gathered[0][2], exclude)
         leader = self.rank == min(r for r, g in enumerate(gathered) if g[0] == self.node)
         if decision.source != "tier":
             if leader and not errors:  # nothing here is loadable: older than the persistent step, or incomplete
-                keep_steps(self.storage, -1)
+                self._sweep(set_aside(self.root, -1, f"{os.getpid()}-{time.monotonic_ns()}"))
             log.warning("flexckpt fast tier: %s", decision.reason)
             self.last_recovery = Recovery(decision.source, decision.step, decision.reason, seconds=time.perf_counter() - t0)
             return None
@@ -431,7 +447,7 @@ class FastTier:
         try:
             manifest = self._store_manifest(ckpt, decision) if decision.missing else self._manifest(decision, w)
             manifest.files.bind(view, step_dir(decision.step))
-            pending = PendingLoad(view, manifest, w, self.rank, self.world, strict)
+            pending = PendingLoad(view, manifest, full, self.rank, self.world, strict, exclude)
             asks, report.parts = self._plan_sources(decision, manifest, pending, gathered, ckpt, view)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
             error, asks = exc, {}
@@ -468,7 +484,9 @@ class FastTier:
         for t in transfers:
             for a in t.asks if t.receiver == self.rank else ():
                 report.fetched[a.rel] = report.fetched.get(a.rel, 0) + a.length
+        t5 = time.perf_counter()
         failed = self._all_gather(error is not None)
+        report.timings["agree_s"] = time.perf_counter() - t5
         if leader:  # every rank has read: the step's bytes values file (written for the load) goes
             self.storage.remove(f"{step_dir(decision.step)}/{keyed_name(decision.attempt)}")
         if any(failed):
@@ -479,17 +497,27 @@ class FastTier:
             self.last_recovery = Recovery("persistent", None, why, seconds=time.perf_counter() - t0)
             return None
         assert pending is not None
+        t6 = time.perf_counter()
         if leader:  # every rank has read: keep only the restored step, owned by the node's leader from now on
-            keep_steps(self.storage, decision.step)
+            self._sweep(set_aside(self.root, decision.step, f"{os.getpid()}-{time.monotonic_ns()}"))
             with self._prune_lock:
                 self._inherited = [(h.step, done_name(h.attempt, h.rank, h.world), list(h.doc["files"]))
                                    for h in scan(self.storage)]
         pending.apply()
         ckpt.last_load_stats = pending.stats
+        report.timings["finish_s"] = time.perf_counter() - t6
         report.seconds = time.perf_counter() - t0
         self.last_recovery = report
         log.info("flexckpt fast tier: restored step %d (%s); parts: %s", decision.step, decision.reason, report.parts)
         return decision.step
+
+    def _sweep(self, paths: list[str]) -> None:
+        """Remove set-aside step folders on a thread of their own (``close()`` waits for it)."""
+        if paths:
+            sweeper = threading.Thread(target=remove_paths, args=(paths,), name=f"flexckpt-tier-sweep-r{self.rank}",
+                                       daemon=True)
+            sweeper.start()
+            self._sweepers.append(sweeper)
 
     def _all_gather(self, obj: Any) -> list:
         if self.group is None:

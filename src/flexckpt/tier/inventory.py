@@ -3,9 +3,10 @@
 A node's tier folder mirrors a checkpoint's layout: ``step-N/ATTEMPT/rNNNNN.data`` (and
 ``.table``, ``.values``) for each saved rank whose files the node holds, its own or a
 partner's copy. A saved rank's files count only once its marker
-``ATTEMPT/rNNNNN-wWWWWW.done`` exists: a JSON document (the rank's record, the lengths and
-xxh3 of its files, the run lineage and structure fingerprint), written after the files
-(a copy's payload checked whole on receipt) and renamed into place.
+``ATTEMPT/rNNNNN-wWWWWW.done`` exists: a JSON document (the rank's record, whose line
+holds its table's and values' xxh3, the lengths of its files, the number of chunks, the
+run lineage and structure fingerprint), written after the files (a copy's files checked
+on receipt: :func:`check_copy`) and renamed into place.
 
 Ranks may save different structures (pipeline stages, each holding its own keys): a
 marker carries its rank's structure when the rank is saved rank 0 or the lowest rank of
@@ -16,15 +17,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import orjson
 
-from flexckpt.manifest import parse_step_dir, step_dir
+from flexckpt.checksum import checksum, digest
+from flexckpt.chunktable import parse_table
+from flexckpt.manifest import data_name, parse_step_dir, step_dir, table_name, values_name
 from flexckpt.storage import Storage
-from flexckpt.structure import fingerprint
+from flexckpt.structure import excluder, fingerprint
 
 _DONE = re.compile(r"^r(\d{5})-w(\d{5})\.done$")
 MAX_DONE_BYTES = 64 << 20
@@ -60,7 +63,7 @@ def scan(storage: Storage) -> list[Held]:
                     continue
                 try:
                     doc = orjson.loads(storage.read_bytes(f"{name}/{attempt}/{f}", limit=MAX_DONE_BYTES))
-                    ok = all(storage.size(f"{name}/{rel}") == n for rel, (n, _c) in doc["files"].items())
+                    ok = all(storage.size(f"{name}/{rel}") == n for rel, n in file_lengths(doc).items())
                 except Exception:  # noqa: BLE001 - a damaged or partial bundle is not held
                     ok = False
                 if ok:
@@ -102,12 +105,25 @@ def compat_fingerprint(structure: dict) -> str:
     return compat_union([structure])
 
 
-def saved_compat(docs: dict[int, dict]) -> tuple[str | None, str]:
+def without(structure: dict, gone: Any) -> dict:
+    """A structure less the names ``gone`` (an :func:`~flexckpt.structure.excluder`) takes out."""
+    return {"tensors": [t for t in structure["tensors"] if not gone(t["name"])],
+            **{kind: [n for n in structure[kind] if not gone(n)] for kind in ("plain", "lanes", "per_rank")}}
+
+
+def saved_compat(docs: dict[int, dict], exclude: tuple[str, ...] = ()) -> tuple[str | None, str]:
     """``(compat_union of a step's saved structures, "")`` from its markers, or ``(None,
-    why)`` when a stage's structure is in none of them."""
+    why)`` when a stage's structure is in none of them. With ``exclude`` (a load's), the
+    names it takes out are left out of each saved structure first."""
+    gone = excluder(exclude)
     fps = {d.get("fingerprint") for d in docs.values()}
-    if len(fps) == 1:
+    if len(fps) == 1 and gone is None:
         return next(iter(fps)), ""
+    if len(fps) == 1:  # saved rank 0's marker carries the structure every rank saved
+        first = docs.get(0, {}).get("structure")
+        if not isinstance(first, dict):
+            return None, f"tier step {next(iter(docs.values())).get('step')}: saved rank 0's marker is not held"
+        return compat_union([without(first, gone)]), ""
     carried = {d["line"][0]: d["structure"] for d in docs.values() if isinstance(d.get("structure"), dict) and d.get("line")}
     need: dict[str, dict] = {}
     for r in sorted(docs):
@@ -115,18 +131,19 @@ def saved_compat(docs: dict[int, dict]) -> tuple[str | None, str]:
         if line[0] not in carried:
             return None, (f"tier step {docs[r].get('step')}: the structure of saved rank {r} (its pipeline stage's) is "
                           f"in no marker of the step")
-        need[line[0]] = carried[line[0]]
+        need[line[0]] = carried[line[0]] if gone is None else without(carried[line[0]], gone)
     return compat_union(list(need.values())), ""
 
 
 def choose(
-    inventories: list[list[Held]], lineage: str, fingerprint: str, persistent: list[int]
+    inventories: list[list[Held]], lineage: str, fingerprint: str, persistent: list[int], exclude: tuple[str, ...] = ()
 ) -> Decision:
     """The newest step complete across the surviving nodes (every saved rank held by some
     node, same lineage and fingerprint), or partly held when the persistent store holds the
     same step (its ``missing`` ranks come from the store; the load checks that the store's
     step is the same save), or the newest persistent step, whole, when that is newer or no
-    tier step qualifies. Steps are never mixed."""
+    tier step qualifies. Steps are never mixed. ``fingerprint`` is the target's structure
+    less what ``exclude`` takes out, and so is each step's saved one."""
     found: dict[tuple[int, str, int], dict[int, list[int]]] = {}
     docs: dict[tuple[int, str, int], dict[int, dict]] = {}
     foreign = 0
@@ -141,7 +158,7 @@ def choose(
     complete = [k for k, ranks in found.items() if len(ranks) == k[2] and set(ranks) == set(range(k[2]))]
     whys = []  # the fingerprint is the union of the target ranks' structures; a step's, of its saved ranks'
     for k in sorted(complete, key=lambda k: (k[0], attempt_order(k[1]))):
-        fp, why = saved_compat(docs[k])
+        fp, why = saved_compat(docs[k], exclude)
         if fp != fingerprint:
             complete.remove(k)
             foreign += sum(len(v) for v in found.pop(k).values())
@@ -160,7 +177,7 @@ def choose(
         note += f"; {whys[-1]}"
     # a partial step the store holds too, with this state's structure (the store's step must
     # be the same save: checked at load)
-    mixable = [k for k in partial if k[0] in persistent and saved_compat(docs[k])[0] == fingerprint]
+    mixable = [k for k in partial if k[0] in persistent and saved_compat(docs[k], exclude)[0] == fingerprint]
     if complete or mixable:
         best = max(complete + mixable, key=lambda k: (k[0], attempt_order(k[1])))
         if newest_persistent is None or best[0] >= newest_persistent:
@@ -205,40 +222,75 @@ def makedirs(storage: Storage, rel: str) -> None:
     storage.makedirs(rel)
 
 
-def keep_steps(storage: Storage, keep: int) -> None:
-    """Remove every step folder but ``keep`` (only while no rank of the node writes)."""
-    for n in storage.list_names(""):
+REMOVED = ".removed"  # a node's tier folder: step folders set aside, their files being removed
+
+
+def set_aside(root: str, keep: int, tag: str) -> list[str]:
+    """Move every step folder of the tier folder ``root`` but ``keep`` into ``root/.removed``
+    (a rename each: at once, and no scan sees them again); returns their new paths, for
+    :func:`remove_paths` to delete off the critical path (unlinking a step's files frees
+    their tmpfs pages: 0.18 s for 1 GiB, which a recovery's ``load()`` waited for).
+    ``tag`` keeps two calls' names apart. Only while no rank of the node writes."""
+    out = []
+    for n in os.listdir(root):
         s = parse_step_dir(n)
         if s is not None and s != keep:
-            storage.remove_tree(n)
-
-
-def pack(doc: dict, files: "list[bytes | memoryview]") -> np.ndarray:
-    """A transfer's payload: the marker document, then the files it names, in order (one
-    copy of the bytes, into one writable buffer that a tensor can wrap). numpy allocates it
-    unzeroed and copies without holding the GIL: a ``bytearray`` zeroes and copies holding
-    it (about 0.3 s for 50 MiB on a loaded core), and the training thread waited that long."""
-    meta = orjson.dumps(doc)
-    sizes = [memoryview(f).nbytes for f in files]
-    out = np.empty(4 + len(meta) + sum(sizes), dtype=np.uint8)
-    out[:4] = np.frombuffer(len(meta).to_bytes(4, "little"), dtype=np.uint8)
-    out[4 : 4 + len(meta)] = np.frombuffer(meta, dtype=np.uint8)
-    pos = 4 + len(meta)
-    for f, n in zip(files, sizes):
-        out[pos : pos + n] = np.frombuffer(f, dtype=np.uint8)
-        pos += n
+            os.makedirs(os.path.join(root, REMOVED), exist_ok=True)
+            dst = os.path.join(root, REMOVED, f"{n}.{tag}")
+            os.rename(os.path.join(root, n), dst)
+            out.append(dst)
     return out
 
 
-def unpack(payload: "bytes | memoryview") -> tuple[dict, list[tuple[str, memoryview]]]:
-    view = memoryview(payload)
-    n = int.from_bytes(view[:4], "little")
-    doc: dict[str, Any] = orjson.loads(view[4 : 4 + n])
-    pos = 4 + n
-    out = []
-    for rel, (length, _c) in doc["files"].items():
-        out.append((rel, view[pos : pos + length]))
-        pos += length
-    if pos != len(view):
-        raise ValueError(f"payload has {len(view)} bytes, its marker names {pos}")
-    return doc, out
+def set_aside_before(root: str) -> list[str]:
+    """What an earlier process set aside and did not finish removing (it was killed)."""
+    try:
+        return [os.path.join(root, REMOVED, n) for n in os.listdir(os.path.join(root, REMOVED))]
+    except FileNotFoundError:
+        return []
+
+
+def remove_paths(paths: list[str]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def file_lengths(doc: dict) -> dict[str, int]:
+    """The files a marker names, with their lengths, in order. A marker written before
+    the per-file xxh3 was dropped (``[length, xxh3]`` a file) still reads: its checksum
+    is ignored, as it always was."""
+    out = {}
+    for rel, v in doc["files"].items():
+        n = v[0] if isinstance(v, list) and len(v) == 2 else v
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"marker of step {doc.get('step')} rank {doc.get('rank')}: file {rel!r} has length {v!r}; "
+                             f"expected a non-negative int")
+        out[rel] = n
+    return out
+
+
+def check_copy(doc: dict, files: "list[tuple[str, Any]]") -> None:
+    """A received copy's files against its marker, each byte hashed once: the table and the
+    values against the marker's line (xxh3 and length), the data file's length against
+    the line and each of its chunks against the table. ValueError naming the file."""
+    _fp, table_ck, table_len, data_len, values_ck, values_len = doc["line"]
+    rank, attempt = doc["rank"], doc["attempt"]
+    got = {rel: memoryview(b).cast("B") if not isinstance(b, bytes) else memoryview(b) for rel, b in files}
+    where = f"copy of step {doc['step']} rank {rank}"
+    table = got.get(table_name(attempt, rank))
+    if table is None or len(table) != table_len or checksum(table) != table_ck:
+        raise ValueError(f"{where}: its chunk table is not the one its marker names")
+    values = got.get(values_name(attempt, rank), memoryview(b""))
+    if len(values) != values_len or (values_len and checksum(values) != values_ck):
+        raise ValueError(f"{where}: its per-rank values are not those its marker names")
+    data = got.get(data_name(attempt, rank), memoryview(b""))
+    if len(data) != data_len:
+        raise ValueError(f"{where}: its data file is {len(data)} bytes, its marker says {data_len}")
+    t = parse_table(bytes(table), where, rank=rank, attempt=attempt, chunks=int(doc["chunks"]))
+    if int(t.stored_lengths.sum()) != data_len:
+        raise ValueError(f"{where}: its chunk table covers {int(t.stored_lengths.sum())} bytes, its data file is {data_len}")
+    pos = 0
+    for n, want in zip(t.stored_lengths.tolist(), t.checksums.tolist()):
+        if digest(data[pos : pos + n]) != want:
+            raise ValueError(f"{where}: the data chunk at byte {pos} does not match its checksum in the chunk table")
+        pos += n
