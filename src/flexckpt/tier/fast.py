@@ -52,7 +52,7 @@ from flexckpt.save_pipeline import Attempts
 from flexckpt.stages import union_structure
 from flexckpt.staging import StagingBuffer, copies_for
 from flexckpt.storage import Storage
-from flexckpt.structure import walk
+from flexckpt.structure import excluder, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import (
     Decision, Held, check_copy, choose, compat_fingerprint, compat_union, done_name, file_lengths,
@@ -434,7 +434,8 @@ class FastTier:
         t0 = time.perf_counter()
         try:
             full = walk(state, self.rank, self.world)
-            w = full.without(exclude)
+            gone = excluder(exclude)  # load() checked the patterns
+            w = full.without(gone)
             fp = compat_fingerprint(w.structure_json())
             held = scan(self.storage)
             persistent = ckpt.steps() if self.rank == 0 else []
@@ -472,7 +473,7 @@ class FastTier:
         try:
             manifest = self._store_manifest(ckpt, decision) if decision.missing else self._manifest(decision, w)
             manifest.files.bind(view, step_dir(decision.step))
-            pending = PendingLoad(view, manifest, full, self.rank, self.world, strict, exclude)
+            pending = PendingLoad(view, manifest, full, self.rank, self.world, strict, gone)
             asks, report.parts = self._plan_sources(decision, manifest, pending, gathered, ckpt, view)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
             error, asks = exc, {}
