@@ -1,20 +1,26 @@
-"""Checksums of large buffers are hashed a piece at a time (the GIL is let go between
-pieces) and equal xxh3-64 of the whole, whatever the buffer's type or element size; a
+"""Checksums equal xxh3-64 of the whole buffer (and a digest streamed in pieces), whatever
+the buffer's type, size or element size; a
 fast-tier copy's files are checked against its marker and chunk table."""
 import numpy as np
 import pytest
 import torch
 import xxhash
 
-from flexckpt.checksum import PIECE, checksum, checksum_int
+from flexckpt.checksum import checksum, checksum_int
 from flexckpt.tier.inventory import check_copy, file_lengths
 from flexckpt.tier.transport import digest
 
+PIECE = 1 << 20
+
 
 @pytest.mark.parametrize("n", [0, 7, PIECE - 1, PIECE, PIECE + 1, 3 * PIECE + 12345])
-def test_piecewise_checksum_equals_xxh3_of_the_whole(n):
+def test_checksum_equals_xxh3_of_the_whole_and_streamed_in_pieces(n):
     raw = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
     want = xxhash.xxh3_64_intdigest(raw)
+    streamed = xxhash.xxh3_64()
+    for i in range(0, n, PIECE):
+        streamed.update(raw[i : i + PIECE])
+    assert streamed.intdigest() == want  # the digest written before checksums were one call
     assert checksum_int(raw) == checksum_int(memoryview(raw)) == digest(np.frombuffer(raw, np.uint8)) == want
     assert checksum(bytearray(raw)) == format(want, "016x")
     floats = torch.frombuffer(bytearray(raw[: n // 4 * 4]), dtype=torch.float32) if n >= 4 else torch.zeros(0)

@@ -329,8 +329,8 @@ def _one(tmp_path, **kw) -> Checkpointer:
 
 
 def test_space_check_fails_at_construction_with_the_numbers(tmp_path):
-    with pytest.raises(ValueError, match=r"needs 4000000000000000 bytes \(1 copies x keep_last 2 x 2000000000000000 "
-                                         r"bytes a rank x 1 ranks on this node\), \d+ free .*64 MiB"):
+    with pytest.raises(ValueError, match=r"needs 4000000000000000 bytes \(1 copy x keep_last 2 x 2000000000000000 "
+                                         r"bytes a rank x 1 rank on this node\), \d+ free .*64 MiB"):
         _one(tmp_path, state_bytes=2 * 10**15)
 
 
@@ -413,6 +413,8 @@ def test_other_runs_tiers_are_removed_at_start_and_never_loaded(tmp_path):
     with pytest.raises(Exception, match="no committed checkpoint"):
         other.load(make_state(0, 1, 0, zero=True))
     assert other.tier.last_recovery.source == "none"
+    assert ("held the tier of run id 'one', not this launch's 'another': FLEXCKPT_RUN_ID must be the same on every "
+            "launch" in other.tier.last_recovery.reason), other.tier.last_recovery.reason
     other.close()
 
 

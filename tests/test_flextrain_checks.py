@@ -217,7 +217,7 @@ def test_resuming_a_run_already_at_its_steps_says_there_is_nothing_to_train(tmp_
     tiny = ["--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
             "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=1"]
     assert main(["train", *tiny, "--set", "steps=1"]) == 0
-    capsys.readouterr()
+    assert "\nflextrain: 1 step on 1 rank, " in "\n" + capsys.readouterr().out
     assert main(["train", *tiny, "--set", "steps=1"]) == 0
     assert capsys.readouterr().err.endswith(
         "flextrain: the checkpoint is at step 1 and steps=1: nothing to train; pass --set steps=N with N > 1 "

@@ -202,6 +202,22 @@ def test_a_world_the_data_does_not_split_over_is_said_by_rank_0_only(tmp_path, c
     assert err.startswith("flextrain: cannot run on 3 ranks: ") if rank == "0" else err == ""
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_diverged_run_is_said_by_rank_0_only(tmp_path, capsys, monkeypatch, rank):
+    """Every rank stops on the same gathered loss with the same message: said once."""
+    import flextrain.trainer
+    from flextrain.cli import main
+
+    def diverged(cfg, resume=None, preempt=None):
+        raise flextrain.trainer.TrainingDiverged("step 3: the loss is nan; stopped on every rank")
+
+    monkeypatch.setattr(flextrain.trainer, "run", diverged)
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", "--run-dir", str(tmp_path), "--set", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("flextrain: step 3: the loss is nan; stopped on every rank\n" if rank == "0" else "")
+
+
 def test_a_missing_or_malformed_config_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^--config .*nope.toml: cannot read it \(No such file or directory\)$"):
         load_config("tiny", str(tmp_path / "nope.toml"))

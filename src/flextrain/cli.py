@@ -35,7 +35,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         except StartupStopped as e:
             print(f"flextrain: {e}", file=sys.stderr)
             return 0  # as a stop in training: the run did what it was asked
-        except (ConfigError, ResumeRefused, FingerprintMismatch, TrainingDiverged) as e:
+        except TrainingDiverged as e:  # decided on gathered values: every rank raises the same, said once
+            if os.environ.get("RANK", "0") == "0":
+                print(f"flextrain: {e}", file=sys.stderr)
+            return 2
+        except (ConfigError, ResumeRefused, FingerprintMismatch) as e:  # may be one rank's own (its view of the
+            # run folder, its data files): each rank says its own
             print(f"flextrain: {e}", file=sys.stderr)
             return 2
         except ZephonError as e:  # the data a run reads, found wrong while building its pipelines

@@ -461,7 +461,7 @@ class Trainer:
             "timings": self.timings, "wall_s": wall,
         }
         if rows and not self.quiet:
-            print(f"flextrain: {summary['steps']} steps on {ranks(self.world)}, {summary['tokens_per_s']:.0f} labelled "
+            print(f"flextrain: {summary['steps']} step{'' if summary['steps'] == 1 else 's'} on {ranks(self.world)}, {summary['tokens_per_s']:.0f} labelled "
                   f"tokens/s, goodput {summary['goodput']:.1%} (not waiting for data or checkpoints), checkpoint "
                   f"wait p99 {summary['ckpt_wait_p99_s'] * 1e3:.1f} ms, data wait p99 after step 1 "
                   f"{summary['data_wait_p99_s'] * 1e3:.2f} ms, final loss {rows[-1]['loss']:.4f}"

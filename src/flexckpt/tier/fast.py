@@ -52,10 +52,11 @@ from flexckpt.save_pipeline import Attempts
 from flexckpt.stages import union_structure
 from flexckpt.staging import StagingBuffer, copies_for
 from flexckpt.storage import Storage
-from flexckpt.structure import walk
+from flexckpt.structure import excluder, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import (
-    Decision, Held, check_copy, choose, compat_fingerprint, compat_union, done_name, file_lengths, makedirs, remove_bundle,
+    Decision, Held, check_copy, choose, compat_fingerprint, compat_union, done_name, file_lengths,
+    MAX_DONE_BYTES, makedirs, remove_bundle,
     remove_paths, scan, set_aside, set_aside_before,
 )
 from flexckpt.tier.placement import node_name, nodes_of, partners, sources
@@ -63,6 +64,7 @@ from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_
 from flexckpt.tier.transport import Files, Header, Inbox, Incoming, announce, digest, send, send_range
 from flexckpt.tier.view import Received, StepView
 from flexckpt.writer import table_bytes, values_bytes, write_data_file
+from flexshard.world import ranks as n_ranks
 
 log = logging.getLogger("flexckpt")
 
@@ -97,6 +99,18 @@ class _FastJob:
     per_rank: dict
     cuda: Any
     keyed: dict = field(default_factory=dict)  # bytes values by key (carried in the marker, as records carry them)
+
+
+def _lineage_of(files: list[str]) -> str | None:
+    """The lineage a tier folder's first readable marker names, or None."""
+    for f in files:
+        if f.endswith(".done"):
+            try:
+                with open(f, "rb") as fh:
+                    return str(orjson.loads(fh.read(MAX_DONE_BYTES))["lineage"])
+            except Exception:  # noqa: BLE001 - a damaged marker names nothing
+                continue
+    return None
 
 
 class FastTier:
@@ -142,9 +156,9 @@ class FastTier:
         self.node_names = names
         self.partners = partners(self.rank, self.nodes, config.replicas)
         self.sources = sources(self.rank, self.nodes, config.replicas)
-        if config.replicas and len(self.nodes) < 2:
-            log.warning("flexckpt fast tier: all %d ranks are on node %r; no copy on another node is possible",
-                        self.world, self.node)
+        if config.replicas and len(self.nodes) < 2 and self.rank == 0:  # the same on every rank: said once
+            log.warning("flexckpt fast tier: %s on node %r; no copy on another node is possible",
+                        "the only rank is" if self.world == 1 else f"all {self.world} ranks are", self.node)
         if config.state_bytes is not None:
             self._check_space(int(config.state_bytes))
         self.skipped = 0
@@ -177,12 +191,18 @@ class FastTier:
 
     # -- hygiene ------------------------------------------------------------------------------
     def _remove_stale_tiers(self, mine: str) -> None:
-        """Other runs' tiers in the same folder, untouched for ``stale_after`` seconds."""
+        """Other runs' tiers in the same folder, untouched for ``stale_after`` seconds. The
+        lineages (run ids) of the other tiers found are kept in ``other_lineages`` for the
+        recovery's message."""
+        self.other_lineages: list[str] = []
         for entry in os.scandir(self.dir):
             if not entry.name.startswith(PREFIX) or entry.name == mine or not entry.is_dir():
                 continue
-            newest = max([entry.stat().st_mtime] + [os.stat(os.path.join(d, f)).st_mtime
-                                                     for d, _, fs in os.walk(entry.path) for f in fs] or [0])
+            files = [os.path.join(d, f) for d, _, fs in os.walk(entry.path) for f in fs]
+            lineage = _lineage_of(files)
+            if lineage is not None and lineage != self.lineage and lineage not in self.other_lineages:
+                self.other_lineages.append(lineage)
+            newest = max([entry.stat().st_mtime] + [os.stat(f).st_mtime for f in files] or [0])
             if time.time() - newest >= self.config.stale_after:
                 shutil.rmtree(entry.path, ignore_errors=True)
                 log.info("flexckpt fast tier: removed another run's tier %s", entry.path)
@@ -196,8 +216,8 @@ class FastTier:
         held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.root) for f in fs)
         if need > usage.free + held:
             raise ValueError(
-                f"fast tier {self.dir}: needs {need} bytes ({copies} copies x keep_last {self.config.keep_last} x "
-                f"{state_bytes} bytes a rank x {on_node} ranks on this node), {usage.free + held} free "
+                f"fast tier {self.dir}: needs {need} bytes ({copies} {'copy' if copies == 1 else 'copies'} x keep_last {self.config.keep_last} x "
+                f"{state_bytes} bytes a rank x {n_ranks(on_node)} on this node), {usage.free + held} free "
                 f"(a container's /dev/shm is 64 MiB by default: raise it, e.g. docker --shm-size, or lower keep_last/replicas)"
             )
 
@@ -414,7 +434,8 @@ class FastTier:
         t0 = time.perf_counter()
         try:
             full = walk(state, self.rank, self.world)
-            w = full.without(exclude)
+            gone = excluder(exclude)  # load() checked the patterns
+            w = full.without(gone)
             fp = compat_fingerprint(w.structure_json())
             held = scan(self.storage)
             persistent = ckpt.steps() if self.rank == 0 else []
@@ -433,8 +454,13 @@ class FastTier:
         if decision.source != "tier":
             if leader and not errors:  # nothing here is loadable: older than the persistent step, or incomplete
                 self._sweep(set_aside(self.root, -1, f"{os.getpid()}-{time.monotonic_ns()}"))
-            log.warning("flexckpt fast tier: %s", decision.reason)
-            self.last_recovery = Recovery(decision.source, decision.step, decision.reason, seconds=time.perf_counter() - t0)
+            reason = decision.reason
+            if self.other_lineages and not inventories[self.rank]:
+                reason += (f"; this node's tier folder {self.dir} held the tier of run id {self.other_lineages[0]!r}, not "
+                           f"this launch's {self.lineage!r}: FLEXCKPT_RUN_ID must be the same on every launch for a "
+                           f"relaunch to find its tier")
+            log.warning("flexckpt fast tier: %s", reason)
+            self.last_recovery = Recovery(decision.source, decision.step, reason, seconds=time.perf_counter() - t0)
             return None
         report = Recovery("tier", decision.step, decision.reason)
         t1 = time.perf_counter()
@@ -447,7 +473,7 @@ class FastTier:
         try:
             manifest = self._store_manifest(ckpt, decision) if decision.missing else self._manifest(decision, w)
             manifest.files.bind(view, step_dir(decision.step))
-            pending = PendingLoad(view, manifest, full, self.rank, self.world, strict, exclude)
+            pending = PendingLoad(view, manifest, full, self.rank, self.world, strict, gone)
             asks, report.parts = self._plan_sources(decision, manifest, pending, gathered, ckpt, view)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
             error, asks = exc, {}
@@ -583,7 +609,7 @@ class FastTier:
         if m.version < 2 or m.attempt != d.attempt:
             why = f"it is save attempt {m.attempt}, the tier's is {d.attempt}"
         elif m.world_size != d.world or m.fingerprint != first["saved_fingerprint"]:
-            why = f"it was saved by {m.world_size} ranks with another plan"
+            why = f"it was saved by {n_ranks(m.world_size)} with another plan"
         elif m.codec != "none":
             why = f"it is compressed ({m.codec}); the tier's files are not"
         else:
