@@ -147,3 +147,24 @@ def small_disk(tmp_path, monkeypatch):
     yield make
     for path in mounted:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+class _ClosedPipe:
+    """stdout whose reader has gone (``| head``): every write fails as a real pipe's does."""
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    flush = write
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+@pytest.fixture
+def closed_stdout(tmp_path, monkeypatch):
+    """Call it to point ``sys.stdout`` at a pipe whose reader has gone (a CLI's output into ``| head``)."""
+    with open(tmp_path / "closed-stdout", "w") as f:
+        yield lambda: monkeypatch.setattr(sys, "stdout", _ClosedPipe(f.fileno()))

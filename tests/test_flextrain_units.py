@@ -153,31 +153,15 @@ def test_plan_refuses_a_bad_world_or_batch_count_in_one_line(tmp_path, capsys, a
     assert not (tmp_path / "run").exists()
 
 
-class _ClosedPipe:
-    """stdout whose reader has gone (``| head``): every write fails as a real pipe's does."""
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def write(self, s: str) -> int:
-        raise BrokenPipeError(32, "Broken pipe")
-
-    flush = write
-
-    def fileno(self) -> int:
-        return self.fd
-
-
-def test_plan_into_a_closed_pipe_exits_141_without_a_traceback(tmp_path, capsys, monkeypatch):
-    import sys
+def test_plan_into_a_closed_pipe_exits_141_without_a_traceback(tmp_path, capsys, monkeypatch, closed_stdout):
 
     import flextrain.restore
     from flextrain.cli import main
 
     monkeypatch.setattr(flextrain.restore, "plan_restore", lambda *a, **k: {"ok": True})
     monkeypatch.setattr(flextrain.restore, "describe", lambda plan: "line\n" * 10_000)
-    with open(tmp_path / "out", "w") as f:
-        monkeypatch.setattr(sys, "stdout", _ClosedPipe(f.fileno()))
-        assert main(["plan", str(tmp_path), "--world", "2"]) == 141
+    closed_stdout()
+    assert main(["plan", str(tmp_path), "--world", "2"]) == 141
     assert capsys.readouterr().err == ""
 
 
