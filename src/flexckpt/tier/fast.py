@@ -453,7 +453,7 @@ class FastTier:
         leader = self.rank == min(r for r, g in enumerate(gathered) if g[0] == self.node)
         if decision.source != "tier":
             if leader and not errors:  # nothing here is loadable: older than the persistent step, or incomplete
-                self._sweep(set_aside(self.root, -1, f"{os.getpid()}-{time.monotonic_ns()}"))
+                self._sweep(set_aside(self.root, -1))
             reason = decision.reason
             if self.other_lineages and not inventories[self.rank]:
                 reason += (f"; this node's tier folder {self.dir} held the tier of run id {self.other_lineages[0]!r}, not "
@@ -525,7 +525,7 @@ class FastTier:
         assert pending is not None
         t6 = time.perf_counter()
         if leader:  # every rank has read: keep only the restored step, owned by the node's leader from now on
-            self._sweep(set_aside(self.root, decision.step, f"{os.getpid()}-{time.monotonic_ns()}"))
+            self._sweep(set_aside(self.root, decision.step))
             with self._prune_lock:
                 self._inherited = [(h.step, done_name(h.attempt, h.rank, h.world), list(h.doc["files"]))
                                    for h in scan(self.storage)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,12 +226,14 @@ def makedirs(storage: Storage, rel: str) -> None:
 REMOVED = ".removed"  # a node's tier folder: step folders set aside, their files being removed
 
 
-def set_aside(root: str, keep: int, tag: str) -> list[str]:
+def set_aside(root: str, keep: int, tag: str | None = None) -> list[str]:
     """Move every step folder of the tier folder ``root`` but ``keep`` into ``root/.removed``
     (a rename each: at once, and no scan sees them again); returns their new paths, for
     :func:`remove_paths` to delete off the critical path (unlinking a step's files frees
     their tmpfs pages: 0.18 s for 1 GiB, which a recovery's ``load()`` waited for).
-    ``tag`` keeps two calls' names apart. Only while no rank of the node writes."""
+    ``tag`` keeps two calls' names apart (default: this process and the clock). Only while
+    no rank of the node writes."""
+    tag = tag or f"{os.getpid()}-{time.monotonic_ns()}"
     out = []
     for n in os.listdir(root):
         s = parse_step_dir(n)

@@ -23,7 +23,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-import xxhash
+
+from flexckpt.checksum import checksum_int
 
 log = logging.getLogger("flexckpt")
 
@@ -55,12 +56,7 @@ class Header(NamedTuple):
         return f"{prefix}/{self.source}-{dst}/{self.seq}"
 
 
-def digest(payload: "bytes | memoryview | np.ndarray") -> int:
-    """xxh3-64 in one call: the xxhash package (4.x) lets the GIL go while it hashes an input
-    of 128 KiB or more (measured: a thread hashing 50 MiB at a time leaves another thread's
-    Python loop at full speed; hashing in 1 MiB pieces gives the same digest with more GIL
-    hand-overs)."""
-    return xxhash.xxh3_64_intdigest(payload if isinstance(payload, bytes) else memoryview(payload).cast("B"))
+digest = checksum_int  # xxh3-64 of a transfer's bytes, in one call (the GIL let go while it hashes)
 
 
 def _wait(work: "dist.Work", timeout: float) -> None:
