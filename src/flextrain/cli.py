@@ -28,17 +28,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                 cfg.run_dir = args.run_dir
             resume = True if args.resume else (False if args.fresh else None)
             run(cfg, resume=resume, preempt=preempt)
-        except WorldRefused as e:  # every rank finds it: said once
+        except (WorldRefused, TrainingDiverged) as e:  # every rank finds the same (the world; gathered values): said once
             if os.environ.get("RANK", "0") == "0":
                 print(f"flextrain: {e}", file=sys.stderr)
             return 2
         except StartupStopped as e:
             print(f"flextrain: {e}", file=sys.stderr)
             return 0  # as a stop in training: the run did what it was asked
-        except TrainingDiverged as e:  # decided on gathered values: every rank raises the same, said once
-            if os.environ.get("RANK", "0") == "0":
-                print(f"flextrain: {e}", file=sys.stderr)
-            return 2
         except (ConfigError, ResumeRefused, FingerprintMismatch) as e:  # may be one rank's own (its view of the
             # run folder, its data files): each rank says its own
             print(f"flextrain: {e}", file=sys.stderr)
