@@ -56,6 +56,44 @@ def test_a_data_file_linking_out_of_the_root_is_refused_and_a_linked_root_is_fin
             ck.load({"w": torch.zeros(1000)})
 
 
+def test_check_inside_refuses_every_way_out_of_the_root_also_after_its_root_is_resolved_once(tmp_path):
+    # the root's real location is kept after the first call; what lies below it is looked at each time
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "f").write_bytes(b"x")
+    real_root = tmp_path / "real"
+    (real_root / "step" / "inner").mkdir(parents=True)
+    (real_root / "step" / "f").write_bytes(b"x")
+    os.symlink(real_root, tmp_path / "linked")
+    storage = Storage(str(tmp_path / "linked"))  # a root that is itself a link is fine
+    inside = storage.path("step", "f")
+    for _ in range(2):
+        storage.check_inside(inside)
+    storage.check_inside(storage.path("step", "missing", "f"))  # missing: inside, its open says so
+    os.symlink(real_root / "step" / "f", real_root / "step" / "link-in")  # a link that stays inside
+    storage.check_inside(storage.path("step", "link-in"))
+    storage.check_inside(storage.path("step", "inner", "..", "f"))
+    ways_out = {
+        "file link": lambda: os.symlink(tmp_path / "outside" / "f", real_root / "step" / "out"),
+        "relative file link": lambda: os.symlink("../../outside/f", real_root / "step" / "out"),
+        "folder link": lambda: os.symlink(tmp_path / "outside", real_root / "step" / "out"),
+        "file swapped for a link after a check": lambda: (
+            (real_root / "step" / "out").write_bytes(b"x"), storage.check_inside(storage.path("step", "out")),
+            (real_root / "step" / "out").unlink(), os.symlink(tmp_path / "outside" / "f", real_root / "step" / "out")),
+    }
+    for how, plant in ways_out.items():
+        plant()
+        rel = ("step", "out", "f") if how == "folder link" else ("step", "out")
+        with pytest.raises(OutsideRoot, match=r"is a symbolic link to .*/outside.*, outside the checkpoint root .*/real;"):
+            storage.check_inside(storage.path(*rel))
+        (real_root / "step" / "out").unlink()
+    for rel in ("../outside/f", "step/../../outside/f", "step//../../outside/f"):
+        with pytest.raises(OutsideRoot, match="outside the checkpoint root"):
+            storage.check_inside(storage.path(rel))
+    with pytest.raises(OutsideRoot):
+        Storage(str(real_root)).check_inside(str(tmp_path / "outside" / "f"))  # not below the root at all
+    Storage("memory://x").check_inside("/anything")  # object stores have no links
+
+
 def test_a_save_never_writes_through_a_planted_link(tmp_path):
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
