@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from flexckpt.storage import Storage
 DATA = Path(__file__).resolve().parent / "data" / "v1"
 HERE = Path(__file__).resolve().parent
 DEEP = b"[" * 1010 + b"1" + b"]" * 1010
-FUZZ_CASES = 8000  # with the cursor fuzzer's 2,150 (test_zephon_faults.py): over 10,000 a run
+# with test_zephon_faults.py's cursor fuzzer (2,000) and compressed-source fuzzer (300): 10,300 cases a run
+FUZZ_CASES = 8000
 FUZZ_PROCESSES = 2 if (os.cpu_count() or 1) >= 2 else 1  # the suite runs one test at a time: use a second core
 
 
@@ -174,24 +176,27 @@ def test_fuzzed_manifests_tables_and_data_give_success_or_flexckpts_errors_withi
     work = tmp_path
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):  # many small writes: keep them in memory
         work = Path(__import__("tempfile").mkdtemp(prefix="flexckpt-fuzz-", dir="/dev/shm"))
-    shards = FUZZ_PROCESSES
+    shards, children = FUZZ_PROCESSES, []
+    outs = [(tmp_path / f"fuzz{i}.out", tmp_path / f"fuzz{i}.err") for i in range(shards)]
     try:  # the cases split over processes side by side, each under its own memory cap
-        children = [subprocess.Popen([sys.executable, str(HERE / "manifest_fuzz.py"), str(work / str(i)), str(FUZZ_CASES),
-                                      "--shard", f"{i}/{shards}"], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True) for i in range(shards)]
-        try:
-            outs = [(child.communicate(timeout=220), child.returncode) for child in children]
-        finally:
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
-                    child.wait()
+        for i, (out, err) in enumerate(outs):
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                children.append(subprocess.Popen(
+                    [sys.executable, str(HERE / "manifest_fuzz.py"), str(work / str(i)), str(FUZZ_CASES),
+                     "--shard", f"{i}/{shards}"], env=env, stdout=stdout, stderr=stderr))
+        deadline = time.monotonic() + 220
+        for child in children:
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
         if work != tmp_path:
             shutil.rmtree(work, ignore_errors=True)
-    for (stdout, stderr), rc in outs:
-        assert rc == 0, stdout[-3000:] + stderr[-6000:]
-    counts = _sum([json.loads(stdout.strip().splitlines()[-1]) for (stdout, _), _ in outs])
+    for child, (out, err) in zip(children, outs):
+        assert child.returncode == 0, out.read_text()[-3000:] + err.read_text()[-6000:]
+    counts = _sum([json.loads(out.read_text().strip().splitlines()[-1]) for out, _ in outs])
     print(f"manifest fuzzer: {counts}")
     assert counts["cases"] == FUZZ_CASES
     # past parsing into planning and reading, or the fuzzer tests only the parser
