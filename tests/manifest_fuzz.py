@@ -6,12 +6,12 @@ Every outcome must be success or one of flexckpt's own errors, under a memory ca
 
 Run as ``python manifest_fuzz.py FOLDER CASES [--seed S] [--case N] [--shard I/N]``: it
 prints one JSON line of counts (``--shard I/N``: cases I, I+N, I+2N ... of CASES, for N
-processes side by side). A foreign exception, a case over its time bound or a MemoryError ends the run
-with exit status 1, naming the case and the command that replays it alone.
+processes side by side). A foreign exception, a case over its time bound or a MemoryError
+ends the run with exit status 1, naming the case and the command that replays it alone.
 
-Cases are drawn from ``random.Random`` seeded per case (seed, case number), not by hypothesis:
-its engine cost a third of each case here, and it has nothing to shrink that the replay of one
-case does not show.
+Each case draws from its own ``random.Random`` (seed, case number), not from hypothesis:
+hypothesis's engine cost a third of each case's time here, and a failing case is small
+enough to read without shrinking.
 """
 from __future__ import annotations
 

@@ -303,9 +303,8 @@ def test_s3_an_endpoint_that_always_fails_fails_the_save_after_bounded_retries(p
     print(f"s3 always 503: failed after {took:.2f} s and {puts} PUT attempts of the data file, "
           f"back-offs asking {sum(quick_backoff):.1f} s in all")
     # s3fs: 5 tries per upload (the close after the failure tries once more), botocore retries off;
-    # the waits between them are those asked (at a hundredth), so the time bounds the tries too
-    assert 2 <= puts <= 10 and took < 20
-    assert sum(quick_backoff) < 20 / BACKOFF_SCALE
+    # with the waits as asked (not a hundredth of them) it still fails within 20 s
+    assert 2 <= puts <= 10 and took + sum(quick_backoff) < 20
 
 
 # ---- 1 again: a relaunch under the same FLEXCKPT_RUN_ID re-saves a committed step --------------
