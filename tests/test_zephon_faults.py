@@ -196,35 +196,48 @@ def test_fuzzed_compressed_sources_load_or_raise_source_errors(tmp_path_factory,
 # ---- the cursor fuzzer ---------------------------------------------------------------------
 
 FUZZ_CASES = 2000
-FUZZ_RSS_CAP = 2 << 30
+FUZZ_PROCESSES = 2 if (os.cpu_count() or 1) >= 2 else 1  # the suite runs one test at a time: use a second core
+FUZZ_RSS_CAP = 2 << 30  # each
 FUZZ_TIME_S = 150
 
 
 @pytest.mark.timeout(FUZZ_TIME_S + 30)
 def test_fuzzed_cursors_load_and_run_or_raise_zephon_errors_within_memory_and_time():
-    """Runs ``_fuzz`` in a child watched for RSS and time (a case that hangs or balloons is a
-    failure too; the child's progress file names the last case)."""
+    """Runs ``_fuzz`` in children side by side (a share of the cases each), watched for RSS
+    and time (a case that hangs or balloons is a failure too; each child's progress file
+    names its last case)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        progress = Path(tmp) / "progress"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        child = subprocess.Popen([sys.executable, __file__, "--fuzz", str(progress)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        peak, start = 0, time.monotonic()
-        while child.poll() is None:
-            peak = max(peak, _rss(child.pid))
-            over = peak > FUZZ_RSS_CAP or time.monotonic() - start > FUZZ_TIME_S
-            if over:
-                child.kill()
-                child.wait()
-                last = progress.read_text().rstrip() if progress.exists() else "(none)"
-                pytest.fail(f"fuzz child exceeded {FUZZ_RSS_CAP >> 20} MiB or {FUZZ_TIME_S} s "
-                            f"(peak {peak >> 20} MiB); last case: {last}")
-            time.sleep(0.05)
-        out = child.stdout.read().decode()
-    assert child.returncode == 0, out[-6000:]
-    stats = json.loads(out.strip().splitlines()[-1])
+        children, peak, start = [], 0, time.monotonic()
+        try:
+            for i in range(FUZZ_PROCESSES):
+                with open(Path(tmp) / f"out{i}", "w") as out:
+                    children.append(subprocess.Popen(
+                        [sys.executable, __file__, "--fuzz", str(Path(tmp) / f"progress{i}"),
+                         "--shard", f"{i}/{FUZZ_PROCESSES}"], env=env, stdout=out, stderr=subprocess.STDOUT))
+            while any(child.poll() is None for child in children):
+                peak = max([peak] + [_rss(child.pid) for child in children if child.poll() is None])
+                if peak > FUZZ_RSS_CAP or time.monotonic() - start > FUZZ_TIME_S:
+                    for child in children:
+                        child.kill()
+                        child.wait()
+                    last = [(Path(tmp) / f"progress{i}").read_text().rstrip() if (Path(tmp) / f"progress{i}").exists()
+                            else "(none)" for i in range(FUZZ_PROCESSES)]
+                    pytest.fail(f"a fuzz child exceeded {FUZZ_RSS_CAP >> 20} MiB or {FUZZ_TIME_S} s "
+                                f"(peak {peak >> 20} MiB); last cases: {last}")
+                time.sleep(0.05)
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+        outs = [(Path(tmp) / f"out{i}").read_text() for i in range(FUZZ_PROCESSES)]
+    for child, out in zip(children, outs):
+        assert child.returncode == 0, out[-6000:]
+    parts = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    stats = {key: sum(part[key] for part in parts) for key in parts[0]}
     print(f"cursor fuzz: {stats}, peak RSS {peak >> 20} MiB")  # figures for the closing note
     assert stats["cases"] >= FUZZ_CASES
     assert stats["loaded"] / stats["cases"] >= 0.25, stats  # else it fuzzes only the parser
@@ -279,12 +292,14 @@ def _json_value(rng: random.Random, leaves: int = 12):
     return value(0)
 
 
-def _fuzz(progress: Path, cases: int = FUZZ_CASES, seed: int = 0, only: int | None = None) -> dict:
+def _fuzz(progress: Path, cases: int = FUZZ_CASES, seed: int = 0, only: int | None = None,
+          shard: tuple[int, int] = (0, 1)) -> dict:
     """Mutate real states (wrap and best_fit, several points of a run), load each into a live
     pipeline, take a batch: the outcome must be a batch or a ``ZephonError``; an unmutated
     state must give exactly the batch the run gave. Each case draws from its own
     ``random.Random`` (seed, case number), so one case replays alone (``--case N``);
-    hypothesis's engine cost half of each case here."""
+    hypothesis's engine cost half of each case's time here. ``shard`` (I, N): cases I, I+N,
+    I+2N ... of ``cases``."""
     from zephon_state import ZephonError
 
     # Short documents (verses, code lines of the shipped corpora) keep each case's tokenizing cheap.
@@ -354,7 +369,7 @@ def _fuzz(progress: Path, cases: int = FUZZ_CASES, seed: int = 0, only: int | No
         return kind
 
     fd = os.open(progress, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # the last case, for the watcher
-    for number in range(cases) if only is None else [only]:
+    for number in range(shard[0], cases, shard[1]) if only is None else [only]:
         rng = random.Random(seed * 1_000_003 + number)
         algorithm = rng.choice(["wrap", "best_fit"])
         point = rng.randrange(4)
@@ -392,5 +407,6 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--fuzz"]:
     given.add_argument("--cases", type=int, default=FUZZ_CASES)
     given.add_argument("--seed", type=int, default=0)
     given.add_argument("--case", type=int, default=None, help="replay this case alone")
+    given.add_argument("--shard", default="0/1", help="I/N: cases I, I+N, I+2N ...")
     args = given.parse_args()
-    print(json.dumps(_fuzz(args.fuzz, args.cases, args.seed, args.case)))
+    print(json.dumps(_fuzz(args.fuzz, args.cases, args.seed, args.case, tuple(map(int, args.shard.split("/"))))))
