@@ -56,6 +56,44 @@ def test_a_data_file_linking_out_of_the_root_is_refused_and_a_linked_root_is_fin
             ck.load({"w": torch.zeros(1000)})
 
 
+def test_check_inside_refuses_every_way_out_of_the_root_also_after_its_root_is_resolved_once(tmp_path):
+    # the root's real location is kept after the first call; what lies below it is looked at each time
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "f").write_bytes(b"x")
+    real_root = tmp_path / "real"
+    (real_root / "step" / "inner").mkdir(parents=True)
+    (real_root / "step" / "f").write_bytes(b"x")
+    os.symlink(real_root, tmp_path / "linked")
+    storage = Storage(str(tmp_path / "linked"))  # a root that is itself a link is fine
+    inside = storage.path("step", "f")
+    for _ in range(2):
+        storage.check_inside(inside)
+    storage.check_inside(storage.path("step", "missing", "f"))  # missing: inside, its open says so
+    os.symlink(real_root / "step" / "f", real_root / "step" / "link-in")  # a link that stays inside
+    storage.check_inside(storage.path("step", "link-in"))
+    storage.check_inside(storage.path("step", "inner", "..", "f"))
+    ways_out = {
+        "file link": lambda: os.symlink(tmp_path / "outside" / "f", real_root / "step" / "out"),
+        "relative file link": lambda: os.symlink("../../outside/f", real_root / "step" / "out"),
+        "folder link": lambda: os.symlink(tmp_path / "outside", real_root / "step" / "out"),
+        "file swapped for a link after a check": lambda: (
+            (real_root / "step" / "out").write_bytes(b"x"), storage.check_inside(storage.path("step", "out")),
+            (real_root / "step" / "out").unlink(), os.symlink(tmp_path / "outside" / "f", real_root / "step" / "out")),
+    }
+    for how, plant in ways_out.items():
+        plant()
+        rel = ("step", "out", "f") if how == "folder link" else ("step", "out")
+        with pytest.raises(OutsideRoot, match=r"is a symbolic link to .*/outside.*, outside the checkpoint root .*/real;"):
+            storage.check_inside(storage.path(*rel))
+        (real_root / "step" / "out").unlink()
+    for rel in ("../outside/f", "step/../../outside/f", "step//../../outside/f"):
+        with pytest.raises(OutsideRoot, match="outside the checkpoint root"):
+            storage.check_inside(storage.path(rel))
+    with pytest.raises(OutsideRoot):
+        Storage(str(real_root)).check_inside(str(tmp_path / "outside" / "f"))  # not below the root at all
+    Storage("memory://x").check_inside("/anything")  # object stores have no links
+
+
 def test_a_save_never_writes_through_a_planted_link(tmp_path):
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
@@ -183,12 +221,43 @@ def proxy(s3_endpoint):
     p.stop()
 
 
+BACKOFF_SCALE = 0.01
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch):
+    """botocore's and s3fs's back-off waits between tries, each one hundredth of what it asks
+    (up to 8 s a try in botocore's default mode: some 10 s a test); how many tries, and which
+    errors are retried, stay as configured. Returns the waits asked for, in seconds."""
+    import asyncio
+    import types
+
+    import aiobotocore.endpoint
+    import s3fs.core
+
+    asked = []
+
+    async def sleep(delay, *args, **kwargs):
+        asked.append(delay)
+        await asyncio.sleep(delay * BACKOFF_SCALE, *args, **kwargs)
+
+    async def endpoint_sleep(self, delay):
+        await sleep(delay)
+
+    quick = types.ModuleType("asyncio")  # what s3fs's retry loops see as the asyncio module
+    quick.__dict__.update(vars(asyncio))
+    quick.sleep = sleep
+    monkeypatch.setattr(aiobotocore.endpoint.AioEndpoint, "_sleep", endpoint_sleep)
+    monkeypatch.setattr(s3fs.core, "asyncio", quick)
+    return asked
+
+
 def _s3(proxy, s3_options, **extra):
     opts, bucket = s3_options
     return dict(opts, client_kwargs={"endpoint_url": proxy.url}, skip_instance_cache=True, **extra), bucket
 
 
-def test_s3_5xx_and_resets_are_retried_and_the_checkpoint_is_bit_exact(proxy, s3_options):
+def test_s3_5xx_and_resets_are_retried_and_the_checkpoint_is_bit_exact(proxy, s3_options, quick_backoff):
     opts, bucket = _s3(proxy, s3_options)
     state = {"w": torch.randn(4000), "b": torch.arange(77, dtype=torch.int16)}
     faults = {1: "503", 4: "500", 6: "reset"}
@@ -199,8 +268,10 @@ def test_s3_5xx_and_resets_are_retried_and_the_checkpoint_is_bit_exact(proxy, s3
         target = {"w": torch.zeros(4000), "b": torch.zeros(77, dtype=torch.int16)}
         assert ck.load(target) == 2
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
-    print(f"s3 flaky: {len(proxy.requests)} requests, faults injected {proxy.faults}")
+    print(f"s3 flaky: {len(proxy.requests)} requests, faults injected {proxy.faults}, "
+          f"{len(quick_backoff)} back-offs asking {sum(quick_backoff):.1f} s in all")
     assert proxy.faults["503"] >= 3 and proxy.faults["reset"] >= 3
+    assert len(quick_backoff) >= 3  # each fault was retried after a back-off, not given up
 
 
 def test_s3_a_put_that_never_answers_fails_the_save_within_the_stall_timeout(proxy, s3_options):
@@ -220,7 +291,7 @@ def test_s3_a_put_that_never_answers_fails_the_save_within_the_stall_timeout(pro
     assert took < 10 and proxy.faults["hang"] == 1
 
 
-def test_s3_an_endpoint_that_always_fails_fails_the_save_after_bounded_retries(proxy, s3_options):
+def test_s3_an_endpoint_that_always_fails_fails_the_save_after_bounded_retries(proxy, s3_options, quick_backoff):
     opts, bucket = _s3(proxy, s3_options, config_kwargs={"retries": {"max_attempts": 1}})
     proxy.set(lambda method, path, n: "503" if method == "PUT" else None)
     with Checkpointer(f"s3://{bucket}/down", storage_options=opts, stall_timeout=30) as ck:
@@ -229,8 +300,11 @@ def test_s3_an_endpoint_that_always_fails_fails_the_save_after_bounded_retries(p
             ck.save(1, {"w": torch.ones(1000)}).result(timeout=120)
         took = time.monotonic() - t0
     puts = sum(1 for method, path, _ in proxy.requests if method == "PUT" and path.endswith(".data"))
-    print(f"s3 always 503: failed after {took:.2f} s and {puts} PUT attempts of the data file")
-    assert puts <= 10 and took < 20  # s3fs: 5 tries per upload (the close after the failure tries once more); botocore retries off
+    print(f"s3 always 503: failed after {took:.2f} s and {puts} PUT attempts of the data file, "
+          f"back-offs asking {sum(quick_backoff):.1f} s in all")
+    # s3fs: 5 tries per upload (the close after the failure tries once more), botocore retries off;
+    # with the waits as asked (not a hundredth of them) it still fails within 20 s
+    assert 2 <= puts <= 10 and took + sum(quick_backoff) < 20
 
 
 # ---- 1 again: a relaunch under the same FLEXCKPT_RUN_ID re-saves a committed step --------------

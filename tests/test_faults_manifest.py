@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from flexckpt.storage import Storage
 DATA = Path(__file__).resolve().parent / "data" / "v1"
 HERE = Path(__file__).resolve().parent
 DEEP = b"[" * 1010 + b"1" + b"]" * 1010
-FUZZ_CASES = 8000  # with the cursor fuzzer's 2,150 (test_zephon_faults.py): over 10,000 a run
+# with test_zephon_faults.py's cursor fuzzer (2,000) and compressed-source fuzzer (300): 10,300 cases a run
+FUZZ_CASES = 8000
+FUZZ_PROCESSES = 2 if (os.cpu_count() or 1) >= 2 else 1  # the suite runs one test at a time: use a second core
 
 
 def _v1(tmp_path):
@@ -40,6 +43,13 @@ def _v2(tmp_path):
     root = tmp_path / "v2"
     with Checkpointer(str(root), run_id="bad", chunk_bytes=256, compression="zstd") as ck:
         ck.save(3, {"w": torch.arange(300.0), "lanes": ByLane({"0": {"doc": 1}}), "k": 3}).result(timeout=30)
+    return root
+
+
+def _v2_bytes(tmp_path):
+    root = tmp_path / "v2b"
+    with Checkpointer(str(root), run_id="bad", chunk_bytes=256) as ck:
+        ck.save(3, {"w": torch.arange(300.0), "blob": b"x" * 50}).result(timeout=30)
     return root
 
 
@@ -78,6 +88,11 @@ CASES = {
     "time 1e20 (v2)": (_v2, _set(("time",), 1e20), r"time 1e\+20 is not seconds since 1970"),
     "2**30 elements, pieces not covering (v1)": (_v1, _set(V1_BLOCK + ("shape",), [2**30]),
                                                  r"pieces do not cover its 1073741824 elements"),
+    # found by the fuzzer once it drew its own cases: RecursionError from repr in these messages
+    "run id 1,010 lists deep": (_v1, _set(("run_id",), "DEEP"), r"run id must match .*, got \[\[\[\["),
+    "rank entry 1,010 lists deep (v2)": (_v2, _set(("ranks", 0), "DEEP"), r"rank 0 entry must be .*, got \[\[\[\["),
+    "bytes value entry 1,010 lists deep (v2)": (_v2_bytes, _set(("keyed", "blob"), "DEEP"),
+                                                r"bytes value 'blob' must be .*, got \[\[\[\["),
 }
 
 
@@ -161,20 +176,47 @@ def test_fuzzed_manifests_tables_and_data_give_success_or_flexckpts_errors_withi
     work = tmp_path
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):  # many small writes: keep them in memory
         work = Path(__import__("tempfile").mkdtemp(prefix="flexckpt-fuzz-", dir="/dev/shm"))
-    try:
-        out = subprocess.run([sys.executable, str(HERE / "manifest_fuzz.py"), str(work), str(FUZZ_CASES)], env=env,
-                             capture_output=True, text=True, timeout=220)
+    shards, children = FUZZ_PROCESSES, []
+    outs = [(tmp_path / f"fuzz{i}.out", tmp_path / f"fuzz{i}.err") for i in range(shards)]
+    try:  # the cases split over processes side by side, each under its own memory cap
+        for i, (out, err) in enumerate(outs):
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                children.append(subprocess.Popen(
+                    [sys.executable, str(HERE / "manifest_fuzz.py"), str(work / str(i)), str(FUZZ_CASES),
+                     "--shard", f"{i}/{shards}"], env=env, stdout=stdout, stderr=stderr))
+        deadline = time.monotonic() + 220
+        for child in children:
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
         if work != tmp_path:
             shutil.rmtree(work, ignore_errors=True)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    for child, (out, err) in zip(children, outs):
+        assert child.returncode == 0, out.read_text()[-3000:] + err.read_text()[-6000:]
+    counts = _sum([json.loads(out.read_text().strip().splitlines()[-1]) for out, _ in outs])
     print(f"manifest fuzzer: {counts}")
     assert counts["cases"] == FUZZ_CASES
     # past parsing into planning and reading, or the fuzzer tests only the parser
     assert counts["parsed"] >= 0.25 * FUZZ_CASES and counts["planned"] >= 0.25 * FUZZ_CASES, counts
     assert counts["loaded"] >= 0.05 * FUZZ_CASES and counts["unmutated_exact"] >= 1, counts
     assert set(counts["by_kind"]) >= {"json", "bytes", "table", "data", "data-missing", "values", "none"}, counts
+
+
+def _sum(parts: list[dict]) -> dict:
+    """The counts of the fuzzer's processes added up (figures that are not counts: the largest)."""
+    total: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, dict):
+                total[key] = _sum([total.get(key, {}), value])
+            elif key in ("memory_cap_mib", "seconds"):
+                total[key] = max(total.get(key, 0), value)
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
 
 
 @pytest.mark.parametrize("edit", [(b'"k":3', b'"k":7'), (b'"shape":[300]', b'"shape":[200]'), (b'"doc":1', b'"doc":4')],

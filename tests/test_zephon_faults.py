@@ -1,10 +1,11 @@
 """zephon_state under bad input (issue 11, defects 13 and 14): empty documents, absurd or
-malformed cursors, damaged compressed sources; and a hypothesis fuzzer over lane cursors."""
+malformed cursors, damaged compressed sources; and a fuzzer over lane cursors."""
 import copy
 import gzip
 import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -195,35 +196,48 @@ def test_fuzzed_compressed_sources_load_or_raise_source_errors(tmp_path_factory,
 # ---- the cursor fuzzer ---------------------------------------------------------------------
 
 FUZZ_CASES = 2000
-FUZZ_RSS_CAP = 2 << 30
+FUZZ_PROCESSES = 2 if (os.cpu_count() or 1) >= 2 else 1  # the suite runs one test at a time: use a second core
+FUZZ_RSS_CAP = 2 << 30  # each
 FUZZ_TIME_S = 150
 
 
 @pytest.mark.timeout(FUZZ_TIME_S + 30)
 def test_fuzzed_cursors_load_and_run_or_raise_zephon_errors_within_memory_and_time():
-    """Runs ``_fuzz`` in a child watched for RSS and time (a case that hangs or balloons is a
-    failure too; the child's progress file names the last case)."""
+    """Runs ``_fuzz`` in children side by side (a share of the cases each), watched for RSS
+    and time (a case that hangs or balloons is a failure too; each child's progress file
+    names its last case)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        progress = Path(tmp) / "progress"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        child = subprocess.Popen([sys.executable, __file__, "--fuzz", str(progress)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        peak, start = 0, time.monotonic()
-        while child.poll() is None:
-            peak = max(peak, _rss(child.pid))
-            over = peak > FUZZ_RSS_CAP or time.monotonic() - start > FUZZ_TIME_S
-            if over:
-                child.kill()
-                child.wait()
-                last = progress.read_text() if progress.exists() else "(none)"
-                pytest.fail(f"fuzz child exceeded {FUZZ_RSS_CAP >> 20} MiB or {FUZZ_TIME_S} s "
-                            f"(peak {peak >> 20} MiB); last case: {last}")
-            time.sleep(0.05)
-        out = child.stdout.read().decode()
-    assert child.returncode == 0, out[-6000:]
-    stats = json.loads(out.strip().splitlines()[-1])
+        children, peak, start = [], 0, time.monotonic()
+        try:
+            for i in range(FUZZ_PROCESSES):
+                with open(Path(tmp) / f"out{i}", "w") as out:
+                    children.append(subprocess.Popen(
+                        [sys.executable, __file__, "--fuzz", str(Path(tmp) / f"progress{i}"),
+                         "--shard", f"{i}/{FUZZ_PROCESSES}"], env=env, stdout=out, stderr=subprocess.STDOUT))
+            while any(child.poll() is None for child in children):
+                peak = max([peak] + [_rss(child.pid) for child in children if child.poll() is None])
+                if peak > FUZZ_RSS_CAP or time.monotonic() - start > FUZZ_TIME_S:
+                    for child in children:
+                        child.kill()
+                        child.wait()
+                    last = [(Path(tmp) / f"progress{i}").read_text().rstrip() if (Path(tmp) / f"progress{i}").exists()
+                            else "(none)" for i in range(FUZZ_PROCESSES)]
+                    pytest.fail(f"a fuzz child exceeded {FUZZ_RSS_CAP >> 20} MiB or {FUZZ_TIME_S} s "
+                                f"(peak {peak >> 20} MiB); last cases: {last}")
+                time.sleep(0.05)
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+        outs = [(Path(tmp) / f"out{i}").read_text() for i in range(FUZZ_PROCESSES)]
+    for child, out in zip(children, outs):
+        assert child.returncode == 0, out[-6000:]
+    parts = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    stats = {key: sum(part[key] for part in parts) for key in parts[0]}
     print(f"cursor fuzz: {stats}, peak RSS {peak >> 20} MiB")  # figures for the closing note
     assert stats["cases"] >= FUZZ_CASES
     assert stats["loaded"] / stats["cases"] >= 0.25, stats  # else it fuzzes only the parser
@@ -240,12 +254,52 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def _fuzz(progress: Path) -> dict:
+_CHARS = "0123456789 abxyz-_.,:\\\"\x00\n\u00b2\u0660\u00e9\u4e00\U0001f600"
+_INTS = [0, 1, 2, 3, -1, -2, 2**31, 2**32, 2**53 - 1, 2**53, 2**63, 10**12, 2**70, -(2**70)]
+_FLOATS = [0.0, -0.0, 0.5, 1.0, 3.0, 1e-300, 1e300, float("inf"), float("-inf"), float("nan")]
+
+
+def _text(rng: random.Random, max_size: int) -> str:
+    return "".join(rng.choice(_CHARS) for _ in range(rng.randint(0, max_size)))
+
+
+def _int(rng: random.Random) -> int:
+    pick = rng.randrange(3)
+    return rng.choice(_INTS) if pick == 0 else rng.randint(-3, 300) if pick == 1 else rng.randint(-2**70, 2**70)
+
+
+def _json_value(rng: random.Random, leaves: int = 12):
+    """A JSON-like value: a leaf (null, bool, int, float, short text), or lists and dicts of
+    such values, nested, with at most ``leaves`` leaves."""
+    budget = [leaves]
+
+    def value(depth: int):
+        if depth < 4 and budget[0] > 1 and rng.random() < 0.25:
+            n = rng.randint(0, 4)
+            if rng.random() < 0.5:
+                return [value(depth + 1) for _ in range(n)]
+            return {_text(rng, 6): value(depth + 1) for _ in range(n)}
+        budget[0] -= 1
+        kind = rng.randrange(5)
+        if kind == 0:
+            return rng.choice([None, True, False])
+        if kind == 1:
+            return _int(rng)
+        if kind == 2:
+            return rng.choice(_FLOATS) if rng.random() < 0.5 else rng.uniform(-1e6, 1e6)
+        return _text(rng, 8)
+
+    return value(0)
+
+
+def _fuzz(progress: Path, cases: int = FUZZ_CASES, seed: int = 0, only: int | None = None,
+          shard: tuple[int, int] = (0, 1)) -> dict:
     """Mutate real states (wrap and best_fit, several points of a run), load each into a live
     pipeline, take a batch: the outcome must be a batch or a ``ZephonError``; an unmutated
-    state must give exactly the batch the run gave."""
-    from hypothesis import HealthCheck, given, settings, strategies as st
-
+    state must give exactly the batch the run gave. Each case draws from its own
+    ``random.Random`` (seed, case number), so one case replays alone (``--case N``);
+    hypothesis's engine cost half of each case's time here. ``shard`` (I, N): cases I, I+N,
+    I+2N ... of ``cases``."""
     from zephon_state import ZephonError
 
     # Short documents (verses, code lines of the shipped corpora) keep each case's tokenizing cheap.
@@ -265,29 +319,24 @@ def _fuzz(progress: Path) -> dict:
             for _ in range(4):
                 state = p.state_dict()
                 batch = next(p)
-                saved.append((state, batch.input_ids.tobytes()))
+                saved.append((orjson.dumps(state), batch.input_ids.tobytes()))
                 list(itertools.islice(p, 3))
         runs[algorithm] = (build(algorithm), saved)
 
-    json_values = st.recursive(
-        st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-        max_leaves=12,
-    )
     counts = {"cases": 0, "loaded": 0, "batches": 0, "zephon_errors": 0, "unchanged_exact": 0}
 
-    def mutate(data, state):
-        kind = data.draw(st.sampled_from(
+    def mutate(rng, state):
+        kind = rng.choice(
             ["none", "none", "v1", "row", "offset", "index", "char", "base", "resume", "delta", "any_int", "json",
              "drop", "add", "lane_key", "top"]
-        ))
+        )
         lanes = state["lanes"]
-        lane = data.draw(st.sampled_from(sorted(lanes)))
+        lane = rng.choice(sorted(lanes))
         cursor = lanes[lane]
         spots = [(cursor, k) for k in ("window", "emitted", "sequences")]
         spots += [(src, i) for src in cursor["sources"] for i in range(len(src))]
-        holder, key = data.draw(st.sampled_from(spots))
-        delta = data.draw(st.integers(-3, 3))
+        holder, key = rng.choice(spots)
+        delta = rng.randint(-3, 3)
         if kind == "row":  # another row of the window: in range, so only the run can tell
             cursor["emitted"] += delta
             cursor["sequences"] += delta
@@ -296,36 +345,39 @@ def _fuzz(progress: Path) -> dict:
                 del c["version"]
                 c["sources"] = [src[:4] for src in c["sources"]]
         elif kind in ("offset", "index", "char", "base"):
-            source = data.draw(st.sampled_from(cursor["sources"]))
+            source = rng.choice(cursor["sources"])
             source[{"index": 1, "offset": 2, "char": 4, "base": 5}[kind]] += delta
         elif kind == "resume":  # a resume point inside the document, plausible in range
-            source = data.draw(st.sampled_from(cursor["sources"]))
-            source[5] = data.draw(st.integers(1, max(1, source[2])))
-            source[4] = data.draw(st.integers(1, 4 * source[5]))
+            source = rng.choice(cursor["sources"])
+            source[5] = rng.randint(1, max(1, source[2]))
+            source[4] = rng.randint(1, 4 * source[5])
         elif kind == "delta":
             holder[key] += delta
         elif kind == "any_int":
-            holder[key] = data.draw(st.integers(-2, 2**70) | st.sampled_from([0, 1, 2**53 - 1, 2**53, 10**12]))
+            holder[key] = _int(rng)
         elif kind == "json":
-            holder[key] = data.draw(json_values)
+            holder[key] = _json_value(rng)
         elif kind == "drop":
-            del cursor[data.draw(st.sampled_from(sorted(cursor)))]
+            del cursor[rng.choice(sorted(cursor))]
         elif kind == "add":
-            cursor[data.draw(st.text(max_size=6))] = data.draw(json_values)
+            cursor[_text(rng, 6)] = _json_value(rng)
         elif kind == "lane_key":
-            lanes[data.draw(st.sampled_from(["01", "\u00b2", "-1", "4", "1.0", " 0"]) | st.text(max_size=4))] = lanes.pop(lane)
+            key = rng.choice(["01", "\u00b2", "-1", "4", "1.0", " 0"]) if rng.random() < 0.5 else _text(rng, 4)
+            lanes[key] = lanes.pop(lane)
         elif kind == "top":
-            state[data.draw(st.sampled_from(["format", "fingerprint", "lanes", "phases", "plan"]))] = data.draw(json_values)
+            state[rng.choice(["format", "fingerprint", "lanes", "phases", "plan"])] = _json_value(rng)
         return kind
 
-    @settings(max_examples=FUZZ_CASES, derandomize=True, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(data=st.data(), algorithm=st.sampled_from(["wrap", "best_fit"]), point=st.integers(0, 3))
-    def case(data, algorithm, point):
+    fd = os.open(progress, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # the last case, for the watcher
+    for number in range(shard[0], cases, shard[1]) if only is None else [only]:
+        rng = random.Random(seed * 1_000_003 + number)
+        algorithm = rng.choice(["wrap", "best_fit"])
+        point = rng.randrange(4)
         pipeline, saved = runs[algorithm]
-        state, expected = copy.deepcopy(saved[point][0]), saved[point][1]
-        kind = mutate(data, state)
-        progress.write_text(repr(state)[:4000])
+        state, expected = orjson.loads(saved[point][0]), saved[point][1]  # a fresh copy to mutate
+        kind = mutate(rng, state)
+        note = f"case {number} of seed {seed} ({kind}; replay: {__file__} --fuzz FILE --seed {seed} --case {number}): "
+        os.pwrite(fd, (note + repr(state))[:4000].encode().ljust(16400), 0)  # one size: no truncating
         counts["cases"] += 1
         try:
             pipeline.load_state_dict(state)
@@ -334,16 +386,27 @@ def _fuzz(progress: Path) -> dict:
             counts["batches"] += 1
         except ZephonError:
             counts["zephon_errors"] += 1
-            return
+            continue
+        except BaseException:
+            print(note + "failed", flush=True)
+            raise
         if kind in ("none", "v1"):
-            assert batch.input_ids.tobytes() == expected
+            assert batch.input_ids.tobytes() == expected, note + "an unmutated state gave another batch"
             counts["unchanged_exact"] += 1
-
-    case()
+    os.close(fd)
     for pipeline, _ in runs.values():
         pipeline.close()
     return counts
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--fuzz"]:
-    print(json.dumps(_fuzz(Path(sys.argv[2]))))
+    import argparse
+
+    given = argparse.ArgumentParser()
+    given.add_argument("--fuzz", type=Path, required=True, help="the progress file")
+    given.add_argument("--cases", type=int, default=FUZZ_CASES)
+    given.add_argument("--seed", type=int, default=0)
+    given.add_argument("--case", type=int, default=None, help="replay this case alone")
+    given.add_argument("--shard", default="0/1", help="I/N: cases I, I+N, I+2N ...")
+    args = given.parse_args()
+    print(json.dumps(_fuzz(args.fuzz, args.cases, args.seed, args.case, tuple(map(int, args.shard.split("/"))))))

@@ -77,7 +77,7 @@ def parse_step_dir(name: str) -> int | None:
 
 def check_run_id(run_id: object) -> str:
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
-        raise ValueError(f"run id must match {_RUN_ID.pattern}, got {run_id!r}")
+        raise ValueError(f"run id must match {_RUN_ID.pattern}, got {_show(run_id)}")
     return run_id
 
 
@@ -641,7 +641,7 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
         )
         if not ok:
             raise _fail(where, f"rank {r} entry must be [table checksum (16 hex), table bytes, stored bytes, values "
-                               f"checksum, values bytes], got {str(e)[:80]}")
+                               f"checksum, values bytes], got {_show(e)}")
         ranks.append(RankEntry(*e))
     ranks_t = tuple(ranks)
     source = PlanPieces(plan, attempt)
@@ -694,7 +694,7 @@ def _parse_keyed(raw: Any, where: str) -> dict[str, tuple[int, int, str]]:
         )
         if not ok:
             raise _fail(where, f"bytes value {_show(key)} must be [offset, length (at most {MAX_BYTES_VALUE}), "
-                               f"checksum (16 hex)], got {str(e)[:80]}")
+                               f"checksum (16 hex)], got {_show(e)}")
         out[key] = (e[0], e[1], e[2])
     pos = 0
     for key, (offset, length, _) in sorted(out.items(), key=lambda kv: (kv[1][0], kv[1][1])):

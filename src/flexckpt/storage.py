@@ -79,10 +79,24 @@ class Storage:
         return "/".join([self.root, *parts]) if self.root != "/" else "/" + "/".join(parts)
 
     def check_inside(self, path: str) -> None:
-        """Refuse a local file whose real location is outside the root's real location."""
+        """Refuse a local file whose real location is outside the root's real location. The
+        root's real location is found once (the root may be a link; what lies below it is
+        looked at on every call): a path of plain names below the root, none of them a link,
+        is inside; any other path is resolved in full."""
         if not self.local:
             return
-        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        root = self.__dict__.get("_real_root")
+        if root is None:
+            root = self._real_root = os.path.realpath(self.root)
+        here = self.root.rstrip("/")
+        if path.startswith(here + "/"):
+            for name in path[len(here) + 1 :].split("/"):
+                here += "/" + name
+                if name in ("", ".", "..") or os.path.islink(here):
+                    break
+            else:
+                return
+        real = os.path.realpath(path)
         if os.path.commonpath([real, root]) != root:
             raise OutsideRoot(
                 f"{path} is a symbolic link to {real}, outside the checkpoint root {root}; flexckpt does not "
