@@ -114,9 +114,14 @@ def check_load(url: str, rank: int, world: int, saved_world: int, step: int) -> 
 
 
 # -- counting every torch.distributed call -------------------------------------------------------
+_COUNTS: dict[str, int] = {}  # one a process: the wrappers are installed once, by the first call
+
+
 def install_counters() -> dict:
-    """Wrap every function of torch.distributed (and distributed_c10d) to count its calls."""
-    counts: dict[str, int] = {}
+    """Wrap every function of torch.distributed (and distributed_c10d) to count its calls;
+    returns the counts from now on."""
+    counts = _COUNTS
+    counts.clear()
     for module in (dist, dist.distributed_c10d):
         for name, fn in list(vars(module).items()):
             if not inspect.isfunction(fn) or not fn.__module__.startswith("torch.distributed") or hasattr(fn, "_counted"):
