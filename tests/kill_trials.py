@@ -11,7 +11,8 @@ random time. The parent then checks the folder the children left:
 - a restarted job can load the newest step and commit the next one.
 
 Hooks wrap ``Storage`` methods only (their names outlive protocol changes). Run as
-``python kill_trials.py TRIALS.json``: it prints one JSON summary line per trial and a total.
+``python kill_trials.py TRIALS.json`` or ``python kill_trials.py [--chosen] [--random N]``
+(``python3 dev.py test-kill``): it prints one JSON summary line per trial and a total.
 """
 from __future__ import annotations
 
@@ -304,13 +305,27 @@ def random_trials(scenario: str, count: int, seed: int) -> list[Trial]:
     return [Trial(scenario, delay=rng.uniform(0.0, 1.0)) for _ in range(count)]
 
 
-def main(config_path: str) -> None:
+def resave_trials() -> list[Trial]:
+    """The re-save's chosen points: its data writes and its records."""
+    return [t for t in chosen_trials("resave") if t.method in ("write_stream", "put_atomic")]
+
+
+def every_chosen_trial() -> list[Trial]:
+    return chosen_trials("steady") + chosen_trials("direct") + two_rank_trials() + interleaved_trials() + resave_trials()
+
+
+def spread_random_trials(count: int, seed: int) -> list[Trial]:
+    """``count`` random-time trials spread over the scenarios."""
+    names = sorted(WORLD)
+    return [t for i, name in enumerate(names)
+            for t in random_trials(name, count // len(names) + (i < count % len(names)), seed + i)]
+
+
+def run(base: Path, trials: list[Trial]) -> list[dict[str, Any]]:
+    """Run ``trials`` in order under ``base``, printing one JSON line a trial and a total."""
     import torch
 
     torch.set_num_threads(1)
-    config = json.loads(Path(config_path).read_text())
-    base = Path(config["folder"])
-    trials = [Trial(**t) for t in config["trials"]]
     for scenario in sorted({t.scenario for t in trials if t.method is None}):
         # random kill times spread over one unkilled run of the scenario, timed here
         # (twice: the first child also pays for first-use imports and caches)
@@ -332,8 +347,38 @@ def main(config_path: str) -> None:
         print(json.dumps(result), flush=True)
     print(json.dumps({"trials": len(results), "ok": sum(r["ok"] for r in results),
                       "killed": sum(bool(r.get("killed")) for r in results)}), flush=True)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+    import shutil
+    import tempfile
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", help="a JSON file: {folder, trials: [Trial fields]}")
+    p.add_argument("--random", type=int, default=0, help="random-time trials, spread over the scenarios")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--chosen", action="store_true", help="also every chosen kill point")
+    args = p.parse_args(argv)
+    if args.config:
+        config = json.loads(Path(args.config).read_text())
+        results = run(Path(config["folder"]), [Trial(**t) for t in config["trials"]])
+    else:
+        folder = tempfile.mkdtemp(prefix="kill-trials-")
+        try:
+            t0 = time.monotonic()
+            results = run(Path(folder), (every_chosen_trial() if args.chosen else [])
+                          + spread_random_trials(args.random, args.seed))
+            print(f"{len(results)} trials in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    failed = [r for r in results if not r["ok"]]
+    for r in failed:
+        print(f"FAILED {r['trial']}: {r.get('why')}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    main(sys.argv[1])
+    sys.exit(main(sys.argv[1:]))

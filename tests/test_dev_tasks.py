@@ -26,8 +26,8 @@ def dev(monkeypatch):
 def test_an_unknown_task_is_refused_before_the_set_up(dev, capsys):
     assert dev.main(["tset"]) == 2
     assert capsys.readouterr().out.startswith(
-        "unknown task 'tset'; expected demo, demo-checkpoint, test, test-torchtitan, test-tierkill, test-nodeloss, "
-        "bench or shell\n")
+        "unknown task 'tset'; expected demo, demo-checkpoint, test, test-torchtitan, test-tierkill, test-kill, "
+        "test-tier, test-nodeloss, bench or shell\n")
 
 
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "restor"]])

@@ -1,11 +1,13 @@
 """Real multi-process saves and loads (gloo): zero collectives on save, and the resharding
 matrix: saved at world 1, 2 and 4 with every layout, loaded at world 1, 2, 3 and 4 into
-every layout, bit-identical to the global tensors. Grouped into three launches."""
+every layout, bit-identical to the global tensors. Grouped into three launches (the
+checksum case rides in the third)."""
 import functools
 import inspect
 import math
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -14,6 +16,7 @@ from flexckpt.commit import read_manifest
 from flexckpt.manifest import data_name, step_dir
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor, assign_owners
 from flexshard.spawn import run_workers
+from scenario_group import run_scenarios
 
 TENSORS = {
     "t0": ((97, 5), torch.float32),
@@ -111,9 +114,14 @@ def check_load(url: str, rank: int, world: int, saved_world: int, step: int) -> 
 
 
 # -- counting every torch.distributed call -------------------------------------------------------
+_COUNTS: dict[str, int] = {}  # one a process: the wrappers are installed once, by the first call
+
+
 def install_counters() -> dict:
-    """Wrap every function of torch.distributed (and distributed_c10d) to count its calls."""
-    counts: dict[str, int] = {}
+    """Wrap every function of torch.distributed (and distributed_c10d) to count its calls;
+    returns the counts from now on."""
+    counts = _COUNTS
+    counts.clear()
     for module in (dist, dist.distributed_c10d):
         for name, fn in list(vars(module).items()):
             if not inspect.isfunction(fn) or not fn.__module__.startswith("torch.distributed") or hasattr(fn, "_counted"):
@@ -174,19 +182,31 @@ def _save_in_process(url: str, world: int, step: int) -> None:
         ck.close()
 
 
-def test_zero_collectives_on_save_and_the_resharding_matrix(tmp_path):
-    urls = {w: str(tmp_path / f"saved-at-{w}") for w in (1, 2, 4)}
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Saves at world 1, 2 and 4 (1 and 4 also played in one process), each loaded at worlds 1
+    to 4, in three launches (2, 4 and 3 ranks); the 3-rank launch also runs the checksum case."""
+    tmp = tmp_path_factory.mktemp("distributed")
+    urls = {w: str(tmp / f"saved-at-{w}") for w in (1, 2, 4)}
     _save_in_process(urls[1], 1, 3)
-    sim4 = str(tmp_path / "saved-at-4-in-one-process")
+    sim4 = str(tmp / "saved-at-4-in-one-process")
     _save_in_process(sim4, 4, 3)
-
-    two = run_workers(_launch, 2, urls[2], [(sim4, 4, 3), (urls[1], 1, 3)], timeout=180)
+    # world 2 loads its own save after it (the 4-rank save is loaded at 2 as saved in one process)
+    two = run_workers(_launch, 2, urls[2], [(sim4, 4, 3), (urls[1], 1, 3), (urls[2], 2, 3)], timeout=180)
     four = run_workers(_launch, 4, urls[4], [(urls[4], 4, 3), (urls[2], 2, 3), (urls[1], 1, 3)], timeout=180)
-    three = run_workers(_launch, 3, None, [(urls[4], 4, 3), (urls[2], 2, 3), (urls[1], 1, 3)], timeout=180)
-    for result in two + four + three:
-        assert result["bad"] == []
-    for world, results in ((2, two), (4, four)):
-        for rank, result in enumerate(results):
+    three = run_scenarios(3, [
+        ("loads", _launch, (None, [(urls[4], 4, 3), (urls[2], 2, 3), (urls[1], 1, 3)])),
+        ("corrupt", _corrupt_one_rank, (str(tmp / "corrupt"),)),
+    ], timeout=180)
+    return urls, sim4, {2: two, 4: four, 3: three["loads"]}, three["corrupt"]
+
+
+def test_zero_collectives_on_save_and_the_resharding_matrix(launched):
+    urls, sim4, by_world, _ = launched
+    for results in by_world.values():
+        assert [r["bad"] for r in results] == [[]] * len(results)
+    for world in (2, 4):
+        for rank, result in enumerate(by_world[world]):
             phases = {p.pop("phase"): p for p in result["counts"]}
             for step in (1, 2, 3):
                 assert phases[f"save {step}"] == {}, (world, rank, step, phases[f"save {step}"])
@@ -198,8 +218,6 @@ def test_zero_collectives_on_save_and_the_resharding_matrix(tmp_path):
     # world 2 loads its own saves too (in-process, at world 1 and via a 2-rank group above)
     for url, saved_world in ((urls[2], 2), (urls[4], 4), (sim4, 4), (urls[1], 1)):
         assert check_load(url, 0, 1, saved_world, 3) == []
-    two_again = run_workers(_launch, 2, None, [(urls[2], 2, 3), (urls[4], 4, 3)], timeout=180)
-    assert all(r["bad"] == [] for r in two_again)
     with Checkpointer(urls[2]) as ck:
         assert ck.steps() == [3]  # keep_last=1
 
@@ -232,8 +250,8 @@ def _corrupt_one_rank(rank: int, world: int, url: str) -> dict:
     return {"first": first, "fallback_step": step, "ok": ok}
 
 
-def test_a_checksum_failure_on_one_rank_fails_the_load_on_every_rank(tmp_path):
-    res = run_workers(_corrupt_one_rank, 3, str(tmp_path), timeout=120)
+def test_a_checksum_failure_on_one_rank_fails_the_load_on_every_rank(launched):
+    res = launched[3]
     assert res[2]["first"].startswith("ChecksumError")
     assert res[0]["first"] == res[1]["first"] == "LoadError: load of step 2 failed on rank 2; see that rank's error"
     assert [r["fallback_step"] for r in res] == [1, 1, 1] and all(r["ok"] for r in res)

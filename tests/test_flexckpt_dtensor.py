@@ -1,7 +1,9 @@
 """DTensor state dicts (FSDP2 ``fully_shard``, ``distribute_tensor``, ``get_state_dict``)
 saved and loaded by flexckpt on real gloo groups: an FSDP2 model trained with AdamW at
 world 2, loaded at worlds 1, 2 and 4 bit-identical, training resumed bit-identical, zero
-collectives on save, and the placements that are refused in ``save()``. Three launches."""
+collectives on save, and the placements that are refused in ``save()``; HSDP DTensors saved
+at 4 and loaded at 1. Two launches (2 and 4 ranks) and a group of one rank in the test
+process, shared by the tests."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +12,7 @@ from torch import nn
 import flexshard
 from flexckpt import Checkpointer
 from flexshard import Shard, ShardedTensor
-from flexshard.spawn import run_workers
+from scenario_group import run_scenarios
 from test_flexckpt_distributed import communication, install_counters
 
 SIZES = [(13, 7), (7, 5), (5, 3)]  # awkward on purpose: 13 rows over 4 ranks is 4, 4, 4, 1
@@ -259,9 +261,38 @@ def _same(a: dict, b: dict) -> list[str]:
     return bad
 
 
-def test_fsdp2_adamw_state_saved_at_two_loads_at_one_two_four_and_resumes_bit_identical(tmp_path):
-    url, st_url = str(tmp_path / "fsdp2"), str(tmp_path / "same")
-    two = run_workers(_save_at_two, 2, url, st_url, timeout=180)
+HAS_HSDP = getattr(flexshard, "HybridShard", None) is not None
+
+
+def _in_a_group_of_one(scenarios: list) -> dict:
+    """World 1 in this process, on a gloo group of one rank, gone after (a launch of one
+    process would cost it a torch import): ``{name: [result]}`` as ``run_scenarios`` gives."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return {name: [fn(0, 1, *args)] for name, fn, args in scenarios}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Two launches: 2 ranks save the FSDP2 state (and check the leaf cache); 4 ranks load it
+    and save the HSDP state; then this process loads both at world 1."""
+    tmp = tmp_path_factory.mktemp("dtensor")
+    url, st_url, hsdp_url = str(tmp / "fsdp2"), str(tmp / "same"), str(tmp / "hsdp")
+    hsdp_save = [("hsdp save", _hsdp_save, (hsdp_url,))] if HAS_HSDP else []
+    hsdp_load = [("hsdp load", _hsdp_load, (hsdp_url,))] if HAS_HSDP else []
+    return {
+        2: run_scenarios(2, [("save", _save_at_two, (url, st_url)), ("leaf cache", _leaf_cache, ())], timeout=180),
+        4: run_scenarios(4, [("load", _load_at, (url, st_url)), *hsdp_save], timeout=180),
+        1: _in_a_group_of_one([("load", _load_at, (url, st_url)), *hsdp_load]),
+        "urls": (url, st_url, hsdp_url),
+    }
+
+
+def test_fsdp2_adamw_state_saved_at_two_loads_at_one_two_four_and_resumes_bit_identical(launched):
+    url, st_url, _ = launched["urls"]
+    two = launched[2]["save"]
     saved = two[0]["saved"]
     assert saved["/step"] == STEP and any(k.endswith("exp_avg_sq") for k in saved)
     assert saved["/optim/param_groups/0/betas/1"] == 0.999 and saved["/optim/param_groups/0/foreach"] is None
@@ -278,7 +309,7 @@ def test_fsdp2_adamw_state_saved_at_two_loads_at_one_two_four_and_resumes_bit_id
         assert a.contents().tensors["w"].layout == Shard(0)
 
     for world in (1, 4):
-        for r in run_workers(_load_at, world, url, st_url, timeout=180):
+        for r in launched[world]["load"]:
             assert r["step"] == STEP and r["chunks"] == [] and r["hsdp"] == [] and r["cross"] == []
             assert _same(saved, r["loaded"]) == []
 
@@ -327,13 +358,11 @@ def _hsdp_load(rank: int, world: int, url: str) -> list[str]:
     return [n for n in HSDP if not torch.equal(target[n].full_tensor(), _hsdp_tensor(n))]
 
 
-@pytest.mark.skipif(getattr(flexshard, "HybridShard", None) is None, reason="needs flexshard.HybridShard (issue 'flexckpt at 16,384 ranks')")
-def test_hsdp_dtensors_on_a_two_by_two_mesh_saved_at_four_load_at_two(tmp_path):
-    url = str(tmp_path / "hsdp")
-    saved = run_workers(_hsdp_save, 4, url, timeout=120)
-    assert all(r["calls"] == {} for r in saved)
-    assert run_workers(_hsdp_load, 2, url, timeout=120) == [[], []]
-    with Checkpointer(url) as ck:
+@pytest.mark.skipif(not HAS_HSDP, reason="needs flexshard.HybridShard (issue 'flexckpt at 16,384 ranks')")
+def test_hsdp_dtensors_on_a_two_by_two_mesh_saved_at_four_load_at_one(launched):
+    assert all(r["calls"] == {} for r in launched[4]["hsdp save"])
+    assert launched[1]["hsdp load"] == [[]]
+    with Checkpointer(launched["urls"][2]) as ck:
         assert ck.contents().tensors["a"].layout == flexshard.HybridShard(2)
 
 
@@ -357,7 +386,7 @@ def _leaf_cache(rank: int, world: int) -> list:
     return out
 
 
-def test_a_dtensor_seen_again_maps_at_once_and_a_changed_local_piece_is_mapped_again():
-    for same_key, same_local, cached, refusal in run_workers(_leaf_cache, 2, timeout=120):
+def test_a_dtensor_seen_again_maps_at_once_and_a_changed_local_piece_is_mapped_again(launched):
+    for same_key, same_local, cached, refusal in launched[2]["leaf cache"]:
         assert same_key and same_local and cached
         assert "local tensor has shape [2, 2]" in refusal and "piece of shape [3, 2] of [6, 2]" in refusal

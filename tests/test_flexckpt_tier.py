@@ -3,7 +3,9 @@ restored after a node loss at another world size without reading the persistent 
 
 Nodes are emulated on one machine: each node is a folder and a set of ranks
 (``FLEXCKPT_NODE`` names a rank's node). A "kill" leaves the ranks' files exactly as a
-SIGKILL would (no close, no clean-up at exit); torchrun then restarts every worker."""
+SIGKILL would (no close, no clean-up at exit); torchrun then restarts every worker. Three
+launches: the killed runs (4 ranks), every 2-rank restart (``restarted_at_two``), and the
+4 -> 3 rank restart, only under ``python3 dev.py test-tier``."""
 import atexit
 import inspect
 import os
@@ -23,10 +25,12 @@ from flexckpt.tier.inventory import REMOVED, Held, choose, remove_paths, scan, s
 from flexckpt.tier.placement import nodes_of, partners, sources
 from flexshard import Replicate, Shard, ShardedTensor
 from flexshard.spawn import run_workers
+from scenario_group import run_scenarios
 
 LANES = 12
 SHAPES = {"w": (96, 40), "b": (37,), "e": (50, 8)}
 TIMEOUT = 240  # whole launches; a loaded 2-core machine starts 4 ranks in ~30 s
+MATRIX = os.environ.get("FLEXCKPT_TIER_MATRIX") == "1"  # python3 dev.py test-tier: the 3-rank restart too
 
 
 def global_tensor(name: str, step: int) -> torch.Tensor:
@@ -85,9 +89,13 @@ def test_choose_takes_newest_complete_step_never_mixing_steps():
 
 
 # -- multi-process runs -------------------------------------------------------------------------
+_CALLS: list = []  # one list a process: the wrappers are installed once and outlive a scenario
+
+
 def _count_calls() -> list:
-    """Every torch.distributed function and ProcessGroup method call: (thread, name, group)."""
-    calls: list = []
+    """Every torch.distributed function and ProcessGroup method call from now on: (thread, name, group)."""
+    calls = _CALLS
+    calls.clear()
     depth = threading.local()  # only the outermost call: torch.distributed's functions call each other
 
     def record(name, group, fn, a, k):
@@ -214,37 +222,78 @@ def _restart(rank, world, url, root, nodes, oracle_step=None):
             "oracle": oracle}
 
 
-@pytest.fixture(scope="module")
-def four_nodes_killed(tmp_path_factory):
-    """4 nodes x 1 rank, fast tier every step (each node keeps steps 8 and 9), persistent
-    every 4 (steps 4 and 8), killed at step 9."""
-    base = tmp_path_factory.mktemp("tier4")
-    url = str(base / "store")
-    root = str(base / "nodes")
-    nodes = ["n0", "n1", "n2", "n3"]
-    out = run_workers(_train, 4, url, root, nodes, 9, 4, timeout=TIMEOUT)
-    return base, url, root, out
-
-
-def _copy_nodes(root: str, dst: str, lose: list[str]) -> str:
+def _copy_nodes(root: str, dst: str, lose: list[str], drop_steps: tuple[int, ...] = ()) -> str:
+    """The node folders of ``root`` but those in ``lose``, with ``drop_steps`` gone from the rest (as if pruned)."""
     shutil.copytree(root, dst)
     for node in lose:
         shutil.rmtree(os.path.join(dst, node))
+    for node in os.listdir(dst):
+        for tier_dir in os.listdir(os.path.join(dst, node)):
+            for step in drop_steps:
+                shutil.rmtree(os.path.join(dst, node, tier_dir, f"step-{step:012d}"))
     return dst
 
 
-def test_zero_collectives_on_the_training_thread_and_only_send_recv_on_the_tier_group(four_nodes_killed):
-    _base, _url, _root, out = four_nodes_killed
-    for r in out:
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """One launch of 4 ranks, three runs killed after their last step, each with its own store
+    and node folders (``where(run)`` gives them):
+
+    - "four nodes": 4 nodes x 1 rank, fast tier every step (each node keeps steps 8 and 9),
+      persistent every 4 (steps 4 and 8), killed at step 9;
+    - "two nodes": nodes A, A, B, B, persistent every 2, killed at step 3;
+    - "stages": 2 pipeline stages x 2 ranks on nodes A (stage 0) and B (stage 1), killed at step 3."""
+    base = tmp_path_factory.mktemp("tier")
+
+    def where(run: str) -> tuple[str, str]:
+        return str(base / run / "store"), str(base / run / "nodes")
+
+    out = run_scenarios(4, [
+        ("four nodes", _train, (*where("four nodes"), ["n0", "n1", "n2", "n3"], 9, 4)),
+        ("two nodes", _train, (*where("two nodes"), ["A", "A", "B", "B"], 3, 2)),
+        ("stages", _train_pp, (*where("stages"), ["A", "A", "B", "B"], 3)),
+    ], timeout=TIMEOUT)
+    return where, out
+
+
+@pytest.fixture(scope="module")
+def restarted_at_two(killed, tmp_path_factory):
+    """One launch of 2 ranks restarting every 2-rank case in turn, each from its own copy of a
+    killed run's node folders (the tests below say what each case lost)."""
+    where, _ = killed
+    tmp = tmp_path_factory.mktemp("restart2")
+    url4, root4 = where("four nodes")
+    url2, root2 = where("two nodes")
+    url_pp, root_pp = where("stages")
+    return run_scenarios(2, [
+        ("n2 lost, on n3 n1", _restart, (url4, _copy_nodes(root4, str(tmp / "a"), ["n2"]), ["n3", "n1"], 8)),
+        ("rank 0's copies lost", _restart, (url4, _copy_nodes(root4, str(tmp / "b"), ["n0", "n1"]), ["n2", "n3"], 8)),
+        ("and step 8 pruned", _restart, (url4, _copy_nodes(root4, str(tmp / "c"), ["n0", "n1"], (8,)), ["n2", "n3"])),
+        ("B lost, on A", _restart, (url2, _copy_nodes(root2, str(tmp / "d"), ["B"]), ["A", "A"])),
+        ("stages, B lost", _restart_pp, (url_pp, _copy_nodes(root_pp, str(tmp / "e"), ["B"]), ["A", "C"], 3)),
+    ], timeout=TIMEOUT)
+
+
+def test_zero_collectives_on_the_training_thread_and_only_send_recv_on_the_tier_group(killed):
+    for r in killed[1]["four nodes"]:
         assert r["other"] == [] and r["groups_ok"] and r["skipped"] == 0
         assert set(r["kinds"]) <= {"isend", "irecv", "PG.send", "PG.recv"} and "PG.send" in r["kinds"]
 
 
-@pytest.mark.parametrize("survivors", [["n0", "n1", "n3"], ["n3", "n1"]])
-def test_node_lost_restores_fast_step_renumbered_without_reading_the_store(four_nodes_killed, survivors, tmp_path):
-    _base, url, root, _ = four_nodes_killed
-    nodes_root = _copy_nodes(root, str(tmp_path / "nodes"), ["n2"])
-    res = run_workers(_restart, len(survivors), url, nodes_root, survivors, 8, timeout=TIMEOUT)
+@pytest.mark.parametrize("survivors", [
+    pytest.param(["n0", "n1", "n3"], marks=pytest.mark.skipif(
+        not MATRIX, reason="4 -> 3 ranks, a launch of its own: python3 dev.py test-tier (the 2-rank cases cover "
+                           "the same properties, a partial fetch in the both-copies-lost case)")),
+    ["n3", "n1"],
+])
+def test_node_lost_restores_fast_step_renumbered_without_reading_the_store(killed, restarted_at_two, survivors,
+                                                                           tmp_path):
+    url, root = killed[0]("four nodes")
+    if len(survivors) == 2:
+        res = restarted_at_two["n2 lost, on n3 n1"]
+    else:  # the only 3-rank case: a launch of its own
+        nodes_root = _copy_nodes(root, str(tmp_path / "nodes"), ["n2"])
+        res = run_workers(_restart, 3, url, nodes_root, survivors, 8, timeout=TIMEOUT)
     for r in res:
         assert (r["step"], r["exact"], r["persistent_bytes"], r["source"]) == (9, True, 0, "tier"), r
         # every rank receives the union of the lanes (and takes what it hosts now)
@@ -274,12 +323,11 @@ def _files(url: str, step: int) -> list[str]:
     return [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs]
 
 
-def test_both_copies_of_a_rank_lost_takes_only_its_parts_from_the_stores_same_step(four_nodes_killed, tmp_path):
-    """Saved rank 0's files of steps 8 and 9 are on no surviving node; the store holds step
-    8 (the same save): step 8 loads with rank 0's parts from the store, the rest from the tier."""
-    _base, url, root, _ = four_nodes_killed
-    nodes_root = _copy_nodes(root, str(tmp_path / "nodes"), ["n0", "n1"])  # rank 0's own files and its copy
-    res = run_workers(_restart, 2, url, nodes_root, ["n2", "n3"], timeout=TIMEOUT)
+def test_both_copies_of_a_rank_lost_takes_only_its_parts_from_the_stores_same_step(killed, restarted_at_two):
+    """Saved rank 0's files of steps 8 and 9 are on no surviving node (n0 held its own, n1 its
+    copy); the store holds step 8 (the same save): step 8 loads with rank 0's parts from the
+    store, the rest from the tier (n2 and n3 restart at 2 ranks)."""
+    res = restarted_at_two["rank 0's copies lost"]
     for r in res:
         assert (r["step"], r["exact"], r["source"]) == (8, True, "tier"), r
         assert "lacks saved rank(s) [0] on every surviving node; the persistent store holds step 8" in r["reason"]
@@ -290,17 +338,21 @@ def test_both_copies_of_a_rank_lost_takes_only_its_parts_from_the_stores_same_st
     # 4 -> 2 ranks: rank 0 (on n2) reads saved ranks 0 and 1 (its shards) and 3 (who saved the
     # replicated tensor): 0 from the store, 1 from its node (the copy), 3 from rank 1's node
     assert res[0]["parts"] == {0: "persistent store step 8", 1: "own node n2", 3: "node n3 via rank 1"}
+    # of saved rank 3's data file rank 0 wants the replicated tensor only: the peer sends exactly
+    # the bytes the ordinary load of persistent step 8 (the same plan) reads of it, part of the file
+    fetched = {os.path.basename(rel): n for rel, n in res[0]["fetched"].items() if rel.endswith(".data")}
+    assert list(fetched) == ["r00003.data"] and fetched["r00003.data"] == res[0]["oracle"]["r00003.data"], (
+        fetched, res[0]["oracle"])
+    url = killed[0]("four nodes")[0]
+    whole = os.path.getsize(os.path.join(url, "step-000000000008",
+                                         *[f for f in _files(url, 8) if f.endswith("r00003.data")]))
+    assert 0 < fetched["r00003.data"] < whole
 
 
-def test_a_partial_step_the_store_lacks_falls_back_to_the_newest_persistent_step_whole(four_nodes_killed, tmp_path):
+def test_a_partial_step_the_store_lacks_falls_back_to_the_newest_persistent_step_whole(restarted_at_two):
     """As above, and the survivors' step 8 is gone too (as if pruned): tier step 9 lacks
     rank 0 and the store has no step 9, so the newest persistent step (8) loads whole."""
-    _base, url, root, _ = four_nodes_killed
-    nodes_root = _copy_nodes(root, str(tmp_path / "nodes"), ["n0", "n1"])
-    for node in ("n2", "n3"):
-        for tier_dir in os.listdir(os.path.join(nodes_root, node)):
-            shutil.rmtree(os.path.join(nodes_root, node, tier_dir, f"step-{8:012d}"))
-    res = run_workers(_restart, 2, url, nodes_root, ["n2", "n3"], timeout=TIMEOUT)
+    res = restarted_at_two["and step 8 pruned"]
     for r in res:
         assert (r["step"], r["exact"], r["source"]) == (8, True, "persistent"), r
         assert "no fast-tier step is complete; loading persistent step 8 whole" in r["reason"]
@@ -310,11 +362,8 @@ def test_a_partial_step_the_store_lacks_falls_back_to_the_newest_persistent_step
                                                               "r00003.data"}
 
 
-def test_two_nodes_of_two_ranks_restart_on_one_node_from_the_partner_copies(tmp_path):
-    url, root = str(tmp_path / "store"), str(tmp_path / "nodes")
-    run_workers(_train, 4, url, root, ["A", "A", "B", "B"], 3, 2, timeout=TIMEOUT)
-    shutil.rmtree(os.path.join(root, "B"))
-    res = run_workers(_restart, 2, url, root, ["A", "A"], timeout=TIMEOUT)
+def test_two_nodes_of_two_ranks_restart_on_one_node_from_the_partner_copies(restarted_at_two):
+    res = restarted_at_two["B lost, on A"]  # the "two nodes" run (A, A, B, B) restarted on A, A
     for r in res:
         assert (r["step"], r["exact"], r["persistent_bytes"], r["source"]) == (3, True, 0, "tier"), r
         assert r["lanes"] == {str(l): {"doc": 300 + l} for l in range(LANES)}
@@ -634,6 +683,7 @@ def _restart_pp(rank, world, url, root, nodes, steps):
     from flexckpt.errors import StructureMismatch
 
     os.environ["FLEXCKPT_NODE"] = nodes[rank]
+    unpatched = Storage.read_bytes, RangeReader.read_into, RangeReader.read_scatter
     read = _persistent_reads(url)
     ck = Checkpointer(url, local=tier(root, nodes[rank]))
     state = _pp_state(rank, world, 1, 0, zero=True)
@@ -657,19 +707,18 @@ def _restart_pp(rank, world, url, root, nodes, steps):
         out["odd"] = str(exc)
     out["odd_source"], out["odd_reason"] = ck.tier.last_recovery.source, ck.tier.last_recovery.reason
     ck.close()
+    Storage.read_bytes, RangeReader.read_into, RangeReader.read_scatter = unpatched
     return out
 
 
-def test_pipeline_stages_with_bytes_values_restore_from_the_tier_at_one_stage_and_half_the_world(tmp_path):
+def test_pipeline_stages_with_bytes_values_restore_from_the_tier_at_one_stage_and_half_the_world(killed,
+                                                                                                 restarted_at_two):
     """2 stages x 2 ranks on nodes A (stage 0) and B (stage 1), each node holding the other's
     copies; node B lost, the job restarts on W=2 (node A and a new node C), at one stage and
     at two."""
-    url, root = str(tmp_path / "store"), str(tmp_path / "nodes")
-    carried = run_workers(_train_pp, 4, url, root, ["A", "A", "B", "B"], 3, timeout=TIMEOUT)
     # each node holds all 4 bundles; the markers of saved rank 0 and of stage 1's lowest rank carry the structures
-    assert carried == [[0, 2]] * 4
-    shutil.rmtree(os.path.join(root, "B"))
-    res = run_workers(_restart_pp, 2, url, root, ["A", "C"], 3, timeout=TIMEOUT)
+    assert killed[1]["stages"] == [[0, 2]] * 4
+    res = restarted_at_two["stages, B lost"]
     for rank, r in enumerate(res):
         assert (r["step"], r["differ"], r["persistent_bytes"], r["source"]) == (3, [], 0, "tier"), r
         layers = [f"layers.{i}.{p}" for i in (2 * rank, 2 * rank + 1) for p in ("norm", "w")]

@@ -11,7 +11,7 @@ from flexshard.spawn import WorkerError, run_workers
 def _sum_ranks(rank, world):
     t = torch.tensor([rank + 1])
     dist.all_reduce(t)
-    return int(t.item())
+    return rank, world, int(t.item())
 
 
 def _fail_on_rank_one(rank, world):
@@ -25,7 +25,7 @@ def _hang(rank, world):
 
 
 def test_run_workers_returns_results_in_rank_order():
-    assert run_workers(_sum_ranks, 3, timeout=60) == [6, 6, 6]
+    assert run_workers(_sum_ranks, 2, timeout=60) == [(0, 2, 3), (1, 2, 3)]
 
 
 def test_one_failing_rank_fails_the_run_with_its_error():
@@ -37,4 +37,4 @@ def test_one_failing_rank_fails_the_run_with_its_error():
 
 def test_a_hanging_group_times_out():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\]"):
-        run_workers(_hang, 2, timeout=3, backend="none")
+        run_workers(_hang, 2, timeout=1, backend="none")
