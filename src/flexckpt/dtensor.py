@@ -28,6 +28,7 @@ communicates.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import Any
 
@@ -36,14 +37,34 @@ import torch
 import flexshard
 from flexshard import Layout, MeshLayout, Replicate, Shard
 
-try:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Partial as DPartial
-    from torch.distributed.tensor import Replicate as DReplicate
-    from torch.distributed.tensor import Shard as DShard
-    from torch.distributed.tensor.placement_types import _StridedShard as DStrided
-except ImportError:  # a torch build without distributed: no DTensor can reach us
-    DTensor = DReplicate = DShard = DStrided = DPartial = None  # type: ignore[assignment, misc]
+_TYPES: tuple | None = None  # (DTensor, Replicate, Shard, _StridedShard, Partial) once looked up
+
+
+def _types() -> tuple:
+    """torch's DTensor classes, imported on first need (None each on a torch build without
+    distributed: no DTensor can reach us there)."""
+    global _TYPES
+    if _TYPES is None:
+        try:
+            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor import Partial as DPartial
+            from torch.distributed.tensor import Replicate as DReplicate
+            from torch.distributed.tensor import Shard as DShard
+            from torch.distributed.tensor.placement_types import _StridedShard as DStrided
+        except ImportError:
+            DTensor = DReplicate = DShard = DStrided = DPartial = None  # type: ignore[assignment, misc]
+        _TYPES = (DTensor, DReplicate, DShard, DStrided, DPartial)
+    return _TYPES
+
+
+def dtensor_type() -> Any:
+    """DTensor's class, or None while ``torch.distributed.tensor`` is not imported: a DTensor
+    cannot exist before its module is, and importing it here (it pulls in sympy, 1.5-2 s of
+    CPU) would cost every process that imports flexckpt, DTensors or not."""
+    if _TYPES is None and "torch.distributed.tensor" not in sys.modules:
+        return None
+    return _types()[0]
+
 
 SUPPORTED = (
     "Shard(d), _StridedShard(d, sf) and Replicate() on a mesh of up to 3 dims whose ranks lie in the "
@@ -52,7 +73,8 @@ SUPPORTED = (
 
 
 def is_dtensor(value: Any) -> bool:
-    return DTensor is not None and isinstance(value, DTensor)
+    dtensor = dtensor_type()
+    return dtensor is not None and isinstance(value, dtensor)
 
 
 def dtensor_leaf(value: Any, name: str, rank: int, world_size: int) -> tuple[torch.Tensor, Layout, tuple[int, ...]]:
@@ -159,6 +181,7 @@ def _nonempty(r: Any) -> tuple[int, int]:
 
 def _code(p: Any) -> str:
     """A placement's code in ``MeshLayout`` (exact types: _StridedShard derives from Shard)."""
+    _, DReplicate, DShard, DStrided, DPartial = _types()
     if type(p) is DReplicate:
         return "R"
     if type(p) is DShard:

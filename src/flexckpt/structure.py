@@ -24,7 +24,7 @@ from typing import Any, Callable
 import orjson
 import torch
 
-from flexckpt.dtensor import DTensor, dtensor_leaf, is_dtensor
+from flexckpt.dtensor import dtensor_leaf, dtensor_type, is_dtensor
 from flexckpt.dtypes import dtype_name
 from flexckpt.errors import UnsupportedState
 from flexckpt.values import MAX_BYTES_VALUE, ByLane, PerRank
@@ -186,6 +186,7 @@ def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> N
     # the save path's per-tensor work: plain tensors under plain string keys take the
     # short way (no call, no escaping)
     key_list, tensors = out.key, out.tensors
+    dtensor = dtensor_type()  # None before torch.distributed.tensor is imported: no DTensor exists
     for key, value in d.items():
         if type(key) is str and key and "/" not in key and "%" not in key:
             name = prefix + key
@@ -198,7 +199,7 @@ def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> N
         if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
             key_list.append((name, value.dtype, value.shape, value.device))
             tensors.append(value)
-        elif type(value) is DTensor:  # FSDP2's optimizer moments, get_state_dict's leaves: as short
+        elif type(value) is dtensor:  # FSDP2's optimizer moments, get_state_dict's leaves: as short
             try:
                 local, layout, shape = dtensor_leaf(value, name, rank, world_size)
             except _REFUSALS as e:
