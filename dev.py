@@ -10,6 +10,7 @@ it is up to date. Needs nothing but Python 3.10+.
     python3 dev.py test-kill [--random N] # SIGKILL during saves: every chosen storage call + N random times (100)
     python3 dev.py test-tier       # the fast tier's tests with the 4 -> 3 rank restart (a launch of its own)
     python3 dev.py test-nodeloss   # flextrain, 12 lanes, 4 nodes: loses a node, resumes on 3 and 2 ranks (fast tier)
+    python3 dev.py test-flextrain  # flextrain's launch matrix: resume at D=4, SIGTERM to 2-rank torchrun, node loss
     python3 dev.py bench NAME ...  # a benchmark from bench/ (see bench/README.md)
     python3 dev.py shell CMD ...   # run CMD inside the environment
 """
@@ -27,7 +28,8 @@ VENV = ROOT / ".venv"
 # The CPU build lies on these machines' disk; a bare "torch" would download a CUDA build.
 TORCH = "torch==2.13.0"
 EXTRAS = "test,bench"
-TASKS = ("demo", "demo-checkpoint", "test", "test-torchtitan", "test-tierkill", "test-kill", "test-tier", "test-nodeloss", "bench", "shell")
+TASKS = ("demo", "demo-checkpoint", "test", "test-torchtitan", "test-tierkill", "test-kill", "test-tier", "test-nodeloss",
+         "test-flextrain", "bench", "shell")
 
 
 def _venv_python() -> Path:
@@ -96,6 +98,10 @@ def main(argv: list[str]) -> int:
     elif task == "test-nodeloss":
         env["FLEXTRAIN_NODELOSS"] = "1"
         cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_flextrain_nodeloss.py"), "-q", "-s", *rest]
+    elif task == "test-flextrain":
+        env.update(FLEXTRAIN_MATRIX="1", FLEXTRAIN_NODELOSS="1")
+        cmd = [py, "-m", "pytest", *(str(ROOT / "tests" / f"test_flextrain_{f}.py") for f in ("resume", "nodeloss")),
+               "-q", *rest]
     elif task == "bench":
         cmd = [py, str(ROOT / "bench" / f"{rest[0]}.py"), *rest[1:]]
     elif task == "shell":

@@ -10,8 +10,9 @@ than the persistent one, and trains on with the same global batches (digests) as
 run logged; with every node's folder gone, a resume from the persistent step sees them too.
 
 Four torchrun launches (about 70 s for two on a loaded 2-core machine): outside the
-default suite's budget, so it runs with ``python3 dev.py test-nodeloss``
-(``FLEXTRAIN_NODELOSS=1``) and is skipped otherwise."""
+default suite's budget, so it runs with ``python3 dev.py test-nodeloss`` (alone) or
+``python3 dev.py test-flextrain`` (with flextrain's launch matrix), which set
+``FLEXTRAIN_NODELOSS=1``, and is skipped otherwise."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,12 @@
 """flextrain end to end: torchrun at D=2 trains `tiny` (shrunk: d=64, T=64, global batch 8,
-8 steps, GPT-2 vocabulary) and checkpoints; resumes at D=1 and D=4 see the same global
-batches; the plan predicts bytes read and batch digests; a flipped byte falls back; a
-changed data field is refused; SIGTERM takes a final checkpoint."""
+8 steps, GPT-2 vocabulary) and checkpoints; a resume at D=1 sees the same global batches;
+the plan predicts bytes read and batch digests; a flipped byte falls back; a changed data
+field is refused; SIGTERM takes a final checkpoint.
+
+D=1 runs (a resume, the noise floor) run in this process, as torchrun with one rank would
+run them (no process group). More launches of the same properties, a resume at D=4 and
+SIGTERM to a torchrun of two ranks, run with ``python3 dev.py test-flextrain``
+(``FLEXTRAIN_MATRIX=1``), which runs the node-loss test too."""
 from __future__ import annotations
 
 import json
@@ -26,6 +31,9 @@ SHRINK = ["--set", "data.max_length=64", "--set", "data.global_batch=8", "--set"
 STEPS = 8
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+# more ranks and launches of the same properties: python3 dev.py test-flextrain
+MATRIX = pytest.mark.skipif(os.environ.get("FLEXTRAIN_MATRIX") != "1",
+                            reason="another launch of a property the suite covers: run with python3 dev.py test-flextrain")
 
 
 def torchrun(nproc: int, run_dir: Path, *extra: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -46,6 +54,16 @@ def masters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
+def train(world: int, run_dir: Path, *extra: str) -> None:
+    """At D=1 in this process (as torchrun with one rank would run it: no process group),
+    else under torchrun."""
+    if world == 1:
+        assert flextrain_main(["train", "--run-dir", str(run_dir), *SHRINK, *extra]) == 0
+    else:
+        out = torchrun(world, run_dir, *extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("ref") / "run"
@@ -56,11 +74,11 @@ def reference(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def noise_floor(tmp_path_factory, reference) -> Path:
-    """The reference again with another micro batch: same data, another accumulation
-    order, so its distance from the reference is what reduction order alone does."""
+    """The reference again at D=1 (in this process), the whole global batch in one micro
+    batch: same data, another accumulation order, so its distance from the reference is what
+    reduction order alone does."""
     run = tmp_path_factory.mktemp("floor") / "run"
-    out = torchrun(2, run, "--set", f"steps={STEPS}", "--set", "data.micro_batch=1")
-    assert out.returncode == 0, out.stderr[-3000:]
+    train(1, run, "--set", f"steps={STEPS}", "--set", "data.micro_batch=8")
     return run
 
 
@@ -73,15 +91,13 @@ def test_torchrun_at_two_ranks_trains_and_checkpoints(reference):
     assert "eval_loss" in rows[4] and "eval_loss" in rows[8]
 
 
-@pytest.mark.parametrize("world", [1, 4])
-def test_resume_at_another_world_size_sees_the_same_batches(reference, noise_floor, tmp_path, world):
+@pytest.mark.parametrize("world", [1, pytest.param(4, marks=MATRIX)])
+def test_resume_at_another_world_size_sees_the_same_batches(reference, noise_floor, tmp_path, capsys, world):
     run = cut_at(reference, tmp_path / "run", 4)
-    plan = subprocess.run([sys.executable, "-m", "flextrain", "plan", str(run), "--world", str(world),
-                           "--batches", "4", "--json"], env=ENV, capture_output=True, text=True, timeout=120)
-    assert plan.returncode == 0, plan.stderr
-    plan = json.loads(plan.stdout)
-    out = torchrun(world, run, "--set", f"steps={STEPS}")
-    assert out.returncode == 0, out.stderr[-3000:]
+    capsys.readouterr()
+    assert flextrain_main(["plan", str(run), "--world", str(world), "--batches", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    train(world, run, "--set", f"steps={STEPS}")
     ref, got = metrics(reference), metrics(run)
     for step in range(5, STEPS + 1):
         assert got[step]["world"] == world
@@ -96,7 +112,7 @@ def test_resume_at_another_world_size_sees_the_same_batches(reference, noise_flo
     # Parameters: float32 sums over tokens, microbatches and ranks run in another order at
     # another D, and Muon's bf16 Newton-Schulz and Adam's m/sqrt(v) amplify last-bit
     # differences. The tolerance is measured, not guessed: per tensor, the largest
-    # difference may not exceed what the same D=2 run with another micro batch (8 steps of
+    # difference may not exceed what the same run at D=1 in one micro batch (8 steps of
     # reduction-order drift) shows, and the mean difference stays far below the 4 steps' update.
     ref, res, floor, start = masters(reference, STEPS), masters(run, STEPS), masters(noise_floor, STEPS), masters(reference, 4)
     for name in ref:
@@ -159,10 +175,13 @@ def _wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 
     raise TimeoutError(f"no {n} steps within {timeout} s")
 
 
-@pytest.mark.parametrize("target", ["one worker", "torchrun"])
-def test_sigterm_takes_a_final_checkpoint_and_exits(tmp_path, target):
+# A signal to one worker of two: the stop reaches the other rank (its stop flag is reduced
+# with the step's label count) and both save the same final step. A signal to torchrun:
+# torchrun forwards it to its workers, one in the suite, two in the matrix.
+@pytest.mark.parametrize("target,nproc", [("one worker", 2), ("torchrun", 1), pytest.param("torchrun", 2, marks=MATRIX)])
+def test_sigterm_takes_a_final_checkpoint_and_exits(tmp_path, target, nproc):
     run = tmp_path / "run"
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "flextrain", "train", "--run-dir", str(run),
+    cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "flextrain", "train", "--run-dir", str(run),
            *SHRINK, "--set", "steps=200", "--set", "ckpt_every=100", "--set", "eval_every=100"]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

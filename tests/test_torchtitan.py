@@ -59,19 +59,34 @@ def global_digests(per_rank: list[dict]) -> list[str]:
     return out
 
 
+def _runs_then_alone(rank: int, world: int, plan: list[tuple[list[str], int | None]],
+                     alone: list[str]) -> tuple[list[dict], dict | None]:
+    """``_runs``, then rank 0 runs ``alone`` in a group of its own (world 1): a resume at
+    1 rank without starting (and importing torchtitan in) another process."""
+    import torch.distributed as dist
+
+    runs = _runs(rank, world, plan)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return runs, None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return runs, tt.run_trainer(0, 1, alone)
+
+
 @pytest.fixture(scope="module")
 def zephon_run(assets, tmp_path_factory):
-    """The uninterrupted 2-rank run (checkpoints at steps 4 and 8) and, in the same
-    processes, its resume from step 4 at 2 ranks."""
+    """The uninterrupted 2-rank run (checkpoints at steps 2 and 4), in the same processes
+    its resume from step 2 at 2 ranks, then rank 0's resume from step 2 at 1 rank."""
     dump = tmp_path_factory.mktemp("tt-zephon")
     base = ["--config", "flex_zephon", "--dump_folder", str(dump), "--checkpoint.enable", *SHORT]
-    plan = [(base, None), ([*base, "--checkpoint.load_step", "2"], None)]
-    ranks = run_workers(_runs, 2, plan, timeout=TIMEOUT)
-    return dump, [r[0] for r in ranks], [r[1] for r in ranks]
+    resume = [*base, "--checkpoint.load_step", "2"]
+    ranks = run_workers(_runs_then_alone, 2, [(base, None), (resume, None)], resume, timeout=TIMEOUT)
+    return [r[0][0] for r in ranks], [r[0][1] for r in ranks], [ranks[0][1]]
 
 
 def test_fsdp2_resume_at_2_ranks_is_bit_exact(zephon_run):
-    _, full, resumed = zephon_run
+    full, resumed, _ = zephon_run
     assert sorted(full[0]["losses"]) == [1, 2, 3, 4]
     assert sorted(resumed[0]["losses"]) == [3, 4]
     for step in (3, 4):
@@ -80,11 +95,7 @@ def test_fsdp2_resume_at_2_ranks_is_bit_exact(zephon_run):
 
 
 def test_zephon_resume_at_1_rank_yields_the_same_global_batches(zephon_run):
-    dump, full, _ = zephon_run
-    args = ["--config", "flex_zephon", "--dump_folder", str(dump), "--checkpoint.enable", *SHORT,
-            "--checkpoint.load_step", "2"]
-    one = run_workers(_runs, 1, [(args, None)], timeout=TIMEOUT)
-    one = [r[0] for r in one]
+    full, _, one = zephon_run
     assert sorted(one[0]["losses"]) == [3, 4]
     assert global_digests(one) == global_digests(full)[2:]
 

@@ -7,7 +7,7 @@ torchtitan 0.3.0 runs on CPU/gloo only with five shims, each applied by its own 
 2. ``partial_dtensor``: the default SPMD backend (spmd_types) is not for CPU; the config
    functions here set ``parallelism.spmd_backend = "partial_dtensor"``.
 3. ``dense_flex_attention``: FlexAttention has no CPU backward; compute the same document
-   mask densely and call scaled_dot_product_attention.
+   mask densely and call scaled_dot_product_attention (its block mask built eagerly).
 4. ``sum_reduction_for_comms``: gloo has no PREMUL_SUM; FSDP2 reduces with SUM instead
    (torchtitan divides by the global token count itself).
 5. ``pg_set_timeout``: ``torch.distributed.set_timeout`` (called after step 1) maps to
@@ -75,7 +75,8 @@ def cpu_device() -> None:
 def dense_flex_attention() -> None:
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention.flex_attention import create_mask
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+    from torchtitan.models.common import attention
     from torchtitan.models.common.attention import FlexAttention
 
     def compiled_flex_attn(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
@@ -86,6 +87,9 @@ def dense_flex_attention() -> None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa), None
 
     FlexAttention.compiled_flex_attn = staticmethod(compiled_flex_attn)
+    # the block mask only carries mask_mod here: built eagerly, not by torch.compile (a
+    # dynamo trace and an inductor build per process, seconds each, for the same bits)
+    attention._compiled_create_block_mask = create_block_mask
 
 
 def sum_reduction_for_comms() -> None:
