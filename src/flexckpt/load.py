@@ -27,7 +27,7 @@ from flexckpt.dtypes import dtype_from_name, dtype_name
 from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
 from flexckpt.manifest import Manifest, keyed_name, step_dir
 from flexckpt.plan import part_of_world
-from flexckpt.readplan import Fetch, coalesce, plan_reads
+from flexckpt.readplan import ChunkRead, Fetch, coalesce, plan_reads
 from flexckpt.stall import bounded
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.structure import Excluder, Walk, decode_plain
@@ -36,6 +36,7 @@ from flexshard import FlatRange, Part, part_of
 log = logging.getLogger("flexckpt")
 
 FETCH_BYTES = 16 << 20  # adjacent chunks are fetched together, up to this many bytes a request
+READ_GROUP_BYTES = 512 << 10  # local files: chunks read (and then verified) together, about this many bytes
 
 
 @dataclass
@@ -165,6 +166,7 @@ class PendingLoad:
         lock = threading.Lock()
         local = threading.local()
         folder = step_dir(self.manifest.step)
+        grouped = getattr(self.storage, "local", False)  # elsewhere a read is a request: one a fetch
 
         def reader(file: str) -> RangeReader:
             with lock:
@@ -228,9 +230,30 @@ class PendingLoad:
                     direct = False
                 ends.append(len(places))
                 whole += direct
-            reader(f.file).read_scatter(f.offset, places)
-            begin = 0
-            for cr, end in zip(f.reads, ends):
+            rd = reader(f.file)
+            if not grouped:
+                rd.read_scatter(f.offset, places)
+                verify(f.reads, ends, places, 0, where)
+                return whole
+            # a local file: read a group of chunks, then verify them while their bytes are
+            # still in the CPU's cache (hashing after a 16 MiB read fetched every byte from
+            # memory a second time: a quarter of a warm load's CPU)
+            first = begin = 0  # the group's first chunk and first place
+            pos, nbytes = f.offset, 0
+            last = len(f.reads) - 1
+            for k, cr in enumerate(f.reads):
+                nbytes += cr.chunk.length
+                if nbytes < READ_GROUP_BYTES and k < last:
+                    continue
+                rd.read_scatter(pos, places[begin : ends[k]])
+                verify(f.reads[first : k + 1], ends[first : k + 1], places, begin, where)
+                first, begin, pos, nbytes = k + 1, ends[k], pos + nbytes, 0
+            return whole
+
+        def verify(reads: tuple[ChunkRead, ...], ends: list[int], places: list[memoryview], begin: int, where: str) -> None:
+            """Each chunk of ``reads`` against its checksum, over its places (``ends``: where
+            each chunk's places end in ``places``, the first beginning at ``begin``)."""
+            for cr, end in zip(reads, ends):
                 got = digest(places[begin]) if end - begin == 1 else digest_parts(places[begin:end])
                 begin = end
                 if got != int(cr.chunk.checksum, 16):
@@ -238,7 +261,6 @@ class PendingLoad:
                         f"{where}: chunk at byte {cr.chunk.offset} has checksum {got:016x}, the manifest says "
                         f"{cr.chunk.checksum}; the file is damaged"
                     )
-            return whole
 
         # per-rank values are read (version 2: from this rank's chunk table) and checked
         # now, before the ranks agree, so that apply() cannot fail half-way
