@@ -14,7 +14,6 @@ import gc
 import logging
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -28,7 +27,7 @@ from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
 from flexckpt.manifest import Manifest, keyed_name, step_dir
 from flexckpt.plan import part_of_world
 from flexckpt.readplan import ChunkRead, Fetch, coalesce, plan_reads
-from flexckpt.stall import bounded
+from flexckpt.stall import bounded_all
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.structure import Excluder, Walk, decode_plain
 from flexshard import FlatRange, Part, part_of
@@ -276,20 +275,13 @@ class PendingLoad:
         self._keyed = self._read_keyed()
         fetches = coalesce(reads, FETCH_BYTES)
         stall = self.storage.stall_timeout
-
-        def fetch_all(part: list[Fetch]) -> list[int]:
-            # one stall watch over a whole share of the reads (each read reports progress),
-            # not one per read: a watch hands its call to a helper thread, and a resharding
-            # load makes hundreds of small reads
-            return bounded(stall, f"reading {len(part)} ranges on {self.storage.url}", lambda: [fetch(f) for f in part])
-
         try:
-            if threads > 1 and len(fetches) > 1:
-                parts = [fetches[i::threads] for i in range(min(threads, len(fetches)))]
-                with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="flexckpt-read") as pool:
-                    whole = [n for done in pool.map(fetch_all, parts) for n in done]
-            else:
-                whole = fetch_all(fetches)
+            # the shares run on the storage calls' helper threads (reused from load to load),
+            # under one stall watch each, not one per read: a resharding load makes hundreds
+            parts = [fetches[i::threads] for i in range(max(1, min(threads, len(fetches))))]
+            shares = bounded_all(stall, f"reading {len(fetches)} ranges on {self.storage.url}",
+                                 [lambda part=part: [fetch(f) for f in part] for part in parts]) if fetches else []
+            whole = [n for share in shares for n in share]
         finally:
             for r in readers.values():
                 r.close()

@@ -1,6 +1,9 @@
 """The load's read-and-verify loop on a local file: a fetch's chunks are read in groups of
-about ``READ_GROUP_BYTES`` and each group verified before the next is read."""
+about ``READ_GROUP_BYTES`` and each group verified before the next is read; the reading
+threads' shares run under one stall watch each (``stall.bounded_all``)."""
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 import flexckpt.load as load_mod
 from flexckpt import Checkpointer, ChecksumError
 from flexckpt.manifest import step_dir
+from flexckpt.stall import StorageStalled, bounded_all, progress
 from flexckpt.storage import RangeReader
 
 
@@ -61,3 +65,41 @@ def test_a_damaged_chunk_in_any_group_is_named_by_its_offset(tmp_path, byte):
         chunk = byte // (128 << 10) * (128 << 10)
         with pytest.raises(ChecksumError, match=rf"chunk at byte {chunk} has checksum [0-9a-f]{{16}}, the manifest says"):
             ckpt.load({"w": torch.zeros_like(values)})
+
+
+def test_bounded_all_returns_results_in_order_and_raises_the_first_error_after_all_ended():
+    ended = []
+
+    def slow(v):
+        def fn():
+            for _ in range(5):
+                time.sleep(0.02)
+                progress()
+            ended.append(v)
+            return v
+        return fn
+
+    assert bounded_all(0.5, "x", [slow(1), slow(2), lambda: 3]) == [1, 2, 3]
+
+    def bad():
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        bounded_all(0.5, "x", [bad, slow(4)])
+    assert 4 in ended  # the other call ran to its end before the error was raised
+
+
+def test_a_stalled_share_is_given_up_within_the_timeout_while_a_moving_one_is_not():
+    release = threading.Event()
+
+    def moving():
+        for _ in range(30):
+            time.sleep(0.02)
+            progress()
+        return "done"
+
+    t0 = time.monotonic()
+    with pytest.raises(StorageStalled, match=r"storage call reading 7 ranges made no progress for 0.3 s"):
+        bounded_all(0.3, "reading 7 ranges", [moving, lambda: release.wait(10)])
+    assert 0.3 <= time.monotonic() - t0 < 0.55  # given up before the moving share (0.6 s) ends
+    release.set()
