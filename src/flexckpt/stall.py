@@ -113,3 +113,34 @@ def bounded(stall_timeout: float | None, what: str, fn: Callable[[], T]) -> T:
     if call.error is not None:
         raise call.error
     return call.result
+
+
+def bounded_all(stall_timeout: float | None, what: str, fns: list[Callable[[], T]]) -> list[T]:
+    """``[fn() for fn in fns]``, the calls run at once on helper threads (reused, as
+    :func:`bounded`'s) while the caller watches them all: one that makes no progress for
+    ``stall_timeout`` seconds is given up with ``StorageStalled``. The first error of a
+    call is raised once every call has ended. Nested in a bounded call: one after another,
+    directly (the outer watch covers them)."""
+    if getattr(_current, "call", None) is not None:
+        return [fn() for fn in fns]
+    calls = [_Call(fn) for fn in fns]
+    for call in calls:
+        _start(call)
+    pending = list(calls)
+    while pending:
+        if stall_timeout is None:
+            pending.pop(0).done.wait()
+            continue
+        now = time.monotonic()
+        stuck = next((c for c in pending if not c.done.is_set() and now - c.last >= stall_timeout), None)
+        if stuck is not None:
+            raise StorageStalled(
+                f"storage call {what} made no progress for {stall_timeout:g} s (the stall timeout); it was "
+                "given up. Check the storage endpoint, or raise Checkpointer(stall_timeout=...) for a slow one"
+            )
+        if pending[0].done.wait(max(0.0, min(c.last for c in pending) + stall_timeout - now)):
+            pending.pop(0)
+    for call in calls:
+        if call.error is not None:
+            raise call.error
+    return [call.result for call in calls]

@@ -1,0 +1,105 @@
+"""The load's read-and-verify loop on a local file: a fetch's chunks are read in groups of
+about ``READ_GROUP_BYTES`` and each group verified before the next is read; the reading
+threads' shares run under one stall watch each (``stall.bounded_all``)."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import flexckpt.load as load_mod
+from flexckpt import Checkpointer, ChecksumError
+from flexckpt.manifest import step_dir
+from flexckpt.stall import StorageStalled, bounded_all, progress
+from flexckpt.storage import RangeReader
+
+
+def data_path(root, step):
+    folder = os.path.join(root, step_dir(step))
+    (sub,) = [d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))]
+    (name,) = [n for n in os.listdir(os.path.join(folder, sub)) if n.endswith(".data")]
+    return os.path.join(folder, sub, name)
+
+
+def counting_reads(monkeypatch):
+    calls = []
+    real = RangeReader.read_scatter
+
+    def read_scatter(self, offset, outs):
+        calls.append((offset, sum(o.nbytes for o in outs)))
+        return real(self, offset, outs)
+
+    monkeypatch.setattr(RangeReader, "read_scatter", read_scatter)
+    return calls
+
+
+def test_a_fetch_is_read_in_groups_of_chunks_each_verified_and_the_values_exact(tmp_path, monkeypatch):
+    values = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB: 16 chunks of 128 KiB
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, {"w": values}).result()
+        calls = counting_reads(monkeypatch)
+        target = {"w": torch.zeros_like(values)}
+        ckpt.load(target)
+        assert torch.equal(target["w"], values)
+        assert calls == [(i * (512 << 10), 512 << 10) for i in range(4)]  # 4 groups of 4 chunks, in order
+        calls.clear()
+        monkeypatch.setattr(load_mod, "READ_GROUP_BYTES", 300 << 10)  # a group closes once it reaches the size
+        target["w"].zero_()
+        ckpt.load(target)
+        assert torch.equal(target["w"], values)
+        assert calls == [(0, 384 << 10), (384 << 10, 384 << 10), (768 << 10, 384 << 10), (1152 << 10, 384 << 10),
+                         (1536 << 10, 384 << 10), (1920 << 10, 128 << 10)]
+
+
+@pytest.mark.parametrize("byte", [100, (2 << 20) - 1])  # in the first group, in the last one
+def test_a_damaged_chunk_in_any_group_is_named_by_its_offset(tmp_path, byte):
+    values = torch.arange(512 * 1024, dtype=torch.float32)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, {"w": values}).result()
+        path = data_path(str(tmp_path), 1)
+        raw = bytearray(open(path, "rb").read())
+        raw[byte] ^= 0x01
+        with open(path, "wb") as f:
+            f.write(bytes(raw))
+        chunk = byte // (128 << 10) * (128 << 10)
+        with pytest.raises(ChecksumError, match=rf"chunk at byte {chunk} has checksum [0-9a-f]{{16}}, the manifest says"):
+            ckpt.load({"w": torch.zeros_like(values)})
+
+
+def test_bounded_all_returns_results_in_order_and_raises_the_first_error_after_all_ended():
+    ended = []
+
+    def slow(v):
+        def fn():
+            for _ in range(5):
+                time.sleep(0.02)
+                progress()
+            ended.append(v)
+            return v
+        return fn
+
+    assert bounded_all(0.5, "x", [slow(1), slow(2), lambda: 3]) == [1, 2, 3]
+
+    def bad():
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        bounded_all(0.5, "x", [bad, slow(4)])
+    assert 4 in ended  # the other call ran to its end before the error was raised
+
+
+def test_a_stalled_share_is_given_up_within_the_timeout_while_a_moving_one_is_not():
+    release = threading.Event()
+
+    def moving():
+        for _ in range(30):
+            time.sleep(0.02)
+            progress()
+        return "done"
+
+    t0 = time.monotonic()
+    with pytest.raises(StorageStalled, match=r"storage call reading 7 ranges made no progress for 0.3 s"):
+        bounded_all(0.3, "reading 7 ranges", [moving, lambda: release.wait(10)])
+    assert 0.3 <= time.monotonic() - t0 < 0.55  # given up before the moving share (0.6 s) ends
+    release.set()
