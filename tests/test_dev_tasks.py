@@ -38,3 +38,35 @@ def test_a_missing_or_unknown_benchmark_lists_the_benchmarks(dev, capsys, argv):
     names = out.split("NAME one of ")[1].split("; see")[0].split(", ")
     assert {"restore", "save_latency", "zephon_throughput"} <= set(names)
     assert not {"harness", "peers", "fsdp2_state"} & set(names)  # helpers, not benchmarks
+
+
+# the launches kept out of the default suite: each dev.py task must set the very variable its
+# tests' skip reads and run their file, or it passes with them skipped
+@pytest.mark.parametrize("task,files,variables", [
+    ("test-tier", ["test_flexckpt_tier.py"], ["FLEXCKPT_TIER_MATRIX"]),
+    ("test-nodeloss", ["test_flextrain_nodeloss.py"], ["FLEXTRAIN_NODELOSS"]),
+    ("test-flextrain", ["test_flextrain_resume.py", "test_flextrain_nodeloss.py"],
+     ["FLEXTRAIN_MATRIX", "FLEXTRAIN_NODELOSS"]),
+])
+def test_an_opt_in_task_sets_what_its_tests_read_and_runs_their_files(dev, monkeypatch, task, files, variables):
+    ran = []
+    monkeypatch.setattr(dev, "ensure_env", lambda: Path("py"))
+    monkeypatch.setattr(dev.subprocess, "call", lambda cmd, cwd, env: ran.append((cmd, env)) or 0)
+    for name in ("FLEXCKPT_TIER_MATRIX", "FLEXTRAIN_MATRIX", "FLEXTRAIN_NODELOSS"):
+        monkeypatch.delenv(name, raising=False)
+    assert dev.main([task]) == 0
+    (cmd, env), = ran
+    assert [Path(a).name for a in cmd if a.endswith(".py")] == files
+    assert {v: env.get(v) for v in variables} == dict.fromkeys(variables, "1")
+    for f in files:  # read by a skip of that file (the other variables are some other task's)
+        source = (ROOT / "tests" / f).read_text()
+        assert any(f'os.environ.get("{v}")' in source for v in variables), (f, variables)
+
+
+def test_the_kill_task_runs_every_chosen_point_and_100_random_times(dev, monkeypatch):
+    ran = []
+    monkeypatch.setattr(dev, "ensure_env", lambda: Path("py"))
+    monkeypatch.setattr(dev.subprocess, "call", lambda cmd, cwd, env: ran.append(cmd) or 0)
+    assert dev.main(["test-kill"]) == 0 and dev.main(["test-kill", "--random", "7"]) == 0
+    assert [cmd[1:] for cmd in ran] == [[str(ROOT / "tests" / "kill_trials.py"), "--chosen", "--random", "100"],
+                                         [str(ROOT / "tests" / "kill_trials.py"), "--chosen", "--random", "7"]]

@@ -214,6 +214,8 @@ def _restart(rank, world, url, root, nodes, oracle_step=None):
         oracle = dict(by_file)
     t1 = time.perf_counter()
     ck.close()
+    # unpatched for the next scenario of the launch (else each wraps the last one's counters)
+    Storage.read_bytes, RangeReader.read_into, RangeReader.read_scatter = orig_bytes, orig_into, orig_scatter
     print(f"rank {rank}: load {seconds:.2f} s, close {time.perf_counter() - t1:.2f} s", flush=True)
     return {"step": step, "exact": exact, "persistent_bytes": store_bytes, "lanes": state["data"].values,
             "want_lanes": want["data"].values, "meta": state["meta"], "source": rec.source, "reason": rec.reason,
