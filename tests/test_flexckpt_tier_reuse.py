@@ -168,6 +168,28 @@ def test_a_skipped_fast_save_holds_no_buffer(tmp_path, monkeypatch):
         ck.close()
 
 
+def test_a_fast_save_started_as_the_last_one_ends_is_not_taken_for_done(tmp_path, monkeypatch):
+    slow_tier_writes(monkeypatch, 0.5)
+    real = fast.FastTier._save_one
+
+    def tidy_slowly(self, job):
+        real(self, job)
+        time.sleep(0.3)  # the thread's own tidying after the handle said done (a mapping unmapped)
+
+    monkeypatch.setattr(fast.FastTier, "_save_one", tidy_slowly)
+    ck = checkpointer(tmp_path, stage_delay=0.0)
+    try:
+        assert ck.save_local(1, make_state(1)).result(30) == 1
+        second = ck.save_local(2, make_state(2))  # while the thread still tidies up after step 1
+        assert second is not None
+        time.sleep(0.4)  # the tidying is over; step 2's write (0.5 s) is not
+        assert not second.done()
+        assert ck.save_local(3, make_state(3)) is None and ck.tier.skipped == 1  # still in flight: skipped
+        assert second.result(30) == 2
+    finally:
+        ck.close()
+
+
 def test_a_failed_persistent_staging_fails_the_fast_save_that_shares_it(tmp_path, monkeypatch):
     ck = checkpointer(tmp_path)
     real = HostCopies.copy

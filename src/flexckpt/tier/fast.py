@@ -282,7 +282,8 @@ class FastTier:
                 if job.release is not None:  # (already, unless it failed before its data file was written)
                     job.release()
                     job.release = None
-                self._busy.clear()  # (already, before the handle said done: the next save is due then)
+                # not _busy.clear() here: _save_one cleared it before its handle said done, and
+                # the next fast save may have set it since (its job then waits in the queue)
 
     def _save_one(self, job: _FastJob) -> None:
         e, h = job.entry, job.handle
