@@ -49,17 +49,18 @@ def checkpointer(tmp_path, keep_last: int = 3, stage_delay: float = 1.0) -> Chec
                         stage_delay=stage_delay)
 
 
-def slow_tier_writes(monkeypatch, seconds: float) -> list:
-    """Each fast save pauses before it reads the staged bytes into the node's file (what a
-    loaded machine does); returns the list of pauses taken."""
-    real, taken = fast.write_data_file, []
+def slow_tier_writes(monkeypatch, ck: Checkpointer, seconds: float) -> list:
+    """Each fast save pauses before it reads the staged bytes into the node's data file
+    (what a loaded machine does); returns the list of pauses taken."""
+    real, taken = ck.tier.storage.write_stream, []
 
-    def slow(*a, **k):
-        taken.append(seconds)
-        time.sleep(seconds)
-        return real(*a, **k)
+    def slow(rel, parts, fsync=True):
+        if rel.endswith(".data"):
+            taken.append(seconds)
+            time.sleep(seconds)
+        return real(rel, parts, fsync)
 
-    monkeypatch.setattr(fast, "write_data_file", slow)
+    monkeypatch.setattr(ck.tier.storage, "write_stream", slow)
     return taken
 
 
@@ -69,7 +70,6 @@ def file_bytes(path: str) -> bytes:
 
 
 def test_shared_staging_holds_the_saved_bytes_in_both_tiers_when_the_state_changes_at_once(tmp_path, monkeypatch):
-    taken = slow_tier_writes(monkeypatch, 0.3)
     walks = []
     real_walk = fast.walk
     monkeypatch.setattr(fast, "walk", lambda *a, **k: walks.append(1) or real_walk(*a, **k))
@@ -77,6 +77,7 @@ def test_shared_staging_holds_the_saved_bytes_in_both_tiers_when_the_state_chang
     real_checksum = writer.checksum
     monkeypatch.setattr(writer, "checksum", lambda b: hashed.append(memoryview(b).nbytes) or real_checksum(b))
     ck = checkpointer(tmp_path)
+    taken = slow_tier_writes(monkeypatch, ck, 0.3)
     state = make_state(1)
     handles, fast_saves = {}, {}
     try:
@@ -153,8 +154,8 @@ def test_a_fast_save_alone_or_of_another_state_stages_its_own_copy(tmp_path):
 
 
 def test_a_skipped_fast_save_holds_no_buffer(tmp_path, monkeypatch):
-    slow_tier_writes(monkeypatch, 0.5)
     ck = checkpointer(tmp_path)
+    slow_tier_writes(monkeypatch, ck, 0.5)
     try:
         first = ck.save_local(1, make_state(1))  # busy for 0.5 s
         state = make_state(2)
@@ -169,7 +170,6 @@ def test_a_skipped_fast_save_holds_no_buffer(tmp_path, monkeypatch):
 
 
 def test_a_fast_save_started_as_the_last_one_ends_is_not_taken_for_done(tmp_path, monkeypatch):
-    slow_tier_writes(monkeypatch, 0.5)
     real = fast.FastTier._save_one
 
     def tidy_slowly(self, job):
@@ -178,6 +178,7 @@ def test_a_fast_save_started_as_the_last_one_ends_is_not_taken_for_done(tmp_path
 
     monkeypatch.setattr(fast.FastTier, "_save_one", tidy_slowly)
     ck = checkpointer(tmp_path, stage_delay=0.0)
+    slow_tier_writes(monkeypatch, ck, 0.5)
     try:
         assert ck.save_local(1, make_state(1)).result(30) == 1
         second = ck.save_local(2, make_state(2))  # while the thread still tidies up after step 1

@@ -35,6 +35,12 @@ class RawSums:
             return self._sums
 
 
+def raw_chunks(stream: memoryview, chunks: tuple[Chunk, ...], sums: RawSums | None = None) -> list[StoredChunk]:
+    """``chunks`` of an uncompressed stream as stored, checksummed (by ``sums`` where given)."""
+    return [StoredChunk(c.offset, c.length, c.offset, c.length, "none", h)
+            for c, h in zip(chunks, (sums or RawSums())(stream, chunks))]
+
+
 def write_data_file(
     storage: Storage,
     rel: str,
@@ -53,8 +59,7 @@ def write_data_file(
     if compression.codec == "none":
         # stored bytes are the raw stream: checksum each chunk, then write the whole file at
         # once, straight from the staging buffer to the device where the filesystem allows
-        stored = [StoredChunk(c.offset, c.length, c.offset, c.length, "none", h)
-                  for c, h in zip(chunks, (sums or RawSums())(stream, chunks))]
+        stored = raw_chunks(stream, chunks, sums)
         padded = buffer[: -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN]
         if not (direct and padded.nbytes <= buffer.nbytes and storage.write_direct(rel, padded, nbytes, fsync=fsync)):
             storage.write_stream(rel, [stream], fsync=fsync)

@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from flexckpt.checksum import checksum
-from flexckpt.codec import parse_compression
 from flexckpt.commit import keyed_entries, read_manifest, write_keyed
 from flexckpt.load import PendingLoad
 from flexckpt.checksum import ALGORITHM
@@ -67,7 +66,7 @@ from flexckpt.tier.placement import node_name, nodes_of, partners, sources
 from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_rank
 from flexckpt.tier.transport import Files, Header, Inbox, Incoming, announce, digest, send, send_range
 from flexckpt.tier.view import Received, StepView
-from flexckpt.writer import table_bytes, values_bytes, write_data_file
+from flexckpt.writer import raw_chunks, table_bytes, values_bytes
 from flexshard.world import ranks as n_ranks
 
 log = logging.getLogger("flexckpt")
@@ -310,16 +309,16 @@ class FastTier:
         makedirs(self.storage, f"{folder}/{job.attempt}")
         chunks = []
         data = f"{folder}/{data_name(job.attempt, self.rank)}"
-        if e.rank_plan.nbytes:
-            chunks = write_data_file(self.storage, data, stream, e.rank_plan.nbytes, e.rank_plan.chunks,
-                                     parse_compression(None), False, False,
-                                     None if job.shared is None else job.shared.sums)  # hashed once for both
+        files: dict[str, bytes | memoryview | np.ndarray] = {}
+        if e.rank_plan.nbytes:  # uncompressed: the file is the staged stream
+            self.storage.write_stream(data, [stream[: e.rank_plan.nbytes]], fsync=False)
         if job.release is not None:  # the node's file holds the bytes now: the buffer may be staged into again
             job.release()
             job.release = None
-        files: dict[str, bytes | memoryview | np.ndarray] = {}
-        if e.rank_plan.nbytes:  # the copy is sent from the node's file (mapped), not from a buffer
-            files[data_name(job.attempt, self.rank)] = _mapped(self.storage.path(data), 0, e.rank_plan.nbytes)
+        if e.rank_plan.nbytes:  # hashed from the node's file, and the copy sent from it (mapped): no buffer held
+            files[data_name(job.attempt, self.rank)] = mapped = _mapped(self.storage.path(data), 0, e.rank_plan.nbytes)
+            # a shared save's chunks are hashed once, by whichever of the two writers comes first
+            chunks = raw_chunks(memoryview(mapped), e.rank_plan.chunks, None if job.shared is None else job.shared.sums)
         table = table_bytes(rank=self.rank, attempt=job.attempt, codec="none", chunks=chunks)
         values = values_bytes(job.per_rank)
         files[table_name(job.attempt, self.rank)] = table
