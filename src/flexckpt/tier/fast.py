@@ -310,8 +310,8 @@ class FastTier:
         chunks = []
         data = f"{folder}/{data_name(job.attempt, self.rank)}"
         files: dict[str, bytes | memoryview | np.ndarray] = {}
-        if e.rank_plan.nbytes:  # uncompressed: the file is the staged stream
-            self.storage.write_stream(data, [stream[: e.rank_plan.nbytes]], fsync=False)
+        if e.rank_plan.nbytes:
+            write_data_file(self.storage, data, stream, e.rank_plan.nbytes)
         if job.release is not None:  # the node's file holds the bytes now: the buffer may be staged into again
             job.release()
             job.release = None
@@ -751,6 +751,12 @@ class FastTier:
                 file.where = f"rank {t.server} on node {self.node_names[t.server]}"
                 file.add(a.offset, box.buffers[i], functools.partial(box.ready, i))
         return sends, incoming, error
+
+
+def write_data_file(storage: Storage, rel: str, stream: memoryview, nbytes: int) -> None:
+    """A node's data file: the first ``nbytes`` of the staged stream as they are (this tier
+    never compresses and never fsyncs); its chunks are hashed afterwards, from the file."""
+    storage.write_stream(rel, [stream[:nbytes]], fsync=False)
 
 
 def _bytes_of(t: Any) -> np.ndarray | None:
