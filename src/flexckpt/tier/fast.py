@@ -343,7 +343,7 @@ class FastTier:
         self.saved += 1
         t2 = time.perf_counter()
         if self.partners:
-            # sent from where they are (the staged stream, the table and values): no packed copy
+            # sent from where they are (the node's data file, mapped; the table and values): no packed copy
             header = Header(job.step, int(job.attempt.rsplit(".", 1)[1]), self.global_ranks[self.rank],
                             len(meta) + sum(doc["files"].values()), digest(meta), 0, len(meta))
             for p in self.partners:
