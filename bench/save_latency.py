@@ -421,11 +421,11 @@ def profile_text(results: dict[int, dict], per_world: dict[int, dict], args: arg
         ["world", "in save() p50/p99 ms", "at fence p50/p99 ms", "stage copy p50/p99 ms", "memcpy ms",
          "write+fsync p50/p99 ms", "commit p50/p99 ms (rank 0)", "first save: save() + fence ms",
          "step work with vs without saves", "minor faults per step with / without", "invol. ctx switches per step with / without", "GC pauses in the save loop"], rows)]
-    for world, res in sorted(results.items()):
-        ss = res["runs"].get("flexckpt")
+    for (world, res), lib in ((wr, lib) for wr in sorted(results.items()) for lib in ("flexckpt", "flexckpt-tier")):
+        ss = res["runs"].get(lib)  # the tier row too: issue 17's p99
         if not ss or "worst" not in ss[0]:
             continue
-        lines += ["", f"World {world}, run 1: the first save and the three longest waits after it "
+        lines += ["", f"World {world}, run 1, {lib}: the first save and the three longest waits after it "
                       f"(per rank: save() / fence / stage copy / step work, ms):", ""]
         for w in ss[0]["worst"]:
             parts = "; ".join(f"r{i} {a:.1f} / {b:.1f} / {c:.1f} / {d:.0f}" for i, (a, b, c, d) in enumerate(w["per_rank"]))

@@ -45,6 +45,7 @@ from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import excluder, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
+from flexckpt.writer import RawSums
 from flexshard import current_world
 
 log = logging.getLogger("flexckpt")
@@ -177,6 +178,7 @@ class Checkpointer(SavePipeline, Committer):
         self._commit_q: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._handles: list[SaveHandle] = []
+        self._last_save: SaveJob | None = None
         self._closed = False
         self._copies: dict[torch.device, Any] = {}  # staging copies by device (copies_for)
         self._lock = threading.Lock()
@@ -275,16 +277,24 @@ class Checkpointer(SavePipeline, Committer):
         t_wait = time.perf_counter()
         buffer = self._pool.acquire()  # waits while max_in_flight saves are staged but not written
         handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
-        job = SaveJob(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt, keyed=dict(w.keyed))
+        job = SaveJob(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt, keyed=dict(w.keyed),
+                      lease=buffer.lease, state_id=id(state),
+                      sums=RawSums() if self.compression.codec == "none" else None)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
+            self._last_save = job  # a fast save of the same step and state takes its bytes (_share_staged)
         self._stage_q.put(job)
         handle.save_seconds = time.perf_counter() - t0
         return handle
 
     def save_local(self, step: int, state: dict) -> SaveHandle | None:
         """A fast-tier save of ``state`` as ``step`` (see ``local=``); None when skipped
-        because the previous fast save is still in flight (counted in ``tier.skipped``)."""
+        because the previous fast save is still in flight (counted in ``tier.skipped``).
+
+        Called for the step and the same ``state`` object as the last :meth:`save`, it
+        takes that save's capture and staged bytes (one walk, one staging copy; its
+        ``wait_staged()`` is that save's fence): the state must not change between the two
+        calls, as it must not before the fence."""
         if self.tier is None:
             raise ValueError("save_local needs a fast tier: Checkpointer(url, local=LocalTier(...))")
         return self.tier.save(self, step, state)
@@ -316,9 +326,10 @@ class Checkpointer(SavePipeline, Committer):
             for t in self._threads:
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._threads = []
-        self._pool.clear()
-        if self.tier is not None:
+        if self.tier is not None:  # first: a fast save in flight may hold a staging buffer
             self.tier.close(remove=not _at_exit)
+        self._last_save = None
+        self._pool.clear()
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -13,14 +13,17 @@ class SaveHandle:
     """One save in flight. ``wait_staged()`` is the fence after which the caller may
     change the state; ``result()`` returns once the checkpoint is committed."""
 
-    def __init__(self, step: int, wait_commit: "Any", attempt: str = "") -> None:
+    def __init__(self, step: int, wait_commit: "Any", attempt: str = "", fence_of: "SaveHandle | None" = None) -> None:
         self.step = step
         self.attempt = attempt  # this save attempt's folder inside the step folder
         self.save_seconds = 0.0  # time spent inside save()
         self.fence_seconds = 0.0  # time spent inside wait_staged()
         self.timings: dict[str, float] = {}
-        self._staged = threading.Event()
-        self._fence_called = threading.Event()
+        # fence_of: a save staged by another's copy (a fast-tier save that takes the bytes of
+        # the persistent save of its step) shares that save's fence
+        self._staged = threading.Event() if fence_of is None else fence_of._staged
+        self._fence_called = threading.Event() if fence_of is None else fence_of._fence_called
+        self._own_fence = fence_of is None
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._wait_commit = wait_commit  # non-coordinators: poll storage for the manifest
@@ -64,7 +67,8 @@ class SaveHandle:
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-        self._staged.set()
+        if self._own_fence:  # a shared fence is released by its own save's staging, never early
+            self._staged.set()
         self._done.set()
 
     def __repr__(self) -> str:

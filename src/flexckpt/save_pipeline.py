@@ -41,7 +41,7 @@ from flexckpt.plan import RankPlan, WritePlan, make_write_plan, part_of_world
 from flexckpt.staging import StagingBuffer, staging_device
 from flexckpt.structure import Walk, encode_plain, fingerprint
 from flexckpt.tier.inventory import makedirs
-from flexckpt.writer import encode_per_rank, table_bytes, values_bytes, write_data_file
+from flexckpt.writer import RawSums, encode_per_rank, table_bytes, values_bytes, write_data_file
 from flexshard import part_of
 
 
@@ -80,6 +80,10 @@ class SaveJob:
     ready: Any  # the copies' mark on the training stream (None on a CPU)
     attempt: str = ""
     keyed: dict[str, bytes] = field(default_factory=dict)  # this rank's bytes values, by key
+    lease: int = 0  # the buffer's acquisition that holds this save (BufferPool.share)
+    state_id: int = 0  # id() of the state saved: a fast save of the same step and state shares this one
+    staged_ok: bool = False  # the buffer holds the state (set before the fence is released)
+    sums: RawSums | None = None  # its chunk checksums, shared with a fast save of its bytes (uncompressed only)
     chunks: list = field(default_factory=list)
     line: list = field(default_factory=list)  # [fingerprint, table checksum, table bytes, stored bytes]
 
@@ -147,6 +151,17 @@ class SavePipeline:
         per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
         return srcs, plain, lanes, per_rank
 
+    def _share_staged(self, step: int, state: dict) -> SaveJob | None:
+        """The last ``save()``'s job when it saved ``step`` from this very ``state`` object
+        and its buffer still holds that save: the buffer then has one more holder (the
+        fast tier, which releases it once it has copied the bytes; the next staging into
+        the buffer waits for that). None otherwise."""
+        with self._lock:
+            job = self._last_save
+        if job is None or job.step != step or job.state_id != id(state):
+            return None
+        return job if self._pool.share(job.buffer, job.lease) else None
+
     def _ensure_threads(self) -> None:
         with self._lock:  # two threads' first saves must start one set of threads, not two
             if not self._threads:
@@ -181,6 +196,7 @@ class SavePipeline:
         finally:
             job.srcs = None  # the state is the caller's again
         job.handle.timings["stage_s"] = time.perf_counter() - t0
+        job.staged_ok = True
         job.handle._staged.set()
         self._write_q.put(job)
 
@@ -196,7 +212,7 @@ class SavePipeline:
                 job.chunks = write_data_file(
                     self.storage, f"{step_dir(job.step)}/{data_name(job.attempt, self.rank)}",
                     memoryview(job.buffer.data.numpy()), rank_plan.nbytes,
-                    rank_plan.chunks, self.compression, self.fsync, self.direct_io,
+                    rank_plan.chunks, self.compression, self.fsync, self.direct_io, job.sums,
                 )
         except BaseException as exc:  # noqa: BLE001
             self._report_failure(job, exc, "writing")

@@ -25,6 +25,7 @@ class StagingBuffer:
     first save then costs the trainer nothing for allocation and page faults)."""
 
     data: torch.Tensor | None = None  # flat uint8, page-aligned, a multiple of ALIGN long; pinned for GPUs
+    lease: int = 0  # counts the pool's acquisitions of it: which save's bytes it holds (BufferPool.share)
     _views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -58,23 +59,47 @@ class StagingBuffer:
 
 class BufferPool:
     """At most ``capacity`` buffers; :meth:`acquire` blocks while all are in use (that is
-    the bound on memory, and the wait counts as trainer wait)."""
+    the bound on memory, and the wait counts as trainer wait).
+
+    A buffer may have several holders: the persistent save that staged it, and a fast-tier
+    save of the same step that takes its bytes from it (:meth:`share`). It goes back to
+    the pool, to be staged into again, only when the last holder releases it; so the next
+    staging into it waits until every reader is done with it."""
 
     def __init__(self, capacity: int) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {capacity!r}")
         self.capacity = capacity
         self._free: list[StagingBuffer] = [StagingBuffer() for _ in range(capacity)]
+        self._holders: dict[int, int] = {}  # id of a buffer in use -> its holders
         self._cond = threading.Condition()
 
     def acquire(self) -> StagingBuffer:
         with self._cond:
             while not self._free:
                 self._cond.wait()
-            return self._free.pop()
+            buf = self._free.pop()
+            buf.lease += 1
+            self._holders[id(buf)] = 1
+            return buf
+
+    def share(self, buf: StagingBuffer, lease: int) -> bool:
+        """One more holder of ``buf`` while it still holds the save of acquisition ``lease``
+        (``buf.lease`` then): False, holding nothing, once that save's holders have all
+        released it (it may hold another save's bytes by now)."""
+        with self._cond:
+            if id(buf) not in self._holders or buf.lease != lease:
+                return False
+            self._holders[id(buf)] += 1
+            return True
 
     def release(self, buf: StagingBuffer) -> None:
         with self._cond:
+            left = self._holders[id(buf)] - 1
+            if left:
+                self._holders[id(buf)] = left
+                return
+            del self._holders[id(buf)]
             self._free.append(buf)
             self._cond.notify()
 

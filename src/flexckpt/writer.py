@@ -3,6 +3,7 @@ checksum what is stored, and write the rank's data file, then its chunk table.""
 from __future__ import annotations
 
 import base64
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -18,6 +19,28 @@ from flexckpt.plan import Chunk
 from flexckpt.storage import DIRECT_ALIGN, Storage
 
 
+class RawSums:
+    """The chunk checksums of one staged stream, computed once for the two writers that read
+    it uncompressed (a persistent save and the fast-tier save sharing its buffer): the first
+    caller hashes, the other waits for its result."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sums: list[str] | None = None
+
+    def __call__(self, stream: memoryview, chunks: tuple[Chunk, ...]) -> list[str]:
+        with self._lock:
+            if self._sums is None:
+                self._sums = [checksum(stream[c.offset : c.offset + c.length]) for c in chunks]
+            return self._sums
+
+
+def raw_chunks(stream: memoryview, chunks: tuple[Chunk, ...], sums: RawSums | None = None) -> list[StoredChunk]:
+    """``chunks`` of an uncompressed stream as stored, checksummed (by ``sums`` where given)."""
+    return [StoredChunk(c.offset, c.length, c.offset, c.length, "none", h)
+            for c, h in zip(chunks, (sums or RawSums())(stream, chunks))]
+
+
 def write_data_file(
     storage: Storage,
     rel: str,
@@ -27,17 +50,16 @@ def write_data_file(
     compression: Compression,
     fsync: bool,
     direct: bool = True,
+    sums: RawSums | None = None,
 ) -> list[StoredChunk]:
     """Write the first ``nbytes`` of ``buffer`` (a staging buffer, aligned and padded for
-    O_DIRECT) as one data file; returns the stored chunks, checksummed."""
+    O_DIRECT) as one data file; returns the stored chunks, checksummed (uncompressed: by
+    ``sums`` where given, shared with another writer of the same stream)."""
     stream = buffer[:nbytes]
     if compression.codec == "none":
         # stored bytes are the raw stream: checksum each chunk, then write the whole file at
         # once, straight from the staging buffer to the device where the filesystem allows
-        stored = [
-            StoredChunk(c.offset, c.length, c.offset, c.length, "none", checksum(stream[c.offset : c.offset + c.length]))
-            for c in chunks
-        ]
+        stored = raw_chunks(stream, chunks, sums)
         padded = buffer[: -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN]
         if not (direct and padded.nbytes <= buffer.nbytes and storage.write_direct(rel, padded, nbytes, fsync=fsync)):
             storage.write_stream(rel, [stream], fsync=fsync)

@@ -5,7 +5,10 @@ return a ``SaveHandle``; no collective. A background thread stages the pieces in
 buffer of its own (the fence), writes the rank's files in the v2 format into the node's
 folder (a local ``Storage``), marks them complete, prunes to ``keep_last`` steps, then
 sends a copy to each partner (``transport.send``). A fast save that falls due while the
-previous one is still in flight is skipped and counted, never waited for.
+previous one is still in flight is skipped and counted, never waited for. A fast save of
+the step and state the last persistent save took walks and stages nothing: it reads that
+save's staged buffer (one more holder of it, ``BufferPool.share``) and lets go of it once
+the node's data file is written; the copy is sent from that file.
 
 Recover (``recover``, every rank, at ``load()``): one all-gather of the nodes' inventories
 on the tier's group, the newest step complete across the surviving nodes (or partly held,
@@ -39,13 +42,13 @@ import torch
 import torch.distributed as dist
 
 from flexckpt.checksum import checksum
-from flexckpt.codec import parse_compression
 from flexckpt.commit import keyed_entries, read_manifest, write_keyed
 from flexckpt.load import PendingLoad
 from flexckpt.checksum import ALGORITHM
 from flexckpt.manifest import (
     FORMAT, VERSION, SavedTensor, data_name, keyed_name, parse_manifest, seal, step_dir, table_name, values_name,
 )
+from flexckpt.errors import SaveError
 from flexckpt.handle import SaveHandle
 from flexckpt.plan import part_of_world
 from flexckpt.save_pipeline import Attempts
@@ -63,7 +66,7 @@ from flexckpt.tier.placement import node_name, nodes_of, partners, sources
 from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_rank
 from flexckpt.tier.transport import Files, Header, Inbox, Incoming, announce, digest, send, send_range
 from flexckpt.tier.view import Received, StepView
-from flexckpt.writer import table_bytes, values_bytes, write_data_file
+from flexckpt.writer import raw_chunks, table_bytes, values_bytes
 from flexshard.world import ranks as n_ranks
 
 log = logging.getLogger("flexckpt")
@@ -99,6 +102,8 @@ class _FastJob:
     per_rank: dict
     cuda: Any
     keyed: dict = field(default_factory=dict)  # bytes values by key (carried in the marker, as records carry them)
+    shared: Any = None  # the persistent save of the same step whose staged buffer this save reads
+    release: Any = None  # lets go of that buffer (once, after the node's data file is written)
 
 
 def _lineage_of(files: list[str]) -> str | None:
@@ -231,21 +236,33 @@ class FastTier:
             log.info("flexckpt fast tier: step %d skipped (the previous fast save is still in flight; %d skipped)",
                      step, self.skipped)
             return None
-        w = walk(state, self.rank, self.world)
-        entry = ckpt._plan_for(w)
+        shared = ckpt._share_staged(step, state)  # the persistent save of this step: its capture and bytes
+        if shared is not None:
+            entry, srcs, plain, lanes, per_rank, keyed = (shared.entry, None, shared.plain, shared.lanes,
+                                                          shared.per_rank, shared.keyed)
+        else:
+            w = walk(state, self.rank, self.world)
+            entry = ckpt._plan_for(w)
+            srcs, plain, lanes, per_rank = ckpt._capture(w, entry)  # now: the pipeline moves on
+            keyed = dict(w.keyed)
         if not self._space_checked:
-            self._check_space(entry.rank_plan.nbytes)
+            try:
+                self._check_space(entry.rank_plan.nbytes)
+            except BaseException:
+                if shared is not None:
+                    ckpt._pool.release(shared.buffer)
+                raise
             self._space_checked = True
-        srcs, plain, lanes, per_rank = ckpt._capture(w, entry)  # now: the pipeline moves on
         lanes = {k: orjson.Fragment(v) for k, v in lanes.items()}
         attempt = self._attempts.next(step)
-        handle = SaveHandle(step, None, attempt)
-        cuda = self._copier(entry)
+        handle = SaveHandle(step, None, attempt, fence_of=None if shared is None else shared.handle)
+        cuda = self._copier(entry) if shared is None else None
         self._busy.set()
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=f"flexckpt-tier-r{self.rank}", daemon=True)
             self._thread.start()
-        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda, dict(w.keyed)))
+        release = None if shared is None else functools.partial(ckpt._pool.release, shared.buffer)
+        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda, keyed, shared, release))
         return handle
 
     def _serve(self) -> None:
@@ -261,33 +278,49 @@ class FastTier:
                 job.handle._fail(exc)
             finally:
                 job.srcs = None
-                self._busy.clear()  # (already, before the handle said done: the next save is due then)
+                if job.release is not None:  # (already, unless it failed before its data file was written)
+                    job.release()
+                    job.release = None
+                # not _busy.clear() here: _save_one cleared it before its handle said done, and
+                # the next fast save may have set it since (its job then waits in the queue)
 
     def _save_one(self, job: _FastJob) -> None:
         e, h = job.entry, job.handle
         t0 = time.perf_counter()
-        try:
-            self._buffer.ensure(e.rank_plan.nbytes, pin=_on_gpu(e))
-            dsts = self._buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
-            job.cuda(dsts, job.srcs)
-        finally:
-            job.srcs = None
-            h._staged.set()
+        if job.shared is not None:  # the persistent save stages the bytes; this save reads its buffer
+            job.shared.handle._staged.wait()
+            if not job.shared.staged_ok:
+                raise SaveError(f"the persistent save of step {job.step}, whose staged bytes this fast save takes, "
+                                f"failed while staging: {job.shared.handle.exception()}")
+            stream = memoryview(job.shared.buffer.data.numpy())
+        else:
+            try:
+                self._buffer.ensure(e.rank_plan.nbytes, pin=_on_gpu(e))
+                dsts = self._buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
+                job.cuda(dsts, job.srcs)
+            finally:
+                job.srcs = None
+                h._staged.set()
+            stream = memoryview(self._buffer.data.numpy())
         h.timings["stage_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         folder = step_dir(job.step)
         self._prune(self.rank, self.config.keep_last - 1)  # room for this step: keep_last steps at most
         makedirs(self.storage, f"{folder}/{job.attempt}")
         chunks = []
+        data = f"{folder}/{data_name(job.attempt, self.rank)}"
+        files: dict[str, bytes | memoryview | np.ndarray] = {}
         if e.rank_plan.nbytes:
-            chunks = write_data_file(self.storage, f"{folder}/{data_name(job.attempt, self.rank)}",
-                                     memoryview(self._buffer.data.numpy()), e.rank_plan.nbytes, e.rank_plan.chunks,
-                                     parse_compression(None), False, False)
+            write_data_file(self.storage, data, stream, e.rank_plan.nbytes)
+        if job.release is not None:  # the node's file holds the bytes now: the buffer may be staged into again
+            job.release()
+            job.release = None
+        if e.rank_plan.nbytes:  # hashed from the node's file, and the copy sent from it (mapped): no buffer held
+            files[data_name(job.attempt, self.rank)] = mapped = _mapped(self.storage.path(data), 0, e.rank_plan.nbytes)
+            # a shared save's chunks are hashed once, by whichever of the two writers comes first
+            chunks = raw_chunks(memoryview(mapped), e.rank_plan.chunks, None if job.shared is None else job.shared.sums)
         table = table_bytes(rank=self.rank, attempt=job.attempt, codec="none", chunks=chunks)
         values = values_bytes(job.per_rank)
-        files: dict[str, bytes | memoryview] = {}
-        if e.rank_plan.nbytes:  # the data file's bytes are the staged stream (no compression in this tier)
-            files[data_name(job.attempt, self.rank)] = memoryview(self._buffer.data.numpy())[: e.rank_plan.nbytes]
         files[table_name(job.attempt, self.rank)] = table
         self.storage.put_atomic(f"{folder}/{table_name(job.attempt, self.rank)}", table, fsync=False)
         if values:
@@ -310,7 +343,7 @@ class FastTier:
         self.saved += 1
         t2 = time.perf_counter()
         if self.partners:
-            # sent from where they are (the staged stream, the table and values): no packed copy
+            # sent from where they are (the node's data file, mapped; the table and values): no packed copy
             header = Header(job.step, int(job.attempt.rsplit(".", 1)[1]), self.global_ranks[self.rank],
                             len(meta) + sum(doc["files"].values()), digest(meta), 0, len(meta))
             for p in self.partners:
@@ -718,6 +751,12 @@ class FastTier:
                 file.where = f"rank {t.server} on node {self.node_names[t.server]}"
                 file.add(a.offset, box.buffers[i], functools.partial(box.ready, i))
         return sends, incoming, error
+
+
+def write_data_file(storage: Storage, rel: str, stream: memoryview, nbytes: int) -> None:
+    """A node's data file: the first ``nbytes`` of the staged stream as they are (this tier
+    never compresses and never fsyncs); its chunks are hashed afterwards, from the file."""
+    storage.write_stream(rel, [stream[:nbytes]], fsync=False)
 
 
 def _bytes_of(t: Any) -> np.ndarray | None:
