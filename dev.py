@@ -8,9 +8,8 @@ it is up to date. Needs nothing but Python 3.10+.
     python3 dev.py test-torchtitan # torchtitan's trainer with flexckpt and zephon: the full matrix
     python3 dev.py test-tierkill [--random N] # SIGKILL during fast-tier copies: every chosen point + N random (60)
     python3 dev.py test-kill [--random N] # SIGKILL during saves: every chosen storage call + N random times (100)
-    python3 dev.py test-tier       # the fast tier's tests with the 4 -> 3 rank restart (a launch of its own)
     python3 dev.py test-nodeloss   # flextrain, 12 lanes, 4 nodes: loses a node, resumes on 3 and 2 ranks (fast tier)
-    python3 dev.py test-flextrain  # flextrain's launch matrix: resume at D=4, SIGTERM to 2-rank torchrun, node loss
+    python3 dev.py test-flextrain  # flextrain's launch matrix: the resume tests, SIGTERM to 2-rank torchrun, node loss
     python3 dev.py bench NAME ...  # a benchmark from bench/ (see bench/README.md)
     python3 dev.py shell CMD ...   # run CMD inside the environment
 """
@@ -28,7 +27,7 @@ VENV = ROOT / ".venv"
 # The CPU build lies on these machines' disk; a bare "torch" would download a CUDA build.
 TORCH = "torch==2.13.0"
 EXTRAS = "test,bench"
-TASKS = ("demo", "demo-checkpoint", "test", "test-torchtitan", "test-tierkill", "test-kill", "test-tier", "test-nodeloss",
+TASKS = ("demo", "demo-checkpoint", "test", "test-torchtitan", "test-tierkill", "test-kill", "test-nodeloss",
          "test-flextrain", "bench", "shell")
 
 
@@ -92,9 +91,6 @@ def main(argv: list[str]) -> int:
         cmd = [py, str(ROOT / "tests" / "tier_kill_trials.py"), "--chosen", *(rest or ["--random", "60"])]
     elif task == "test-kill":
         cmd = [py, str(ROOT / "tests" / "kill_trials.py"), "--chosen", *(rest or ["--random", "100"])]
-    elif task == "test-tier":
-        env["FLEXCKPT_TIER_MATRIX"] = "1"
-        cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_flexckpt_tier.py"), "-q", *rest]
     elif task == "test-nodeloss":
         env["FLEXTRAIN_NODELOSS"] = "1"
         cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_flextrain_nodeloss.py"), "-q", "-s", *rest]

@@ -5,7 +5,7 @@ Nodes are emulated on one machine: each node is a folder and a set of ranks
 (``FLEXCKPT_NODE`` names a rank's node). A "kill" leaves the ranks' files exactly as a
 SIGKILL would (no close, no clean-up at exit); torchrun then restarts every worker. Three
 launches: the killed runs (4 ranks), every 2-rank restart (``restarted_at_two``), and the
-4 -> 3 rank restart, only under ``python3 dev.py test-tier``."""
+4 -> 3 rank restart."""
 import atexit
 import inspect
 import os
@@ -30,7 +30,6 @@ from scenario_group import run_scenarios
 LANES = 12
 SHAPES = {"w": (96, 40), "b": (37,), "e": (50, 8)}
 TIMEOUT = 240  # whole launches; a loaded 2-core machine starts 4 ranks in ~30 s
-MATRIX = os.environ.get("FLEXCKPT_TIER_MATRIX") == "1"  # python3 dev.py test-tier: the 3-rank restart too
 
 
 def global_tensor(name: str, step: int) -> torch.Tensor:
@@ -283,9 +282,7 @@ def test_zero_collectives_on_the_training_thread_and_only_send_recv_on_the_tier_
 
 
 @pytest.mark.parametrize("survivors", [
-    pytest.param(["n0", "n1", "n3"], marks=pytest.mark.skipif(
-        not MATRIX, reason="4 -> 3 ranks, a launch of its own: python3 dev.py test-tier (the 2-rank cases cover "
-                           "the same properties, a partial fetch in the both-copies-lost case)")),
+    ["n0", "n1", "n3"],
     ["n3", "n1"],
 ])
 def test_node_lost_restores_fast_step_renumbered_without_reading_the_store(killed, restarted_at_two, survivors,
