@@ -305,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                 ranks = run_workers(load_worker, world, cfg, root, order, timeout=600)
                 results.setdefault(world, []).append(ranks)
                 r = _summ(ranks)
+                dcp = f"dcp cold {r['dcp_cold']:.3f} s warm {r['dcp_warm']:.3f} s; " if "dcp" in args.libs else ""
                 msg = (f"run {run + 1}/{args.runs} world {world}: flexckpt cold {r['flexckpt_cold']:.3f} s warm {r['flexckpt_warm']:.3f} s; "
-                       f"dcp cold {r['dcp_cold']:.3f} s warm {r['dcp_warm']:.3f} s; raw cold {r['raw_cold']:.3f} s warm {r['raw_warm']:.3f} s; "
-                       f"{H.load_line()}")
+                       f"{dcp}raw cold {r['raw_cold']:.3f} s warm {r['raw_warm']:.3f} s; {H.load_line()}")
                 print(msg + (f"  WRONG: {r['bad']}" if r["bad"] else ""), file=sys.stderr, flush=True)
     finally:
         if args.dir is None:
@@ -356,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.read_threads or 'default'}; e.g. rank 0 at world {args.load_worlds[0]} read {stats.get('bytes_read', 0) / H.MIB:.1f} MiB in "
         f"{stats.get('fetches', '?')} fetches ({stats.get('direct_chunks', '?')} of {stats.get('chunks', '?')} chunks straight into the targets).",
         "",
-        H.markdown_table(["load", "flexckpt cold", "dcp.load cold", "speed-up", "raw cold MiB/s", "flexckpt warm", "dcp.load warm",
-                          "speed-up", "raw warm MiB/s", "loaded state"], rows),
+        H.markdown_table(*_without_dcp(["load", "flexckpt cold", "dcp.load cold", "speed-up", "raw cold MiB/s", "flexckpt warm",
+                                        "dcp.load warm", "speed-up", "raw warm MiB/s", "loaded state"], rows, args.libs)),
         "",
         "### flexckpt against the issue's load goals (this run)",
         "",
@@ -376,6 +376,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _ok(b: bool) -> str:
     return "yes" if b else "**no**"
+
+
+def _without_dcp(header: list[str], rows: list[list[str]], libs: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The table without dcp's columns (its time and the speed-up) when ``--libs`` left dcp out."""
+    if "dcp" in libs:
+        return header, rows
+    keep = [i for i in range(len(header)) if i not in (2, 3, 6, 7)]
+    return [header[i] for i in keep], [[row[i] for i in keep] for row in rows]
 
 
 def _summ(ranks: list[dict]) -> dict:
