@@ -103,3 +103,31 @@ def test_a_stalled_share_is_given_up_within_the_timeout_while_a_moving_one_is_no
         bounded_all(0.3, "reading 7 ranges", [moving, lambda: release.wait(10)])
     assert 0.3 <= time.monotonic() - t0 < 0.55  # given up before the moving share (0.6 s) ends
     release.set()
+
+
+def test_a_stores_file_is_read_a_fetch_per_request_also_when_the_fast_tiers_view_routes_it(tmp_path, monkeypatch):
+    """Grouping is decided per file: a store's file (here ``memory://``) is read one request a
+    fetch, also through the fast tier's view over a local folder, which routes a part missing
+    from every node to the store; the node's own files and a peer's ranges are read in groups."""
+    import uuid
+
+    from flexckpt.storage import Storage
+    from flexckpt.tier.view import Received, StepView
+
+    values = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB: one fetch, 16 chunks
+    with Checkpointer(f"memory://loadloop-{uuid.uuid4().hex}") as ckpt:
+        ckpt.save(1, {"w": values}).result()
+        calls = counting_reads(monkeypatch)
+        target = {"w": torch.zeros_like(values)}
+        ckpt.load(target)
+        assert torch.equal(target["w"], values)
+        assert calls == [(0, 2 << 20)]  # the whole fetch in one request
+        store = ckpt.storage
+        (saved,) = [p for p in store.fs.find(store.root) if p.endswith(".data")]
+        saved = os.path.relpath(saved, store.root)
+    node = Storage(str(tmp_path))
+    (tmp_path / "own.data").write_bytes(b"x" * 8)
+    view = StepView(node, {saved: store, "peer.data": Received("peer.data", 8, "a peer")})
+    assert view.local  # the view is over the node's folder ...
+    assert not view.open_reader(saved).local  # ... but the store's file through it is read a fetch per request
+    assert view.open_reader("own.data").local and view.open_reader("peer.data").local

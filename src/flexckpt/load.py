@@ -165,7 +165,6 @@ class PendingLoad:
         lock = threading.Lock()
         local = threading.local()
         folder = step_dir(self.manifest.step)
-        grouped = getattr(self.storage, "local", False)  # elsewhere a read is a request: one a fetch
 
         def reader(file: str) -> RangeReader:
             with lock:
@@ -230,7 +229,8 @@ class PendingLoad:
                 ends.append(len(places))
                 whole += direct
             rd = reader(f.file)
-            if not grouped:
+            if not getattr(rd, "local", False):  # a store's file: a read is a request, one a fetch
+                # (decided per file: the fast tier's view routes a missing part to the store)
                 rd.read_scatter(f.offset, places)
                 verify(f.reads, ends, places, 0, where)
                 return whole

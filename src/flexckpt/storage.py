@@ -324,6 +324,11 @@ class RangeReader:
         except FileNotFoundError:
             raise MissingFile(f"{self.path} is missing") from None
 
+    @property
+    def local(self) -> bool:
+        """A local file: a load reads its fetches in groups of chunks (a store's: one request a fetch)."""
+        return self.storage.local
+
     @_watched
     def read_into(self, offset: int, out: memoryview) -> None:
         n = out.nbytes

@@ -22,6 +22,8 @@ class Received:
     """Byte ranges of one file sent by a peer: ``add`` a buffer (filled once ``ready()``
     returns) for each range asked for; reads outside them fail."""
 
+    local = True  # in memory as it arrives: a load reads and verifies it in groups of chunks
+
     def __init__(self, rel: str, size: int, where: str) -> None:
         self.rel, self.size, self.where = rel, size, where
         self._starts: list[int] = []
