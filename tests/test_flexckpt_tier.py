@@ -498,13 +498,13 @@ def test_a_fast_save_due_while_the_last_is_in_flight_is_skipped_and_counted(tmp_
     import flexckpt.tier.fast as fast
 
     release = threading.Event()
-    real = fast.write_data_file
+    real = fast.write_node_file
 
     def slow_write(*a, **k):
         release.wait(30)
         return real(*a, **k)
 
-    monkeypatch.setattr(fast, "write_data_file", slow_write)
+    monkeypatch.setattr(fast, "write_node_file", slow_write)
     ck = _one(tmp_path)
     first = ck.save_local(1, make_state(0, 1, 1))
     t0 = time.perf_counter()

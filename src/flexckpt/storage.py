@@ -71,6 +71,7 @@ class Storage:
         if self.local:
             self.root = os.path.abspath(self.root)
         self.parallel_reads = not self.local  # small reads pay per request: issue them at once
+        self._real_root: str | None = None  # the root's real location, found at the first check_inside
 
     def __getstate__(self) -> dict:
         raise TypeError("Storage is not picklable; pass the URL instead")
@@ -85,7 +86,7 @@ class Storage:
         is inside; any other path is resolved in full."""
         if not self.local:
             return
-        root = self.__dict__.get("_real_root")
+        root = self._real_root
         if root is None:
             root = self._real_root = os.path.realpath(self.root)
         here = self.root.rstrip("/")

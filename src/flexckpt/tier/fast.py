@@ -105,6 +105,12 @@ class _FastJob:
     shared: Any = None  # the persistent save of the same step whose staged buffer this save reads
     release: Any = None  # lets go of that buffer (once, after the node's data file is written)
 
+    def let_go(self) -> None:
+        """Release the shared staging buffer, if this save still holds it."""
+        if self.release is not None:
+            self.release()
+            self.release = None
+
 
 def _lineage_of(files: list[str]) -> str | None:
     """The lineage a tier folder's first readable marker names, or None."""
@@ -278,9 +284,7 @@ class FastTier:
                 job.handle._fail(exc)
             finally:
                 job.srcs = None
-                if job.release is not None:  # (already, unless it failed before its data file was written)
-                    job.release()
-                    job.release = None
+                job.let_go()  # (already, unless it failed before its data file was written)
                 # not _busy.clear() here: _save_one cleared it before its handle said done, and
                 # the next fast save may have set it since (its job then waits in the queue)
 
@@ -311,10 +315,8 @@ class FastTier:
         data = f"{folder}/{data_name(job.attempt, self.rank)}"
         files: dict[str, bytes | memoryview | np.ndarray] = {}
         if e.rank_plan.nbytes:
-            write_data_file(self.storage, data, stream, e.rank_plan.nbytes)
-        if job.release is not None:  # the node's file holds the bytes now: the buffer may be staged into again
-            job.release()
-            job.release = None
+            write_node_file(self.storage, data, stream, e.rank_plan.nbytes)
+        job.let_go()  # the node's file holds the bytes now: the buffer may be staged into again
         if e.rank_plan.nbytes:  # hashed from the node's file, and the copy sent from it (mapped): no buffer held
             files[data_name(job.attempt, self.rank)] = mapped = _mapped(self.storage.path(data), 0, e.rank_plan.nbytes)
             # a shared save's chunks are hashed once, by whichever of the two writers comes first
@@ -753,7 +755,7 @@ class FastTier:
         return sends, incoming, error
 
 
-def write_data_file(storage: Storage, rel: str, stream: memoryview, nbytes: int) -> None:
+def write_node_file(storage: Storage, rel: str, stream: memoryview, nbytes: int) -> None:
     """A node's data file: the first ``nbytes`` of the staged stream as they are (this tier
     never compresses and never fsyncs); its chunks are hashed afterwards, from the file."""
     storage.write_stream(rel, [stream[:nbytes]], fsync=False)
