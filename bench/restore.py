@@ -21,8 +21,9 @@ raw reference reads the flexckpt checkpoint's data files themselves, split into 
 byte ranges over the ranks, with pread into a buffer, cold and warm. Each run (fresh
 rank processes per world) makes ``--loads`` rounds of the raw read and every library's
 load, cold then warm; figures are medians over every round of every run (on a machine
-shared with other work, rounds taken a second apart disturb each other less than runs). ``--libs flexckpt`` leaves dcp out (neither saved nor loaded; its
-columns read "-"): the restore-against-raw rows in a third of the time.
+shared with other work, rounds taken a second apart disturb each other less than runs).
+``--libs flexckpt`` leaves dcp out (neither saved nor loaded; its columns read "-"): the
+restore-against-raw rows in a third of the time.
 """
 from __future__ import annotations
 
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                 order = order if run % 2 == 0 else order[::-1]
                 ranks = run_workers(load_worker, world, cfg, root, order, timeout=600)
                 results.setdefault(world, []).append(ranks)
-                r = {k: H.median(v) for k, v in _summ(ranks).items() if k != "bad"} | {"bad": _summ(ranks)["bad"]}
+                r = {k: v if k == "bad" else H.median(v) for k, v in _summ(ranks).items()}  # this run's medians
                 dcp = f"dcp cold {r['dcp_cold']:.3f} s warm {r['dcp_warm']:.3f} s; " if "dcp" in args.libs else ""
                 msg = (f"run {run + 1}/{args.runs} world {world}: flexckpt cold {r['flexckpt_cold']:.3f} s warm {r['flexckpt_warm']:.3f} s; "
                        f"{dcp}raw cold {r['raw_cold']:.3f} s warm {r['raw_warm']:.3f} s; {H.load_line()}")
