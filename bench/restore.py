@@ -3,7 +3,7 @@ when the world differs), flexckpt's ``Checkpointer.load`` against ``dcp.load``, 
 cold page cache (the checkpoint's files dropped with fadvise) and from a warm one.
 
     python3 dev.py bench restore [--mb-per-rank 50] [--tensors 200] [--load-worlds 2 1 4]
-        [--runs 3] [--libs flexckpt dcp] [--dir PATH] [--out PATH]
+        [--runs 3] [--loads 3] [--libs flexckpt dcp] [--read-threads N] [--dir PATH] [--out PATH]
     python3 dev.py bench restore --versus c0aceba [--runs 3] [--repeat 5]
 
 ``--versus REF`` is another mode (issue 18's "warm restore 2 -> 1, this format against
@@ -18,9 +18,12 @@ without compression). Each load goes into zeroed tensors of the target world's l
 and is checked element by element afterwards. Seconds are the slowest rank's, from a
 barrier to the end of its load call; MiB/s is the whole state over those seconds. The
 raw reference reads the flexckpt checkpoint's data files themselves, split into equal
-byte ranges over the ranks, with pread into a buffer, cold and warm. Figures are
-medians over runs. ``--libs flexckpt`` leaves dcp out (neither saved nor loaded; its
-columns read "-"): the restore-against-raw rows in a third of the time.
+byte ranges over the ranks, with pread into a buffer, cold and warm. Each run (fresh
+rank processes per world) makes ``--loads`` rounds of the raw read and every library's
+load, cold then warm; figures are medians over every round of every run (on a machine
+shared with other work, rounds taken a second apart disturb each other less than runs).
+``--libs flexckpt`` leaves dcp out (neither saved nor loaded; its columns read "-"): the
+restore-against-raw rows in a third of the time.
 """
 from __future__ import annotations
 
@@ -147,28 +150,39 @@ def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -
             pos += size
         return time.perf_counter() - t0
 
-    def load(lib: str) -> tuple[float, list[str], dict]:
+    def load(lib: str) -> tuple[float, float, list[str], dict]:
+        """Wall and CPU seconds (every thread of this rank's process) of one load, the
+        tensors that came out wrong, flexckpt's load stats."""
         for t in target.values():
             t.zero_()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if lib == "flexckpt":
             ckpt.load(_sharded(target, specs, rank, world))
             stats = vars(ckpt.last_load_stats).copy() if ckpt.last_load_stats else {}
         else:
             dcp.load(_dtensors(target, specs, world), checkpoint_id=os.path.join(root, "dcp"))
             stats = {}
-        seconds = time.perf_counter() - t0
-        return seconds, H.mismatches(target, specs, rank, world, version=7), stats
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return seconds, cpu, H.mismatches(target, specs, rank, world, version=7), stats
 
-    cold()
-    out["raw_cold"] = raw_read()
-    out["raw_warm"] = raw_read()
-    for lib in order:
+    # ``loads`` rounds, each the raw read and every library's load, cold then warm: the
+    # rounds' figures are paired (taken within a second of each other), and lists
+    for k in ("raw_cold", "raw_warm", *(f"{lib}_{kind}" for lib in order for kind in ("cold", "warm", "cpu_cold", "cpu_warm"))):
+        out[k] = []
+    for i in range(cfg.get("loads", 1)):
         cold()
-        out[f"{lib}_cold"], bad_c, out[f"{lib}_stats"] = load(lib)
-        out[f"{lib}_warm"], bad_w, _ = load(lib)
-        out[f"{lib}_bad"] = sorted(set(bad_c + bad_w))[:5]
+        out["raw_cold"].append(raw_read())
+        out["raw_warm"].append(raw_read())
+        for lib in (order if i % 2 == 0 else order[::-1]):
+            cold()
+            seconds, cpu, bad_c, out[f"{lib}_stats"] = load(lib)
+            out[f"{lib}_cold"].append(seconds)
+            out[f"{lib}_cpu_cold"].append(cpu)
+            seconds, cpu, bad_w, _ = load(lib)
+            out[f"{lib}_warm"].append(seconds)
+            out[f"{lib}_cpu_warm"].append(cpu)
+            out[f"{lib}_bad"] = sorted(set(out.get(f"{lib}_bad", []) + bad_c + bad_w))[:5]
     ckpt.close()
     out["total"] = total
     return out
@@ -269,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb-per-rank", type=float, default=50.0, help="MiB of state per rank at the saving world 2 (default 50)")
     p.add_argument("--tensors", type=int, default=200, help="tensors in the state (default 200)")
     p.add_argument("--load-worlds", type=int, nargs="+", default=[2, 1, 4], help="world sizes to load at (default: 2 1 4)")
-    p.add_argument("--runs", type=int, default=3, help="runs; figures are medians over them (default 3)")
+    p.add_argument("--runs", type=int, default=3, help="runs (fresh rank processes per world); figures are medians (default 3)")
+    p.add_argument("--loads", type=int, default=3,
+                   help="rounds of loads per run, each the raw read then each library's, cold then warm: paired samples "
+                        "within a second of each other, less disturbed by a shared machine's load (default 3)")
     p.add_argument("--libs", nargs="+", choices=["flexckpt", "dcp"], default=["flexckpt", "dcp"],
                    help="libraries to save and load (default: both; flexckpt always); the raw read is always measured")
     p.add_argument("--read-threads", type=int, default=None,
@@ -283,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if "flexckpt" not in args.libs:
         p.error(f"--libs {' '.join(args.libs)}: flexckpt must be one of them (its checkpoint is what the raw read reads)")
-    cfg = {"mb_per_rank": args.mb_per_rank, "tensors": args.tensors, "read_threads": args.read_threads, "libs": args.libs}
+    if args.loads < 1 or args.runs < 1:
+        p.error(f"--runs {args.runs} --loads {args.loads}: each must be at least 1")
+    cfg = {"mb_per_rank": args.mb_per_rank, "tensors": args.tensors, "read_threads": args.read_threads, "libs": args.libs,
+           "loads": args.loads}
     if args.one_process:
         print(json.dumps(_one_process(args.one_process, cfg, args.repeat)))
         return 0
@@ -304,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                 order = order if run % 2 == 0 else order[::-1]
                 ranks = run_workers(load_worker, world, cfg, root, order, timeout=600)
                 results.setdefault(world, []).append(ranks)
-                r = _summ(ranks)
+                r = {k: v if k == "bad" else H.median(v) for k, v in _summ(ranks).items()}  # this run's medians
                 dcp = f"dcp cold {r['dcp_cold']:.3f} s warm {r['dcp_warm']:.3f} s; " if "dcp" in args.libs else ""
                 msg = (f"run {run + 1}/{args.runs} world {world}: flexckpt cold {r['flexckpt_cold']:.3f} s warm {r['flexckpt_warm']:.3f} s; "
                        f"{dcp}raw cold {r['raw_cold']:.3f} s warm {r['raw_warm']:.3f} s; {H.load_line()}")
@@ -318,16 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     any_bad = False
     for world in args.load_worlds:
         summ = [_summ(r) for r in results[world]]
-        med = {k: H.median(s[k] for s in summ) for k in ("flexckpt_cold", "flexckpt_warm", "dcp_cold", "dcp_warm", "raw_cold", "raw_warm")}
+        med = {k: H.median(x for s in summ for x in s[k]) for k in KEYS}  # over every round of every run
         bad = sorted({b for s in summ for b in s["bad"]})
         any_bad |= bool(bad)
-        mibs = {k: state_mib / v for k, v in med.items()}
+        mibs = {k: state_mib / v for k, v in med.items() if "cpu" not in k}
         rows.append([
             f"2 -> {world}",
             f"{med['flexckpt_cold']:.3f} s ({mibs['flexckpt_cold']:.0f})", f"{med['dcp_cold']:.3f} s ({mibs['dcp_cold']:.0f})",
             f"{med['dcp_cold'] / med['flexckpt_cold']:.2f}x", f"{mibs['raw_cold']:.0f}",
             f"{med['flexckpt_warm']:.3f} s ({mibs['flexckpt_warm']:.0f})", f"{med['dcp_warm']:.3f} s ({mibs['dcp_warm']:.0f})",
             f"{med['dcp_warm'] / med['flexckpt_warm']:.2f}x", f"{mibs['raw_warm']:.0f}",
+            f"{med['flexckpt_cpu_cold']:.3f} / {med['flexckpt_cpu_warm']:.3f} s",
             "ok" if not bad else "WRONG: " + ", ".join(bad[:3]),
         ])
         goal_rows += [
@@ -350,14 +371,16 @@ def main(argv: list[str] | None = None) -> int:
         H.markdown_table(["machine", ""], [[k, v] for k, v in machine.items()] + [["load after", H.load_line()]]),
         "",
         f"State: {state_mib:.1f} MiB in {args.tensors} tensors (Shard(0) pieces, fp32), saved once by each library at world 2; "
-        f"{args.runs} runs, medians; seconds of the slowest rank (MiB/s of the whole state in brackets). Cold = every file of "
+        f"{args.runs} runs of {args.loads} rounds each (a round: the raw read, then each library's load, cold then warm), "
+        f"medians over every round; seconds of the slowest rank (MiB/s of the whole state in brackets); flexckpt CPU: the "
+        f"CPU seconds of the busiest rank's process (every thread) in its load, cold / warm. Cold = every file of "
         f"both checkpoints dropped from the page cache (fadvise DONTNEED; at most {resident * 100:.0f}% of any file resident "
         f"after the drop). Raw = pread of the flexckpt data files split evenly over the ranks. flexckpt read_threads="
         f"{args.read_threads or 'default'}; e.g. rank 0 at world {args.load_worlds[0]} read {stats.get('bytes_read', 0) / H.MIB:.1f} MiB in "
         f"{stats.get('fetches', '?')} fetches ({stats.get('direct_chunks', '?')} of {stats.get('chunks', '?')} chunks straight into the targets).",
         "",
         H.markdown_table(*_without_dcp(["load", "flexckpt cold", "dcp.load cold", "speed-up", "raw cold MiB/s", "flexckpt warm",
-                                        "dcp.load warm", "speed-up", "raw warm MiB/s", "loaded state"], rows, args.libs)),
+                                        "dcp.load warm", "speed-up", "raw warm MiB/s", "flexckpt CPU", "loaded state"], rows, args.libs)),
         "",
         "### flexckpt against the issue's load goals (this run)",
         "",
@@ -386,9 +409,15 @@ def _without_dcp(header: list[str], rows: list[list[str]], libs: list[str]) -> t
     return [header[i] for i in keep], [[row[i] for i in keep] for row in rows]
 
 
+KEYS = ("flexckpt_cold", "flexckpt_warm", "dcp_cold", "dcp_warm", "raw_cold", "raw_warm",
+        "flexckpt_cpu_cold", "flexckpt_cpu_warm")
+
+
 def _summ(ranks: list[dict]) -> dict:
-    keys = ("flexckpt_cold", "flexckpt_warm", "dcp_cold", "dcp_warm", "raw_cold", "raw_warm")
-    out: dict[str, Any] = {k: max(r.get(k, math.nan) for r in ranks) for k in keys}  # nan: a library left out (--libs)
+    """Per key, the slowest rank's seconds in each round of loads (a list, one a round)."""
+    rounds = len(ranks[0]["raw_cold"])
+    out: dict[str, Any] = {k: [max(r[k][i] if k in r else math.nan for r in ranks) for i in range(rounds)]
+                           for k in KEYS}  # nan: a library left out (--libs)
     out["bad"] = sorted({b for r in ranks for lib in ("flexckpt", "dcp") for b in r.get(f"{lib}_bad", [])})
     return out
 
