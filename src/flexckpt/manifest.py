@@ -755,6 +755,7 @@ def _explain_bad_chunk(name: str, i: int, c: Any, raw_pos: int, pos: int, where:
 
 
 _V2_TENSOR_FIELDS = frozenset(("dtype", "shape", "layout"))
+_INT_ONLY = frozenset((int,))
 _new = object.__new__
 
 
@@ -782,7 +783,8 @@ def _tensor_fields(name: str, entry: Any, where: str) -> tuple[torch.dtype, tupl
     shape_raw = entry.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > 64:
         raise _fail(where, f"tensor {_show(name)} shape must be a list of at most 64 ints")
-    if not all(type(s) is int and 0 <= s <= MAX_NUMEL for s in shape_raw):  # the message only on failure
+    # every dimension exactly an int in [0, MAX_NUMEL], checked in C; the message only on failure
+    if shape_raw and not (_INT_ONLY.issuperset(map(type, shape_raw)) and min(shape_raw) >= 0 and max(shape_raw) <= MAX_NUMEL):
         shape = tuple(_int(s, 0, MAX_NUMEL, f"tensor {_show(name)} dimension", where) for s in shape_raw)
     shape = tuple(shape_raw)
     numel = math.prod(shape)

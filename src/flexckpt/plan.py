@@ -180,11 +180,10 @@ class WritePlan:
         return RankPlan(tuple(pieces), offset, tuple(cut_chunks(pieces, offset, self.rules.chunk_bytes, self.rules)))
 
     def _written_by(self, i: int, rank: int) -> Part | None:
-        spec = self.specs[i]
         if self._geometry[i].kind == "mesh":
             return self._mesh_written_by(i, rank)
         rng = self._flat_written_by(i, rank)
-        return None if rng is None else Part(whole(spec.shape), rng.start, rng.stop)
+        return None if rng is None else Part(self._whole(i), rng.start, rng.stop)
 
     def _flat_written_by(self, i: int, rank: int) -> FlatRange | None:
         geo = self._geometry[i]
@@ -351,12 +350,16 @@ class _Geometry(NamedTuple):
 def _geometries(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules) -> list[_Geometry]:
     out = []
     cursor = 0
+    spans: dict[tuple, int] = {}  # a row split's span, by (layout, shape): most tensors share a few
     for spec in specs:
         layout, n = spec.layout, spec.numel
         if isinstance(layout, Replicate):
             out.append(_Geometry("replicate", n, n))
         elif isinstance(layout, (Shard, BlockShard)):
-            out.append(_Geometry("rows", n, layout.rows_per_rank(spec.shape, world_size) * row_numel(spec.shape)))
+            span = spans.get((layout, spec.shape))
+            if span is None:
+                span = spans[layout, spec.shape] = layout.rows_per_rank(spec.shape, world_size) * row_numel(spec.shape)
+            out.append(_Geometry("rows", n, span))
         elif isinstance(layout, HybridShard):
             span = layout.rows_per_rank(spec.shape, world_size) * row_numel(spec.shape)
             replicas = layout.groups(world_size)

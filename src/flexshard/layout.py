@@ -242,7 +242,7 @@ def layout_from_json(obj: object) -> Layout:
     A manifest holds one layout a tensor and few distinct ones: an object whose values are
     all exactly str, int or null (so that equal items mean identical JSON: no bool for an
     int) is read once and its layout, immutable, kept for the next equal object."""
-    if type(obj) is dict and all(type(v) in _SCALAR_TYPES for v in obj.values()):
+    if type(obj) is dict and _SCALAR_TYPES.issuperset(map(type, obj.values())):
         key = tuple(obj.items())
         layout = _FROM_JSON.get(key)
         if layout is None:
