@@ -224,10 +224,10 @@ class PlanPieces:
     """Version 2: a tensor's saved pieces, recomputed from the write plan in closed form
     (only the writers of the wanted range, and only their offsets)."""
 
-    def __init__(self, plan: WritePlan, attempt: str, index: dict[str, int] | None = None) -> None:
+    def __init__(self, plan: WritePlan, attempt: str) -> None:
         self.plan = plan
         self.attempt = attempt
-        self.index = {s.name: i for i, s in enumerate(plan.specs)} if index is None else index
+        self.index = {s.name: i for i, s in enumerate(plan.specs)}
         self._files: dict[int, str] = {}
 
     def offset(self, rank: int, spec_index: int) -> int:
