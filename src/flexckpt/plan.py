@@ -165,25 +165,26 @@ class WritePlan:
     def _make_rank_pieces(self, rank: int) -> tuple[list[Piece], int]:
         pieces = []
         offset = 0
-        for i, spec in enumerate(self.specs):
-            part = self._written_by(i, rank)
-            if part is None or not len(part):
-                continue
-            nbytes = len(part) * itemsize(spec.dtype)
-            box = None if part.box.sizes == spec.shape else part.box
-            pieces.append(Piece(i, part.start, part.stop, offset, nbytes, box))
-            offset = _align(offset + nbytes, self.rules.align)
+        align = self.rules.align
+        for i, (spec, geo) in enumerate(zip(self.specs, self._geometry)):
+            if geo.kind == "mesh":  # a box, written whole by one of its holders
+                part = self._mesh_written_by(i, rank)
+                if part is None or part.stop <= part.start:
+                    continue
+                start, stop, box = part.start, part.stop, None if part.box.sizes == spec.shape else part.box
+            else:  # a flat range of the whole tensor (box None)
+                rng = self._flat_written_by(i, rank)
+                if rng is None or rng.stop <= rng.start:
+                    continue
+                start, stop, box = rng.start, rng.stop, None
+            nbytes = (stop - start) * itemsize(spec.dtype)
+            pieces.append(Piece(i, start, stop, offset, nbytes, box))
+            offset = _align(offset + nbytes, align)
         return pieces, offset
 
     def _make_rank_plan(self, rank: int) -> RankPlan:
         pieces, offset = self.rank_pieces(rank)
         return RankPlan(tuple(pieces), offset, tuple(cut_chunks(pieces, offset, self.rules.chunk_bytes, self.rules)))
-
-    def _written_by(self, i: int, rank: int) -> Part | None:
-        if self._geometry[i].kind == "mesh":
-            return self._mesh_written_by(i, rank)
-        rng = self._flat_written_by(i, rank)
-        return None if rng is None else Part(self._whole(i), rng.start, rng.stop)
 
     def _flat_written_by(self, i: int, rank: int) -> FlatRange | None:
         geo = self._geometry[i]
