@@ -93,6 +93,11 @@ CASES = {
     "rank entry 1,010 lists deep (v2)": (_v2, _set(("ranks", 0), "DEEP"), r"rank 0 entry must be .*, got \[\[\[\["),
     "bytes value entry 1,010 lists deep (v2)": (_v2_bytes, _set(("keyed", "blob"), "DEEP"),
                                                 r"bytes value 'blob' must be .*, got \[\[\[\["),
+    # JSON equal to a valid value but of another type: never taken for the value a load kept
+    "a dimension true or 300.0 (v2)": (_v2, _set(("tensors", "w", "shape"), [True, 300.0]),
+                                       r"tensor 'w' dimension must be an int in \[0, \d+\], got True"),
+    "an owner true (v2)": (_v2, _set(("tensors", "w", "layout"), {"kind": "owned", "owner": True}),
+                           r"tensor 'w': layout field 'owner' must be an int, got True"),
 }
 
 

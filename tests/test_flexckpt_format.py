@@ -179,6 +179,43 @@ def test_writers_in_closed_form_match_every_ranks_own_plan(world, start, length,
     assert loads == want
 
 
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(world=st.integers(1, 9), start=st.integers(0, 400), length=st.integers(0, 400), part=st.sampled_from([64, 1 << 20]),
+       box=st.tuples(st.integers(0, 96), st.integers(1, 40), st.integers(0, 4), st.integers(1, 5)))
+def test_pieces_in_are_the_pieces_each_rank_wrote_that_hold_the_wanted_elements(world, start, length, part, box):
+    """A load's pieces (file, elements, offset), recomputed per wanted range or box, against
+    every rank's own plan: a flat range, the same range as a part of the whole tensor, and
+    a box (of a flat layout: the pieces holding the flat span from its first element to
+    its last)."""
+    from flexckpt.manifest import PlanPieces, SavedPiece, _saved_tensor, data_name
+    from flexckpt.manifest import SavedTensor
+    from flexshard import Box, Part
+    from flexshard.box import whole
+
+    attempt = "job.01234567.1"
+    plan = WritePlan(_spec_set(world), world, PlanRules(128, hybrid_part_bytes=part))
+    source = PlanPieces(plan, attempt)
+    for i, spec in enumerate(plan.specs):
+        saved = _saved_tensor(spec, source)
+        assert saved == SavedTensor(spec.name, spec.dtype, spec.shape, spec.layout, None, source) and saved.source is source
+        written = [SavedPiece(data_name(attempt, r), p.start, p.stop, p.offset, p.box)
+                   for r in range(world) for p in plan.rank_plan(r).pieces if p.spec_index == i]
+
+        def brute(lo, hi):
+            return sorted(p for p in written if lo < hi and p.start < hi and lo < p.stop)
+
+        rng = FlatRange(min(start, spec.numel), min(start + length, spec.numel))
+        assert sorted(saved.pieces_in(rng)) == brute(*rng), spec
+        assert sorted(saved.pieces_in(Part(whole(spec.shape), *rng))) == brute(*rng), spec
+        if len(spec.shape) == 2 and spec.numel:
+            rows, cols = spec.shape
+            r0, c0 = min(box[0], rows - 1), min(box[2], cols - 1)
+            b = Box((r0, c0), (min(box[1], rows - r0), min(box[3], cols - c0)))
+            first, last = r0 * cols + c0, (r0 + b.sizes[0] - 1) * cols + c0 + b.sizes[1] - 1
+            assert sorted(saved.pieces_in(Part(b, 0, b.numel))) == brute(first, last + 1), (spec, b)
+        assert sorted(saved.all_pieces()) == brute(0, spec.numel)
+
+
 def test_hybrid_shard_writing_is_spread_over_the_replicas():
     # 8 tensors of 4096 x 64 fp32 in groups of 4 over 32 ranks: each position's piece is
     # 256 KiB, written in 4 parts of 64 KiB by 4 of its 8 replicas, going round

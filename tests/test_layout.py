@@ -9,6 +9,7 @@ from flexshard import (
     BlockShard,
     FlatRange,
     HybridShard,
+    MeshLayout,
     Owned,
     Replicate,
     Shard,
@@ -18,6 +19,7 @@ from flexshard import (
     layout_from_json,
     local_shape,
     overlaps,
+    part_of,
     rank_loads,
 )
 
@@ -227,3 +229,65 @@ def test_assign_owners_is_deterministic_balanced_and_order_free():
     assert assign_owners({"b": 1, "a": 1, "c": 5}, 2) == {"c": 0, "a": 1, "b": 1}
     with pytest.raises(ValueError, match="cost"):
         assign_owners({"x": float("nan")}, 2)
+
+
+# -- the answers part_of and layout_from_json keep (a load asks them once a tensor) ----------
+def _uncached_part(layout, shape, world, rank):
+    from flexshard.layout import _part_of
+
+    return _part_of(layout, shape, world, rank)
+
+
+KEPT_LAYOUTS = [Replicate(), Shard(0), BlockShard(1), BlockShard(7), BlockShard(32), Owned(0), Owned(2), HybridShard(1),
+                HybridShard(2), HybridShard(2, 3), MeshLayout((2, 2), ("S0", "S1")), MeshLayout((2, 2), ("R", "S0")),
+                MeshLayout((2,), ("S0",), offset=2)]
+
+
+def test_part_of_kept_answers_equal_the_computation_for_every_layout_world_and_rank():
+    from flexshard.layout import _PARTS
+
+    _PARTS.clear()
+    asked = 0
+    for layout in KEPT_LAYOUTS:
+        for shape in [(), (0,), (1,), (7,), (33, 4), (10, 0), (97, 5), (3, 4, 5), (64, 2)]:
+            for world in range(1, 9):
+                for rank in range(world):
+                    try:
+                        want = _uncached_part(layout, shape, world, rank)
+                    except ValueError as e:  # refused (a world Owned(2) or a mesh does not fit): refused again, kept or not
+                        for _ in range(2):
+                            with pytest.raises(ValueError) as got:
+                                part_of(layout, shape, world, rank)
+                            assert str(got.value) == str(e)
+                        continue
+                    # a miss, a hit, and the shape as torch gives it (equal key) and as a list (not kept)
+                    for s in (shape, shape, torch.Size(shape), list(shape)):
+                        assert part_of(layout, s, world, rank) == want, (layout, shape, world, rank)
+                    asked += 1
+    assert asked > 1500 and len(_PARTS) == asked
+
+
+def test_part_of_refuses_what_it_refused_before_whatever_it_kept():
+    assert part_of(Shard(0), (8, 2), 4, 1) == part_of(Shard(0), (8, 2), 4, 1)  # kept
+    for world, rank in ((4, 1.0), (4.0, 1), (4, 4), (4, -1)):  # 1.0 == 1 and hashes alike: never the kept answer
+        with pytest.raises(ValueError, match="must be an int"):
+            part_of(Shard(0), (8, 2), world, rank)
+    with pytest.raises(ValueError, match="dimensions must be >= 0"):
+        part_of(Shard(0), (-8, 2), 4, 1)
+    with pytest.raises(TypeError):  # an unhashable dimension: the computation's own error
+        part_of(Shard(0), ([8], 2), 4, 1)
+
+
+def test_layout_from_json_kept_layouts_never_answer_json_of_another_type():
+    assert layout_from_json({"kind": "owned", "owner": 1}) == Owned(1)
+    assert layout_from_json({"kind": "owned", "owner": 1}) is layout_from_json({"kind": "owned", "owner": 1})
+    for bad in ({"kind": "owned", "owner": True}, {"kind": "owned", "owner": 1.0}, {"kind": "shard", "dim": False},
+                {"kind": "block_shard", "block_size": 0}, {"kind": "owned", "owner": 1, "x": 2}, {"kind": "Owned", "owner": 1}):
+        for _ in range(2):  # refused, and nothing kept for it
+            with pytest.raises(ValueError):
+                layout_from_json(bad)
+    assert layout_from_json({"kind": "hybrid_shard", "group_size": 2, "block_size": None}) == HybridShard(2)
+    mesh = {"kind": "mesh", "mesh": [2, 2], "placements": ["S0", "R"], "ranks": None, "offset": 0}
+    assert layout_from_json(mesh) == layout_from_json(dict(mesh)) == MeshLayout((2, 2), ("S0", "R"))
+    with pytest.raises(ValueError, match="holds ints"):
+        layout_from_json({**mesh, "mesh": [2, True]})

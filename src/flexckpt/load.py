@@ -105,19 +105,20 @@ class PendingLoad:
         keep = _check_keys("tensors", set(names), saved, step, strict, _elsewhere(manifest, w, saved, world_size))
         self.stats.skipped = sorted(set(names) - keep)
         self.targets: list[tuple[int, Part]] = []  # (walk index, wanted part: a box, or a flat range)
+        specs, tensors, saved_tensors = w.specs, w.tensors, manifest.tensors
         for name in sorted(keep):
             i = names[name]
-            spec, saved = w.specs[i], manifest.tensors[name]
+            spec, saved = specs[i], saved_tensors[name]
             if spec.dtype != saved.dtype or spec.shape != saved.shape:
                 raise StructureMismatch(
                     f"tensor {name!r}: checkpoint step {step} has {dtype_name(saved.dtype)} {list(saved.shape)}, "
                     f"the state to load into has {dtype_name(spec.dtype)} {list(spec.shape)}"
                 )
-            local = w.tensors[i]
-            rng = part_of(spec.layout, spec.shape, world_size, rank)
-            if len(rng) != local.numel():
-                raise StructureMismatch(f"tensor {name!r}: target piece has {local.numel()} elements, its layout gives {len(rng)}")
-            if len(rng):
+            rng = part_of(spec.layout, spec.shape, world_size, rank)  # kept: most tensors share a few
+            n = len(rng)
+            if n != tensors[i].numel():
+                raise StructureMismatch(f"tensor {name!r}: target piece has {tensors[i].numel()} elements, its layout gives {n}")
+            if n:
                 self.targets.append((i, rng))
         self.plain = _check_keys("plain values", set(w.plain), kept(manifest.plain), step, strict)
         self.lanes = _check_keys("per-lane values", set(w.lanes), kept(manifest.lanes), step, strict)

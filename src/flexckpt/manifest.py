@@ -228,26 +228,19 @@ class PlanPieces:
         self.plan = plan
         self.attempt = attempt
         self.index = {s.name: i for i, s in enumerate(plan.specs)}
-        self._offsets: dict[int, dict[int, int]] = {}
         self._files: dict[int, str] = {}
-        self._lock = threading.Lock()
 
     def offset(self, rank: int, spec_index: int) -> int:
-        offsets = self._offsets.get(rank)  # a dict lookup is atomic: the lock guards the filling
-        if offsets is None:
-            with self._lock:
-                offsets = self._offsets.get(rank)
-                if offsets is None:
-                    # pieces only: cutting chunks waits for the table that vouches for the sizes
-                    offsets = self._offsets[rank] = {p.spec_index: p.offset for p in self.plan.rank_pieces(rank)[0]}
-        return offsets[spec_index]
+        # pieces only: cutting chunks waits for the table that vouches for the sizes
+        return self.plan.offsets(rank)[spec_index]
 
     def pieces_in(self, name: str, want: FlatRange | Part) -> list[SavedPiece]:
         i = self.index[name]
-        shape = self.plan.specs[i].shape
+        plan = self.plan
+        shape = plan.specs[i].shape
         return [
-            SavedPiece(self._file(r), part.start, part.stop, self.offset(r, i), None if part.box.sizes == shape else part.box)
-            for r, part in self.plan.writers(i, want)
+            SavedPiece(self._file(r), part.start, part.stop, plan.offsets(r)[i], None if part.box.sizes == shape else part.box)
+            for r, part in plan.writers(i, want)
         ]
 
     def _file(self, rank: int) -> str:
@@ -618,14 +611,16 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
     codec = doc.get("codec")
     if codec not in CODECS:
         raise _fail(where, f"codec {_show(codec)} is not one of {CODECS}")
-    specs = []
+    fields = []  # (name, dtype, shape, layout) a tensor: the plan's key, TensorSpecs only for a new plan
     for name, entry in _get(doc, "tensors", dict, where).items():
-        t = _parse_tensor(name, entry, {}, where, pieces=False)
-        if isinstance(t.layout, MeshLayout) and version < 3:
+        dtype, shape, layout = _tensor_fields(name, entry, where)
+        if entry.keys() != _V2_TENSOR_FIELDS:
+            raise _fail(where, f"tensor {_show(name)} has fields {sorted(entry)}, expected dtype, shape and layout")
+        if version < 3 and isinstance(layout, MeshLayout):
             raise _fail(where, f"tensor {_show(name)} has a mesh layout, which a version-{version} manifest cannot hold")
-        specs.append(TensorSpec(name, t.dtype, t.shape, t.layout))
+        fields.append((name, dtype, shape, layout))
     try:
-        plan = _write_plan(specs, world, rules)
+        plan = _write_plan(fields, world, rules)
     except ValueError as e:
         raise _fail(where, str(e)) from None
     raw_ranks = _get(doc, "ranks", list, where)
@@ -645,7 +640,7 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
         ranks.append(RankEntry(*e))
     ranks_t = tuple(ranks)
     source = PlanPieces(plan, attempt)
-    tensors = {s.name: SavedTensor(s.name, s.dtype, s.shape, s.layout, None, source) for s in plan.specs}
+    tensors = {s.name: _saved_tensor(s, source) for s in plan.specs}
     plain, lanes = _parse_values(doc, where)
     keys = _get(doc, "per_rank", list, where)
     if not all(isinstance(k, str) for k in keys):
@@ -661,18 +656,18 @@ _PLANS_KEPT = 2
 _plans_lock = threading.Lock()
 
 
-def _write_plan(specs: list[TensorSpec], world: int, rules: PlanRules) -> WritePlan:
-    """The plan of a structure at a world size under the rules: a pure function of the
-    three, which caches each rank's pieces and chunks as they are asked for. Manifests of
-    one structure (each step a job saves, each load of it) share one, so a repeated load
-    plans once."""
-    key = (tuple(specs), world, rules)
+def _write_plan(fields: list[tuple], world: int, rules: PlanRules) -> WritePlan:
+    """The plan of a structure (``(name, dtype, shape, layout)`` a tensor) at a world size
+    under the rules: a pure function of the three, which caches each rank's pieces and
+    chunks as they are asked for. Manifests of one structure (each step a job saves, each
+    load of it) share one, so a repeated load plans once."""
+    key = (tuple(fields), world, rules)
     with _plans_lock:
         plan = _PLANS.pop(key, None)
         if plan is not None:
             _PLANS[key] = plan  # now the newest
             return plan
-    plan = WritePlan(specs, world, rules)
+    plan = WritePlan([TensorSpec(*f) for f in fields], world, rules)
     with _plans_lock:
         _PLANS[key] = plan
         while len(_PLANS) > _PLANS_KEPT:
@@ -759,7 +754,23 @@ def _explain_bad_chunk(name: str, i: int, c: Any, raw_pos: int, pos: int, where:
     raise _fail(where, f"{what} is uncompressed but stores {length} bytes for {raw_length}")
 
 
-def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str, pieces: bool = True) -> SavedTensor:
+_V2_TENSOR_FIELDS = frozenset(("dtype", "shape", "layout"))
+_INT_ONLY = frozenset((int,))
+_new = object.__new__
+
+
+def _saved_tensor(spec: TensorSpec, source: PlanPieces) -> SavedTensor:
+    """``SavedTensor(spec.name, spec.dtype, spec.shape, spec.layout, None, source)``,
+    built without the frozen dataclass's per-field ``__setattr__`` (a load builds one a
+    tensor, and that was a fifth of reading a manifest)."""
+    t = _new(SavedTensor)
+    t.__dict__.update(name=spec.name, dtype=spec.dtype, shape=spec.shape, layout=spec.layout, pieces=None,
+                      source=source)
+    return t
+
+
+def _tensor_fields(name: str, entry: Any, where: str) -> tuple[torch.dtype, tuple[int, ...], Layout]:
+    """A tensor's dtype, shape and layout, validated (of any version)."""
     if not name or len(name) > 4096:
         raise _fail(where, f"tensor name {_show(name[:80])} is empty or too long")
     if not isinstance(entry, dict):
@@ -772,16 +783,20 @@ def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str
     shape_raw = entry.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > 64:
         raise _fail(where, f"tensor {_show(name)} shape must be a list of at most 64 ints")
-    if not all(type(s) is int and 0 <= s <= MAX_NUMEL for s in shape_raw):  # the message only on failure
+    # every dimension exactly an int in [0, MAX_NUMEL], checked in C; the message only on failure
+    if shape_raw and not (_INT_ONLY.issuperset(map(type, shape_raw)) and min(shape_raw) >= 0 and max(shape_raw) <= MAX_NUMEL):
         shape = tuple(_int(s, 0, MAX_NUMEL, f"tensor {_show(name)} dimension", where) for s in shape_raw)
     shape = tuple(shape_raw)
     numel = math.prod(shape)
     if numel > MAX_NUMEL:
         raise _fail(where, f"tensor {_show(name)} has {numel} elements, more than {MAX_NUMEL}")
-    if not pieces:
-        if set(entry) != {"dtype", "shape", "layout"}:
-            raise _fail(where, f"tensor {_show(name)} has fields {sorted(entry)}, expected dtype, shape and layout")
-        return SavedTensor(name, dtype, shape, layout)
+    return dtype, shape, layout
+
+
+def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str) -> SavedTensor:
+    """A version-1 tensor: its fields and its list of pieces, which must tile it."""
+    dtype, shape, layout = _tensor_fields(name, entry, where)
+    numel = math.prod(shape)
     size = itemsize(dtype)
     pieces_raw = entry.get("pieces")
     if not isinstance(pieces_raw, list):

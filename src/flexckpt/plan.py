@@ -123,6 +123,8 @@ class WritePlan:
         self.ranks = _Ranks(self)
         self._rank_plans: dict[int, RankPlan] = {}
         self._rank_pieces: dict[int, tuple[list[Piece], int]] = {}
+        self._offsets: dict[int, dict[int, int]] = {}
+        self._wholes: dict[int, Box] = {}
         self._geometry = _geometries(self.specs, world_size, rules)
 
     @property
@@ -146,29 +148,43 @@ class WritePlan:
             cached = self._rank_pieces[rank] = self._make_rank_pieces(rank)
         return cached
 
+    def offsets(self, rank: int) -> dict[int, int]:
+        """Where each tensor's piece starts in rank ``rank``'s stream, by spec index (pieces
+        only: no chunks cut)."""
+        cached = self._offsets.get(rank)
+        if cached is None:
+            cached = self._offsets[rank] = {p.spec_index: p.offset for p in self.rank_pieces(rank)[0]}
+        return cached
+
+    def _whole(self, i: int) -> Box:
+        box = self._wholes.get(i)
+        if box is None:
+            box = self._wholes[i] = whole(self.specs[i].shape)
+        return box
+
     def _make_rank_pieces(self, rank: int) -> tuple[list[Piece], int]:
         pieces = []
         offset = 0
-        for i, spec in enumerate(self.specs):
-            part = self._written_by(i, rank)
-            if part is None or not len(part):
-                continue
-            nbytes = len(part) * itemsize(spec.dtype)
-            box = None if part.box.sizes == spec.shape else part.box
-            pieces.append(Piece(i, part.start, part.stop, offset, nbytes, box))
-            offset = _align(offset + nbytes, self.rules.align)
+        align = self.rules.align
+        for i, (spec, geo) in enumerate(zip(self.specs, self._geometry)):
+            if geo.kind == "mesh":  # a box, written whole by one of its holders
+                part = self._mesh_written_by(i, rank)
+                if part is None or part.stop <= part.start:
+                    continue
+                start, stop, box = part.start, part.stop, None if part.box.sizes == spec.shape else part.box
+            else:  # a flat range of the whole tensor (box None)
+                rng = self._flat_written_by(i, rank)
+                if rng is None or rng.stop <= rng.start:
+                    continue
+                start, stop, box = rng.start, rng.stop, None
+            nbytes = (stop - start) * itemsize(spec.dtype)
+            pieces.append(Piece(i, start, stop, offset, nbytes, box))
+            offset = _align(offset + nbytes, align)
         return pieces, offset
 
     def _make_rank_plan(self, rank: int) -> RankPlan:
         pieces, offset = self.rank_pieces(rank)
         return RankPlan(tuple(pieces), offset, tuple(cut_chunks(pieces, offset, self.rules.chunk_bytes, self.rules)))
-
-    def _written_by(self, i: int, rank: int) -> Part | None:
-        spec = self.specs[i]
-        if self._geometry[i].kind == "mesh":
-            return self._mesh_written_by(i, rank)
-        rng = self._flat_written_by(i, rank)
-        return None if rng is None else Part(whole(spec.shape), rng.start, rng.stop)
 
     def _flat_written_by(self, i: int, rank: int) -> FlatRange | None:
         geo = self._geometry[i]
@@ -204,22 +220,18 @@ class WritePlan:
         hold elements of ``want`` (a part, or a flat range of the whole tensor): closed
         form for every known layout, in element order for the flat ones."""
         spec = self.specs[i]
-        if isinstance(want, FlatRange):
-            want = Part(whole(spec.shape), want.start, want.stop)
-        if not len(want):
+        if want.stop <= want.start:
             return []
         if self._geometry[i].kind == "mesh":
-            return self._mesh_writers(i, want)
-        if want.box.sizes == spec.shape:
-            rng = FlatRange(want.start, want.stop)
-        else:  # a box wanted of a flat layout: the flat span from its first element to its last
-            shape, b = spec.shape, want.box
-            strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-            first = sum(o * st for o, st in zip(b.offsets, strides))
-            last = sum((o + n - 1) * st for o, n, st in zip(b.offsets, b.sizes, strides))
-            rng = FlatRange(first, last + 1)
-        box = whole(spec.shape)
-        return [(r, Part(box, x.start, x.stop)) for r, x in self._flat_writers(i, rng)]
+            return self._mesh_writers(i, Part(self._whole(i), want.start, want.stop) if isinstance(want, FlatRange) else want)
+        if isinstance(want, FlatRange) or want.box.sizes == spec.shape:
+            return self._flat_writers(i, want.start, want.stop)
+        # a box wanted of a flat layout: the flat span from its first element to its last
+        shape, b = spec.shape, want.box
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        first = sum(o * st for o, st in zip(b.offsets, strides))
+        last = sum((o + n - 1) * st for o, n, st in zip(b.offsets, b.sizes, strides))
+        return self._flat_writers(i, first, last + 1)
 
     def _mesh_writers(self, i: int, want: Part) -> list[tuple[int, Part]]:
         spec, geo = self.specs[i], self._geometry[i]
@@ -247,32 +259,33 @@ class WritePlan:
             out.append((layout.rank_at(coord), box_part(box)))
         return out
 
-    def _flat_writers(self, i: int, rng: FlatRange) -> list[tuple[int, FlatRange]]:
-        if not len(rng):
-            return []
-        geo, w = self._geometry[i], self.world_size
+    def _flat_writers(self, i: int, lo: int, hi: int) -> list[tuple[int, Part]]:
+        """The writers of elements ``[lo, hi)`` (not empty) of a flat-layout tensor, with the
+        flat ranges they write as parts of the whole tensor."""
+        geo, w, box = self._geometry[i], self.world_size, self._whole(i)
         n, span = geo.n, geo.span
         if geo.kind == "replicate":
             r = self.replicated_writer.get(i)
-            return [] if r is None else [(r, FlatRange(0, n))]
+            return [] if r is None else [(r, Part(box, 0, n))]
         if geo.kind == "rows":
-            return [(k, FlatRange(k * span, min((k + 1) * span, n))) for k in range(rng.start // span, min(w, -(-rng.stop // span)))]
+            return [(k, Part(box, k * span, min(k * span + span, n))) for k in range(lo // span, min(w, -(-hi // span)))]
         if geo.kind == "hybrid":
             out = []
-            for p in range(rng.start // span, min(geo.group, -(-rng.stop // span))):
+            for p in range(lo // span, min(geo.group, -(-hi // span))):
                 start = p * span
                 m = min(start + span, n) - start
                 bound = lambda j: start + j * m // geo.parts  # noqa: E731 - part j starts here
-                first = max(bisect.bisect_right(range(geo.parts + 1), rng.start, key=bound) - 1, 0)
+                first = max(bisect.bisect_right(range(geo.parts + 1), lo, key=bound) - 1, 0)
                 for j in range(first, geo.parts):
-                    part = FlatRange(bound(j), bound(j + 1))
-                    if part.start >= rng.stop:
+                    a, b = bound(j), bound(j + 1)
+                    if a >= hi:
                         break
-                    if len(part):
-                        out.append((((geo.first + p + j) % geo.replicas) * geo.group + p, part))
+                    if b > a:
+                        out.append((((geo.first + p + j) % geo.replicas) * geo.group + p, Part(box, a, b)))
             return out
-        spec = self.specs[i]  # Owned, or a layout without closed form here: every holder
-        return [(r, x) for r in range(w) if len(x := spec.layout.flat_range(spec.shape, w, r)) and x.intersect(rng)]
+        spec, rng = self.specs[i], FlatRange(lo, hi)  # Owned, or a layout without closed form here: every holder
+        return [(r, Part(box, x.start, x.stop)) for r in range(w)
+                if len(x := spec.layout.flat_range(spec.shape, w, r)) and x.intersect(rng)]
 
 
 def _box_index(layout: MeshLayout, coord: Sequence[int]) -> int:
@@ -338,12 +351,16 @@ class _Geometry(NamedTuple):
 def _geometries(specs: Sequence[TensorSpec], world_size: int, rules: PlanRules) -> list[_Geometry]:
     out = []
     cursor = 0
+    spans: dict[tuple, int] = {}  # a row split's span, by (layout, shape): most tensors share a few
     for spec in specs:
         layout, n = spec.layout, spec.numel
         if isinstance(layout, Replicate):
             out.append(_Geometry("replicate", n, n))
         elif isinstance(layout, (Shard, BlockShard)):
-            out.append(_Geometry("rows", n, layout.rows_per_rank(spec.shape, world_size) * row_numel(spec.shape)))
+            span = spans.get((layout, spec.shape))
+            if span is None:
+                span = spans[layout, spec.shape] = layout.rows_per_rank(spec.shape, world_size) * row_numel(spec.shape)
+            out.append(_Geometry("rows", n, span))
         elif isinstance(layout, HybridShard):
             span = layout.rows_per_rank(spec.shape, world_size) * row_numel(spec.shape)
             replicas = layout.groups(world_size)

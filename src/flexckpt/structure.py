@@ -207,6 +207,10 @@ def _walk_dict(d: dict, prefix: str, out: Walk, rank: int, world_size: int) -> N
                 continue
             key_list.append((name, local.dtype, shape, layout, local.shape, local.device))
             tensors.append(local)
+        elif type(value) is ShardedTensor and value.rank == rank and value.world_size == world_size:
+            local = value.local  # as _walk_leaf's, without its tests (another world: it names the error)
+            key_list.append((name, local.dtype, value.global_shape, value.layout, local.shape, local.device))
+            tensors.append(local)
         else:
             _walk_value(value, name, d, key, out, rank, world_size)
 

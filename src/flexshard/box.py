@@ -41,7 +41,7 @@ class Box(NamedTuple):
 
 
 def whole(shape: Sequence[int]) -> Box:
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(map(int, shape))
     return Box((0,) * len(shape), shape)
 
 

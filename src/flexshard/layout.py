@@ -28,8 +28,8 @@ def _check_world(world_size: int, rank: int) -> None:
 
 
 def normalize_shape(shape: Sequence[int]) -> Shape:
-    out = tuple(int(s) for s in shape)
-    if any(s < 0 for s in out):
+    out = tuple(map(int, shape))
+    if out and min(out) < 0:
         raise ValueError(f"shape dimensions must be >= 0, got {tuple(shape)}")
     return out
 
@@ -194,11 +194,36 @@ from flexshard.mesh_layout import MeshLayout  # noqa: E402 - a layout whose piec
 
 Layout = Union[Replicate, Shard, Owned, BlockShard, HybridShard, MeshLayout]
 LAYOUT_TYPES = (Replicate, Shard, Owned, BlockShard, HybridShard, MeshLayout)
+_CACHED_LAYOUTS = frozenset(LAYOUT_TYPES)  # hashable, compared by value, immutable
+
+
+_PARTS: dict[tuple, Part] = {}  # part_of's answers, by (layout, shape, world size, rank)
+_PARTS_KEPT = 1 << 14
 
 
 def part_of(layout: Layout, shape: Sequence[int], world_size: int, rank: int) -> Part:
     """The piece ``rank`` holds, in the one geometry of pieces (:mod:`flexshard.box`): a
-    ``MeshLayout``'s box, or a flat range of the whole tensor for every other layout."""
+    ``MeshLayout``'s box, or a flat range of the whole tensor for every other layout.
+
+    A pure function of its arguments, and a load asks it once a tensor, most of which
+    share a few (layout, shape) pairs: answers for a known layout type, a tuple shape and
+    int world and rank are kept (bounded), so a repeated question is a dict lookup."""
+    if type(layout) in _CACHED_LAYOUTS and isinstance(shape, tuple) and type(world_size) is int and type(rank) is int:
+        key = (layout, shape, world_size, rank)
+        try:
+            part = _PARTS.get(key)
+        except TypeError:  # an unhashable dimension: the computation says what is wrong with it
+            return _part_of(layout, shape, world_size, rank)
+        if part is None:
+            part = _part_of(layout, shape, world_size, rank)  # raises for a bad one: nothing kept
+            if len(_PARTS) >= _PARTS_KEPT:
+                _PARTS.clear()
+            _PARTS[key] = part
+        return part
+    return _part_of(layout, shape, world_size, rank)
+
+
+def _part_of(layout: Layout, shape: Sequence[int], world_size: int, rank: int) -> Part:
     box = getattr(layout, "box", None)
     if box is not None:
         return box_part(box(shape, world_size, rank))
@@ -206,8 +231,30 @@ def part_of(layout: Layout, shape: Sequence[int], world_size: int, rank: int) ->
     return flat_part(normalize_shape(shape), r.start, r.stop)
 
 
+_FROM_JSON: dict[tuple, Layout] = {}  # layouts read back, by their JSON object's items
+_FROM_JSON_KEPT = 4096
+_SCALAR_TYPES = frozenset((str, int, type(None)))
+
+
 def layout_from_json(obj: object) -> Layout:
-    """Rebuild a layout from :meth:`to_json` output; rejects anything else (untrusted input)."""
+    """Rebuild a layout from :meth:`to_json` output; rejects anything else (untrusted input).
+
+    A manifest holds one layout a tensor and few distinct ones: an object whose values are
+    all exactly str, int or null (so that equal items mean identical JSON: no bool for an
+    int) is read once and its layout, immutable, kept for the next equal object."""
+    if type(obj) is dict and _SCALAR_TYPES.issuperset(map(type, obj.values())):
+        key = tuple(obj.items())
+        layout = _FROM_JSON.get(key)
+        if layout is None:
+            layout = _layout_from_json(obj)  # raises for a bad one: nothing kept
+            if len(_FROM_JSON) >= _FROM_JSON_KEPT:
+                _FROM_JSON.clear()
+            _FROM_JSON[key] = layout
+        return layout
+    return _layout_from_json(obj)
+
+
+def _layout_from_json(obj: object) -> Layout:
     if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str):
         raise ValueError(f"a layout must be an object with a 'kind', got {obj!r}")
     kind = obj["kind"]
