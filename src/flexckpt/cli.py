@@ -42,6 +42,7 @@ from typing import Any, Iterator, NoReturn
 
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.checksum import checksum
+from flexckpt.closed_pipe import reader_gone
 from flexckpt.codec import Compression, decompress_into, parse_compression
 from flexckpt.convert.cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
@@ -509,13 +510,6 @@ def _one_line_log() -> Iterator[_HeldErrors]:
         logger.propagate = propagate
 
 
-def _reader_gone() -> int:
-    """stdout's reader stopped early (``| head``): no traceback and no message, exit 141 as a
-    process ended by SIGPIPE does (flextrain's CLI does the same)."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
-    return 141
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -572,8 +566,8 @@ def main(argv: list[str] | None = None) -> int:
             _check_arguments(args)
             rc = args.fn(args)
             sys.stdout.flush()  # here, so that a reader gone is seen here
-        except BrokenPipeError:
-            return _reader_gone()
+        except BrokenPipeError:  # stdout's reader stopped early (| head)
+            return reader_gone()
         except CheckpointError as e:
             print(f"flexckpt: {e}", file=sys.stderr)
             return 2

@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.fn(args)
         sys.stdout.flush()  # here, so that a reader gone is seen here
     except BrokenPipeError:  # stdout's reader stopped early (| head): exit as flexckpt's CLI does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
-        return 141  # as a process ended by SIGPIPE
+        from flexckpt.closed_pipe import reader_gone  # here: the commands have imported flexckpt (and torch)
+
+        return reader_gone()
     return rc
 
 
