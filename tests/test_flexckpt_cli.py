@@ -309,3 +309,33 @@ def test_import_dcp_help_says_dcp_has_no_checksums(capsys):
         main(["import-dcp", "--help"])
     assert "DCP stores no checksums: a damaged byte in a DCP data file imports without an error" in \
         " ".join(capsys.readouterr().out.split())
+
+
+def test_an_export_reads_the_newest_manifest_once_before_its_first_tensor(tmp_path, monkeypatch, capsys):
+    """To learn what to export (each load of a batch of tensors reads it again: Checkpointer.load's own)."""
+    from flexckpt.storage import Storage
+
+    _save(tmp_path, step=5)
+    _save(tmp_path, step=7)
+    reads, at_first_load = [], []
+    read_bytes, load = Storage.read_bytes, Checkpointer.load
+
+    def counted_read(self, rel, limit=None):
+        if rel.endswith(MANIFEST):
+            reads.append(rel)
+        return read_bytes(self, rel, limit)
+
+    def noted_load(self, *args, **kwargs):
+        if not at_first_load:
+            at_first_load.append(list(reads))
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(Storage, "read_bytes", counted_read)
+    monkeypatch.setattr(Checkpointer, "load", noted_load)
+    monkeypatch.setattr(Checkpointer, "_reclaim_at_start", lambda self: None)  # a writer's housekeeping, counted apart
+    for cmd in ("export-dcp", "export-safetensors"):
+        reads.clear()
+        at_first_load.clear()
+        assert main([cmd, str(tmp_path), str(tmp_path / cmd)]) == 0
+        assert capsys.readouterr().out.startswith("exported step 7: 4 tensors")
+        assert at_first_load == [[f"{step_dir(7)}/{MANIFEST}"]], cmd

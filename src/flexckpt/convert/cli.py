@@ -74,23 +74,9 @@ def _import_for_world(args: argparse.Namespace, import_dcp: Any) -> Any:
     return r
 
 
-def _check_newest(args: argparse.Namespace) -> None:
-    """Without --step, a damaged newest manifest is refused naming the step before it, as inspect does."""
-    if args.step is None:
-        from flexckpt.cli import _read_step
-        from flexckpt.commit import committed_steps
-        from flexckpt.storage import Storage
-
-        storage = Storage(args.url)
-        steps = committed_steps(storage)
-        if steps:
-            _read_step(storage, steps[-1], newest=True)
-
-
 def cmd_export_dcp(args: argparse.Namespace) -> int:
     from flexckpt.convert.dcp import export_dcp
 
-    _check_newest(args)
     r = export_dcp(args.url, args.dcp_dir, args.step, budget=_budget(args), progress=sys.stderr.isatty())
     print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) to {args.dcp_dir}")
     for what in r.left_out:
@@ -101,7 +87,6 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
 def cmd_export_safetensors(args: argparse.Namespace) -> int:
     from flexckpt.convert.safetensors_out import export_safetensors
 
-    _check_newest(args)
     r = export_safetensors(args.url, args.out_dir, args.step, select=args.select, strip_prefix=args.strip_prefix,
                            dtype=args.dtype, max_shard_size=args.max_shard_size, budget=_budget(args),
                            progress=sys.stderr.isatty())
