@@ -258,3 +258,37 @@ def test_the_demo_refuses_a_folder_it_did_not_write_and_leaves_it_whole(tmp_path
         main(["--dir", str(tmp_path / "new"), "--steps", "3"])
     assert e.value.code == 2 and "--steps 3: must be >= 4" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("loader", ["zephon", "usual"])
+def test_a_source_path_is_read_as_zephon_state_reads_it(tmp_path, loader):
+    """``.ndjson`` (and ``.jsonl.zstd``) are JSON Lines to zephon_state: the trainer reads
+    them as such, not as text files whose documents would be the raw JSON."""
+    import json
+
+    from flextrain.config import DataConfig
+    from flextrain.data import build_pipeline
+    from flextrain.usual_loader import UsualLoader
+
+    lines = "".join(json.dumps({"text": f"document {i} says {'word ' * i}"}) + "\n" for i in range(40))
+    (tmp_path / "a.jsonl").write_text(lines)
+    (tmp_path / "a.ndjson").write_text(lines)
+
+    def first_rows(path):
+        d = DataConfig(sources={"a": str(path)}, shares={"a": 1.0}, max_length=16, lanes=1, global_batch=1,
+                       micro_batch=1, shuffle_buffer=4, loader=loader)
+        p = UsualLoader(d, 0, 0, 1) if loader == "usual" else build_pipeline(d, 0, 0, 1)
+        try:
+            return [next(p).input_ids.tolist() for _ in range(3)]
+        finally:
+            p.close()
+
+    assert first_rows(tmp_path / "a.ndjson") == first_rows(tmp_path / "a.jsonl")
+
+
+def test_a_source_zephon_state_refuses_is_named_by_its_config_field():
+    from flextrain.data import source
+
+    with pytest.raises(ConfigError, match=r"^data.sources\['web'\]='' is not allowed: source paths must be a "
+                                          r"non-empty string"):
+        source("web", "")
