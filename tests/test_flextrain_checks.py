@@ -210,6 +210,44 @@ def test_sigterm_during_start_up_stops_cleanly(tmp_path):
     assert not (run / "metrics.jsonl").exists()
 
 
+def test_a_signal_before_the_checkpoint_load_skips_it_and_keeps_the_fast_tier(tmp_path, capsys, monkeypatch):
+    """A restart stopped during start-up (here: SIGTERM while the model builds) stops before
+    the checkpoint load, saves nothing, exits 0 as a stop in training does, and keeps the
+    node's fast-tier folder, whose newest step a restart may need."""
+    import flexckpt
+    import flextrain.trainer
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    args = ["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+            "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=1",
+            "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}"]
+    assert main([*args, "--set", "steps=1"]) == 0
+    capsys.readouterr()
+    loads, load = [], flexckpt.Checkpointer.load
+
+    def noted_load(self, state, *a, **k):
+        if "model" in state:  # not the probe of plain values that decides whether to resume
+            loads.append(sorted(state))
+        return load(self, state, *a, **k)
+
+    monkeypatch.setattr(flexckpt.Checkpointer, "load", noted_load)
+    build = flextrain.trainer.build_optimizer
+
+    def signalled_build(*a):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*a)
+
+    monkeypatch.setattr(flextrain.trainer, "build_optimizer", signalled_build)
+    assert main([*args, "--set", "steps=2"]) == 0
+    assert capsys.readouterr().err == ("flextrain: SIGTERM received: during start-up: stopping before the first step\n"
+                                       "flextrain: stopped by a signal during start-up, before any step; nothing to "
+                                       "save\n")
+    assert loads == [] and not (run / "resume-w1-r0.json").exists()
+    assert sorted(metrics(run)) == [1]
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps() == [1]
+    assert len(os.listdir(tier)) == 1  # the run's node folder, which a clean exit would have removed
+
+
 def test_resuming_a_run_already_at_its_steps_says_there_is_nothing_to_train(tmp_path, capsys):
     """A resume whose checkpoint is at (or past) ``steps`` trains nothing: it says so and
     how to go on, rather than ending without a word."""

@@ -312,10 +312,11 @@ class Checkpointer(SavePipeline, Committer):
         if self.is_coordinator and self._threads:
             self._commit_q.join()  # retention of the last commit, too
 
-    def close(self, timeout: float | None = None, *, _at_exit: bool = False) -> None:
+    def close(self, timeout: float | None = None, *, keep_tier: bool = False, _at_exit: bool = False) -> None:
         """Wait for saves in flight, then stop the background threads. A fast tier's node
         folder is removed here (a clean exit), not when the interpreter exits without
-        close() (a crash, whose restart needs it)."""
+        close() (a crash, whose restart needs it), nor with ``keep_tier`` (a job that stops
+        without saving, whose newest step may be the tier's)."""
         if self._closed:
             return
         self._closed = True
@@ -327,7 +328,7 @@ class Checkpointer(SavePipeline, Committer):
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._threads = []
         if self.tier is not None:  # first: a fast save in flight may hold a staging buffer
-            self.tier.close(remove=not _at_exit)
+            self.tier.close(remove=not (_at_exit or keep_tier))
         self._last_save = None
         self._pool.clear()
 

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,6 +151,8 @@ class Trainer:
         self.cfg = cfg.validate()
         check_inputs(cfg.data, cfg.model.vocab_size)
         self.preempt = preempt  # installed by the CLI at start; train() installs one otherwise
+        self.stopped_at_start = False  # by a signal: nothing saved, the fast tier's folder stays
+        self._closed = False
         self.device = choose_device(cfg.device)  # flextrain.device decides; the rest follows it
         cfg.autocast = resolve_autocast(cfg.autocast, self.device)  # before anything is fingerprinted
         prepare(self.device)
@@ -199,6 +201,7 @@ class Trainer:
         self.timings["model_build_s"] = time.perf_counter() - t
         self.step = 0
         self.resumed_from: int | None = None
+        self._stop_if_signalled(agree=True, starting=data)  # every rank is here: a stop skips the load
         t = time.perf_counter()
         data_state = self._resume() if saved is not None else None
         self.timings["checkpoint_load_s"] = time.perf_counter() - t
@@ -259,20 +262,24 @@ class Trainer:
                       f"train; pass --set steps=N with N > {self.step} to train on")
         return data_state
 
-    def _stop_if_signalled(self, agree: bool = False) -> None:
-        """A signal during start-up stops the run before its first step. One rank stops on
-        its own flag at once; ranks stop only together, on ``agree`` (one all-reduce when
-        start-up ends), as a rank stopping alone would leave the others waiting."""
+    def _stop_if_signalled(self, agree: bool = False, starting: Future | None = None) -> None:
+        """A signal during start-up stops the run before its first step, with nothing to save.
+        One rank stops on its own flag at once; ranks stop only together, on ``agree`` (an
+        all-reduce: before the checkpoint load and when start-up ends), as a rank stopping
+        alone would leave the others waiting. ``starting``: the pipeline being built on its
+        thread, which the process must join before it can exit in any case."""
         flag = torch.tensor([float(self.preempt is not None and self.preempt.requested)], device=self.device)
         if agree and self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         elif self.world > 1:
             return
         if flag.item():
-            if not agree:  # in __init__: run() closes only a built trainer
-                for part in ("heldout", "pipeline", "ckpt"):
-                    if hasattr(self, part):
-                        getattr(self, part).close()
+            self.stopped_at_start = True
+            try:
+                if starting is not None:
+                    self.pipeline = starting.result()[0]
+            finally:
+                self.close()  # run() closes only a built trainer
             resumed = getattr(self, "resumed_from", None)
             kept = f" (step {resumed}, resumed from, stays the newest checkpoint)" if resumed else ""
             raise StartupStopped(f"stopped by a signal during start-up, before any step; nothing to save{kept}")
@@ -469,9 +476,16 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        self.ckpt.close()
-        self.pipeline.close()
-        self.heldout.close()
+        """Close what start-up built (all of it, once built). A stop during start-up saved
+        nothing: the fast tier's node folder stays, as its newest step may be the run's."""
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "ckpt"):
+            self.ckpt.close(keep_tier=self.stopped_at_start)
+        for part in ("pipeline", "heldout"):
+            if hasattr(self, part):
+                getattr(self, part).close()
 
 
 def run(cfg: TrainConfig, resume: bool | None = None, preempt: Preemption | None = None) -> dict[str, Any]:
