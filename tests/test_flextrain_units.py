@@ -292,3 +292,17 @@ def test_a_source_zephon_state_refuses_is_named_by_its_config_field():
     with pytest.raises(ConfigError, match=r"^data.sources\['web'\]='' is not allowed: source paths must be a "
                                           r"non-empty string"):
         source("web", "")
+
+
+def test_the_cli_imports_no_torch_before_its_signal_handler_is_installed():
+    """``flextrain train`` installs its SIGTERM handler first; torch (seconds to import) comes
+    after. The CLI module, and the closed-pipe exit it shares with flexckpt's, import no torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, flextrain.cli, flextrain.preempt; "
+            "print(sorted(m for m in ('torch', 'flexckpt', 'numpy') if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr[-2000:]
