@@ -306,3 +306,19 @@ def test_the_cli_imports_no_torch_before_its_signal_handler_is_installed():
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr[-2000:]
+
+
+def test_plan_of_a_missing_or_checkpoint_folder_says_which_folder_to_give(tmp_path, capsys):
+    from flexckpt import Checkpointer
+    from flextrain.cli import main
+
+    with Checkpointer(str(tmp_path / "run" / "ckpt"), rank=0, world_size=1, run_id="t") as ck:
+        ck.save(3, {"trainer": {"step": 3}}).result(timeout=30)
+    assert main(["plan", str(tmp_path / "run" / "ckpt"), "--world", "2"]) == 2
+    assert capsys.readouterr().err == (f"flextrain: no committed checkpoint under {tmp_path}/run/ckpt/ckpt; "
+                                       f"{tmp_path}/run/ckpt is a checkpoint folder: give the run folder, "
+                                       f"{tmp_path}/run\n")
+    assert main(["plan", str(tmp_path / "nope"), "--world", "2"]) == 2
+    assert capsys.readouterr().err == (f"flextrain: {tmp_path}/nope does not exist; give the run folder of "
+                                       "flextrain train (its --run-dir)\n")
+    assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(tmp_path / "run" / "ckpt")) == ["step-000000000003"]
