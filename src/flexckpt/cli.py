@@ -1,4 +1,4 @@
-"""``flexckpt``: look at, check and rewrite checkpoints without a training job.
+"""flexckpt: look at, check and rewrite checkpoints without a training job.
 
     flexckpt steps   URL                          committed steps
     flexckpt inspect URL [--step N] [--tensors]   what a checkpoint holds
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "process plays every rank), so a job of N ranks loads it without resharding (any "
                                    "world size can load the original too). Per-rank values are dropped when N changes.")
     p.add_argument("src", help=url_help)
-    p.add_argument("dst", help="where to write the new checkpoint")
+    p.add_argument("dst", help="where to write the new checkpoint: a folder or URL (file://, s3://bucket/prefix)")
     p.add_argument("--world", type=int, required=True, help="the world size to write for")
     p.add_argument("--step", type=int, help="a committed step (default: the newest)")
     p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND", help=layout_help)

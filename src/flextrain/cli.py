@@ -1,8 +1,12 @@
-"""``flextrain``: train, and plan a restore at another world size.
+"""flextrain: the minimal trainer of flexckpt, flexshard and zephon_state. Train, and plan a
+resume at another world size.
 
     flextrain train [--preset tiny] [--config FILE.toml|json] [--set key=value ...] [--resume|--fresh]
     torchrun --nproc-per-node 2 -m flextrain train ...
     flextrain plan RUN_DIR --world N [--step S] [--batches K] [--json]
+
+SIGTERM or SIGINT: a final checkpoint at the end of a step all ranks agree on, then exit 0
+(during start-up: stop before the first step, nothing to save); a second signal exits at once.
 """
 from __future__ import annotations
 
@@ -63,14 +67,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flextrain", description="the minimal trainer of flexckpt/flexshard/zephon_state")
+    parser = argparse.ArgumentParser(prog="flextrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="train (one process, or under torchrun)",
                        description="Train; resumes automatically when the run folder holds a committed checkpoint.")
-    p.add_argument("--preset", default="tiny", help="tiny (tests, demo) or small (29.1M parameters)")
+    p.add_argument("--preset", default="tiny", help="tiny (13.3M parameters: tests, demo) or small (29.1M parameters)")
     p.add_argument("--config", help="a TOML or JSON file with the sections model, data, optim and top-level keys")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set data.global_batch=32 --set steps=200 (repeatable)")
+                   help="override a field, e.g. --set data.global_batch=32 --set steps=200 (repeatable; a table as "
+                   "JSON: --set 'data.sources={\"web\": \"web.jsonl.zst\"}'; an unknown key lists the known ones)")
     p.add_argument("--run-dir", help="run folder (checkpoints in RUN_DIR/ckpt, metrics.jsonl; default "
                    "runs/flextrain); same as --set run_dir=...")
     g = p.add_mutually_exclusive_group()

@@ -97,7 +97,8 @@ def cmd_export_safetensors(args: argparse.Namespace) -> int:
 def _command(sub: Any, name: str, fn: Any, src: str, dst: str, help: str, description: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=description)
     what = {"url": "flexckpt checkpoint folder or URL (file://, s3://bucket/prefix; for a flextrain run, RUN_DIR/ckpt)",
-            "dcp_dir": "torch.distributed.checkpoint folder", "out_dir": "output folder (new or empty)"}
+            "dcp_dir": "torch.distributed.checkpoint folder" + (" to write (new or empty)" if dst == "dcp_dir" else ""),
+            "out_dir": "output folder (new or empty)"}
     p.add_argument(src, help=what[src])
     p.add_argument(dst, help="where to write the checkpoint: a folder or URL (file://, s3://bucket/prefix)"
                    if dst == "url" else what[dst])
@@ -143,4 +144,5 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--select", action="append", metavar="GLOB", help="tensor names to export (repeatable; default all)")
     p.add_argument("--strip-prefix", metavar="P", help="drop this prefix from names, e.g. model/")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point tensors")
-    p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB; 10**9 bytes a GB)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest file: e.g. 5GB (the default; 10**9 bytes a GB), 500MB, 2GiB or a byte count")
