@@ -337,5 +337,7 @@ def test_an_export_reads_the_newest_manifest_once_before_its_first_tensor(tmp_pa
         reads.clear()
         at_first_load.clear()
         assert main([cmd, str(tmp_path), str(tmp_path / cmd)]) == 0
-        assert capsys.readouterr().out.startswith("exported step 7: 4 tensors")
+        out = capsys.readouterr().out
+        assert out.startswith("exported step 7: 4 tensors"), out
+        assert cmd == "export-dcp" or f" in 1 file to {tmp_path / cmd}\n" in out, out
         assert at_first_load == [[f"{step_dir(7)}/{MANIFEST}"]], cmd

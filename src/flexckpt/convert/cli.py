@@ -90,7 +90,8 @@ def cmd_export_safetensors(args: argparse.Namespace) -> int:
     r = export_safetensors(args.url, args.out_dir, args.step, select=args.select, strip_prefix=args.strip_prefix,
                            dtype=args.dtype, max_shard_size=args.max_shard_size, budget=_budget(args),
                            progress=sys.stderr.isatty())
-    print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) in {len(r.files)} files to {args.out_dir}")
+    files = f"{len(r.files)} file{'s' if len(r.files) != 1 else ''}"
+    print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) in {files} to {args.out_dir}")
     return 0
 
 
