@@ -321,4 +321,7 @@ def test_plan_of_a_missing_or_checkpoint_folder_says_which_folder_to_give(tmp_pa
     assert main(["plan", str(tmp_path / "nope"), "--world", "2"]) == 2
     assert capsys.readouterr().err == (f"flextrain: {tmp_path}/nope does not exist; give the run folder of "
                                        "flextrain train (its --run-dir)\n")
+    assert main(["plan", str(tmp_path / "run"), "--world", "2", "--step", "7"]) == 2
+    assert capsys.readouterr().err == (f"flextrain: step 7 is not a committed checkpoint under {tmp_path}/run/ckpt; "
+                                       "committed: [3]\n")  # its folder named once
     assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(tmp_path / "run" / "ckpt")) == ["step-000000000003"]

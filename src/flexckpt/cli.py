@@ -62,6 +62,10 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _no_checkpoint(storage: Storage) -> CheckpointError:
     """"Nothing here", with a hint when URL is a flextrain run folder (its checkpoints are in ckpt/)."""
     msg = f"no committed checkpoint under {storage.url}"
@@ -130,10 +134,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if m.version == 1:
         codecs = Counter(c.codec for f in m.files.values() for c in f.chunks)
         print(f"  {len(m.tensors)} tensors, {_mib(m.total_bytes)} raw, {_mib(m.stored_bytes)} stored "
-              f"in {len(m.files)} files, {sum(len(f.chunks) for f in m.files.values())} chunks {dict(codecs)}")
+              f"in {_count(len(m.files), 'file')}, {sum(len(f.chunks) for f in m.files.values())} chunks {dict(codecs)}")
     else:  # chunk counts would need every rank's table: not read here
         print(f"  {len(m.tensors)} tensors, {_mib(m.total_bytes)} raw, {_mib(m.stored_bytes)} stored "
-              f"in {len(m.files)} files ({m.codec}), save attempt {m.attempt}")
+              f"in {_count(len(m.files), 'file')} ({m.codec}), save attempt {m.attempt}")
     print(f"  layouts: {dict(kinds)}")
     if m.version == 1:
         for name, f in sorted(m.files.items()):
@@ -221,7 +225,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     total += c.length
         status = "ok" if not errors else f"DAMAGED ({len(errors)} problem{'s' if len(errors) > 1 else ''})"
         sealed = "manifest checksum ok" if m.sealed else "manifest has no checksum (written before flexckpt sealed them)"
-        print(f"step {s}: {len(m.files)} files, {_mib(total)} read, {sealed}, {status}")
+        print(f"step {s}: {_count(len(m.files), 'file')}, {_mib(total)} read, {sealed}, {status}")
         for e in errors[:20]:
             print(f"  {e}")
         bad += bool(errors)

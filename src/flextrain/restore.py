@@ -74,7 +74,7 @@ def plan_restore(run_dir: str, world: int, step: int | None = None, batches: int
         try:
             got = ckpt.load(probe, step=step, strict=False, fallback=step is None)  # as the resume would
         except Exception as e:  # noqa: BLE001 - a missing or unreadable run is the user's to fix
-            raise ConfigError(f"{url}: {e}") from None
+            raise ConfigError(str(e) if url in str(e) else f"{url}: {e}") from None
     finally:
         ckpt.close()
     cfg = from_dict(json.loads(probe["trainer"]["config"]))
