@@ -248,6 +248,42 @@ def test_a_signal_before_the_checkpoint_load_skips_it_and_keeps_the_fast_tier(tm
     assert len(os.listdir(tier)) == 1  # the run's node folder, which a clean exit would have removed
 
 
+def test_an_error_in_training_keeps_the_fast_tier_whose_newest_step_a_restart_resumes(tmp_path, capsys, monkeypatch):
+    """A run that fails during training (here: TrainingDiverged at step 4, after the
+    persistent save of step 2 and the fast save of step 3) keeps the node's fast-tier
+    folder, whose step 3 is newer than the store's newest: the restart resumes from it. A
+    clean finish (its last step committed to the store) removes the folder."""
+    from flexckpt.storage import Storage
+    from flexckpt.tier.inventory import scan
+    from flextrain.trainer import Trainer, TrainingDiverged
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    args = ["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+            "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=2",
+            "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}", "--set", "steps=4"]
+    gather = Trainer._gather_step
+
+    def diverging(self, *a):
+        self.ckpt.tier.wait()  # the previous fast save is done: none is skipped
+        if self.step == 4:
+            raise TrainingDiverged("step 4: the loss is nan (test)")
+        return gather(self, *a)
+
+    monkeypatch.setattr(Trainer, "_gather_step", diverging)
+    assert main(args) == 2
+    assert capsys.readouterr().err.endswith("flextrain: step 4: the loss is nan (test)\n")
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps() == [2]
+    (folder,) = tier.iterdir()  # kept: a clean exit would have removed it
+    assert max(h.step for h in scan(Storage(str(folder)))) == 3
+    monkeypatch.undo()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "flextrain: resuming from the fast tier's step 3 (the persistent store's newest: 2)\n" in err, err
+    assert sorted(metrics(run)) == [1, 2, 3, 4]
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps()[-1] == 4
+    assert list(tier.iterdir()) == []  # a clean finish, step 4 in the store: the folder goes
+
+
 def test_resuming_a_run_already_at_its_steps_says_there_is_nothing_to_train(tmp_path, capsys):
     """A resume whose checkpoint is at (or past) ``steps`` trains nothing: it says so and
     how to go on, rather than ending without a word."""

@@ -315,8 +315,8 @@ class Checkpointer(SavePipeline, Committer):
     def close(self, timeout: float | None = None, *, keep_tier: bool = False, _at_exit: bool = False) -> None:
         """Wait for saves in flight, then stop the background threads. A fast tier's node
         folder is removed here (a clean exit), not when the interpreter exits without
-        close() (a crash, whose restart needs it), nor with ``keep_tier`` (a job that stops
-        without saving, whose newest step may be the tier's)."""
+        close() (a crash, whose restart needs it), nor with ``keep_tier`` (a job whose newest
+        step may be the tier's only: one that failed, or stopped without saving)."""
         if self._closed:
             return
         self._closed = True

@@ -151,7 +151,7 @@ class Trainer:
         self.cfg = cfg.validate()
         check_inputs(cfg.data, cfg.model.vocab_size)
         self.preempt = preempt  # installed by the CLI at start; train() installs one otherwise
-        self.stopped_at_start = False  # by a signal: nothing saved, the fast tier's folder stays
+        self.persisted = False  # train() ended with its last step committed to the store (see close)
         self._closed = False
         self.device = choose_device(cfg.device)  # flextrain.device decides; the rest follows it
         cfg.autocast = resolve_autocast(cfg.autocast, self.device)  # before anything is fingerprinted
@@ -274,7 +274,6 @@ class Trainer:
         elif self.world > 1:
             return
         if flag.item():
-            self.stopped_at_start = True
             try:
                 if starting is not None:
                     self.pipeline = starting.result()[0]
@@ -407,6 +406,9 @@ class Trainer:
                 handle.wait_staged()
                 waits.append(handle.trainer_wait)
             self.ckpt.wait()
+            # the fast tier's folder may go only once the store holds the run's newest step
+            # (a failed final save leaves it in the tier; a resume with nothing to train too)
+            self.persisted = self.ckpt.tier is None or self.ckpt.latest_step() == self.step
         finally:
             preempt.restore()
             if bar is not None:
@@ -476,13 +478,15 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        """Close what start-up built (all of it, once built). A stop during start-up saved
-        nothing: the fast tier's node folder stays, as its newest step may be the run's."""
+        """Close what start-up built (all of it, once built). The fast tier's node folder
+        goes only after a clean finish, its last step committed to the store; otherwise (an
+        exception out of training, a stop during start-up, a failed final save) it stays,
+        as its newest step may be newer than the store's and a restart resumes from it."""
         if self._closed:
             return
         self._closed = True
         if hasattr(self, "ckpt"):
-            self.ckpt.close(keep_tier=self.stopped_at_start)
+            self.ckpt.close(keep_tier=not self.persisted)
         for part in ("pipeline", "heldout"):
             if hasattr(self, part):
                 getattr(self, part).close()
