@@ -272,7 +272,7 @@ def test_an_error_in_training_keeps_the_fast_tier_whose_newest_step_a_restart_re
     monkeypatch.setattr(Trainer, "_gather_step", diverging)
     assert main(args) == 2
     assert capsys.readouterr().err.endswith("flextrain: step 4: the loss is nan (test)\n")
-    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps() == [2]
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [2]
     (folder,) = tier.iterdir()  # kept: a clean exit would have removed it
     assert max(h.step for h in scan(Storage(str(folder)))) == 3
     monkeypatch.undo()
@@ -280,7 +280,7 @@ def test_an_error_in_training_keeps_the_fast_tier_whose_newest_step_a_restart_re
     err = capsys.readouterr().err
     assert "flextrain: resuming from the fast tier's step 3 (the persistent store's newest: 2)\n" in err, err
     assert sorted(metrics(run)) == [1, 2, 3, 4]
-    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps()[-1] == 4
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps()[-1] == 4
     assert list(tier.iterdir()) == []  # a clean finish, step 4 in the store: the folder goes
 
 
@@ -317,7 +317,9 @@ def test_fresh_is_refused_where_an_earlier_run_left_checkpoints(tmp_path, capsys
 
 def test_plan_of_a_run_whose_newest_checkpoint_is_damaged_follows_the_resume_to_the_one_before(tmp_path, capsys):
     """``flextrain train`` falls back to the previous step when the newest cannot be read;
-    ``flextrain plan`` plans that step too (it stopped with the newest step's error)."""
+    ``flextrain plan`` plans that step too (it stopped with the newest step's error). A plan
+    only reads: a stale attempt folder and an empty step folder, which a job's start
+    removes, stay."""
     from flexckpt.manifest import MANIFEST, step_dir
 
     run = tmp_path / "run"
@@ -325,7 +327,12 @@ def test_plan_of_a_run_whose_newest_checkpoint_is_damaged_follows_the_resume_to_
             "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=1", "--set", "steps=2"]
     assert main(["train", *tiny]) == 0
     (run / "ckpt" / step_dir(2) / MANIFEST).write_bytes(b"{")  # cut short
+    stale, empty = run / "ckpt" / step_dir(1) / "old.0000abcd.1", run / "ckpt" / step_dir(3)
+    stale.mkdir()
+    empty.mkdir()
+    os.utime(stale, (1e9, 1e9))  # untouched since 2001
     capsys.readouterr()
     assert main(["plan", str(run), "--world", "2"]) == 0
     assert capsys.readouterr().out.startswith(f"{run}: step 1 saved on 1 rank; resume on 2:\n")
     assert main(["plan", str(run), "--world", "2", "--step", "2"]) == 2  # asked for by number: no other
+    assert stale.is_dir() and empty.is_dir()

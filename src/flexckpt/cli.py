@@ -382,7 +382,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             if same_world:
                 for name in m.per_rank:
                     _put(state, name, PerRank(None))
-            with Checkpointer(args.src, rank=r, world_size=world, run_id="reshard") as reader:
+            with Checkpointer(args.src, rank=r, world_size=world, run_id="reshard", read_only=True) as reader:
                 reader.load(state, step=step, strict=False)
             for name in m.lanes:
                 if r != 0:

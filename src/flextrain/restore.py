@@ -62,7 +62,7 @@ def plan_restore(run_dir: str, world: int, step: int | None = None, batches: int
         raise ConfigError(f"--batches {batches}: must be >= 0 (how many of the next global batches to digest)")
     if not Path(run_dir).is_dir():  # looked at, not created
         raise ConfigError(f"{run_dir} does not exist; give the run folder of flextrain train (its --run-dir)")
-    ckpt = Checkpointer(url, rank=0, world_size=1, run_id="plan")
+    ckpt = Checkpointer(url, rank=0, world_size=1, run_id="plan", read_only=True)  # a plan changes nothing
     try:
         if not ckpt.steps():
             here = Path(run_dir).resolve()

@@ -45,12 +45,12 @@ def batches(names: list[str], sizes: dict[str, int], budget: int) -> Iterator[li
 def open_source(url: str, step: int | None) -> tuple[Checkpointer, Contents]:
     """A single-rank reader of ``url`` and what its chosen step holds (its manifest read
     once). A damaged newest manifest, taken by default, is refused naming the step before it."""
-    ck = Checkpointer(url, rank=0, world_size=1, run_id="convert")
+    ck = Checkpointer(url, rank=0, world_size=1, run_id="convert", read_only=True)  # the source stays as it is
     try:
         steps = ck.steps()
         if not steps:
             run_ckpt = url.rstrip("/") + "/ckpt"  # a flextrain run folder keeps its checkpoints there
-            with Checkpointer(run_ckpt, rank=0, world_size=1, run_id="convert") as probe:
+            with Checkpointer(run_ckpt, rank=0, world_size=1, run_id="convert", read_only=True) as probe:
                 hint = f"; for a flextrain run folder pass {run_ckpt}" if probe.steps() else ""
             raise CheckpointError(f"no committed flexckpt checkpoint under {url}{hint}")
         try:
