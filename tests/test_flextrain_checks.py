@@ -284,6 +284,31 @@ def test_an_error_in_training_keeps_the_fast_tier_whose_newest_step_a_restart_re
     assert list(tier.iterdir()) == []  # a clean finish, step 4 in the store: the folder goes
 
 
+def test_a_failed_final_save_keeps_the_fast_tier(tmp_path, monkeypatch):
+    """A run whose last (persistent) save fails ends without that step in the store: the
+    node's fast-tier folder, whose step 3 is newer than the store's step 2, stays. (What
+    the run's exit status says of the failed save is not this test's subject.)"""
+    from flexckpt.manifest import MANIFEST, step_dir
+    from flexckpt.storage import Storage
+    from flexckpt.tier.inventory import scan
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    put = Storage.put_atomic
+
+    def full_disk(self, rel, *a, **k):
+        if rel == f"{step_dir(4)}/{MANIFEST}":
+            raise OSError(28, "No space left on device (test)")
+        return put(self, rel, *a, **k)
+
+    monkeypatch.setattr(Storage, "put_atomic", full_disk)
+    main(["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+          "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=2",
+          "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}", "--set", "steps=4"])
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [2]
+    (folder,) = tier.iterdir()  # kept: its newest step is newer than the store's
+    assert max(h.step for h in scan(Storage(str(folder)))) == 3
+
+
 def test_resuming_a_run_already_at_its_steps_says_there_is_nothing_to_train(tmp_path, capsys):
     """A resume whose checkpoint is at (or past) ``steps`` trains nothing: it says so and
     how to go on, rather than ending without a word."""
