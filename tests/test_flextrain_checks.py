@@ -284,13 +284,14 @@ def test_an_error_in_training_keeps_the_fast_tier_whose_newest_step_a_restart_re
     assert list(tier.iterdir()) == []  # a clean finish, step 4 in the store: the folder goes
 
 
-def test_a_failed_final_save_keeps_the_fast_tier(tmp_path, monkeypatch):
-    """A run whose last (persistent) save fails ends without that step in the store: the
-    node's fast-tier folder, whose step 3 is newer than the store's step 2, stays. (What
-    the run's exit status says of the failed save is not this test's subject.)"""
+def test_a_failed_final_save_is_an_error_and_keeps_the_fast_tier(tmp_path, capsys, monkeypatch):
+    """A run whose last (persistent) save fails ends without that step in the store: it
+    says so in one line and exits 2 (saves before it may fail and training goes on), and
+    the node's fast-tier folder, whose step 3 is newer than the store's step 2, stays."""
     from flexckpt.manifest import MANIFEST, step_dir
     from flexckpt.storage import Storage
     from flexckpt.tier.inventory import scan
+    from flextrain.trainer import Trainer
 
     run, tier = tmp_path / "run", tmp_path / "tier"
     put = Storage.put_atomic
@@ -301,9 +302,21 @@ def test_a_failed_final_save_keeps_the_fast_tier(tmp_path, monkeypatch):
         return put(self, rel, *a, **k)
 
     monkeypatch.setattr(Storage, "put_atomic", full_disk)
-    main(["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
-          "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=2",
-          "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}", "--set", "steps=4"])
+    gather = Trainer._gather_step
+
+    def waiting(self, *a):
+        self.ckpt.tier.wait()  # the previous fast save is done: none is skipped
+        return gather(self, *a)
+
+    monkeypatch.setattr(Trainer, "_gather_step", waiting)
+    assert main(["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+                 "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=2",
+                 "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}", "--set", "steps=4"]) == 2
+    assert capsys.readouterr().err == (
+        "flextrain: the final checkpoint, step 4, failed: [Errno 28] No space left on device (test); a restart "
+        "resumes from step 2 (or the fast tier's newest step, if newer: this node's folder is kept); fix the "
+        "storage and rerun: it trains again from there\n")
+    assert not (run / "summary-w1-r0.json").exists()  # the run did not end as asked
     assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [2]
     (folder,) = tier.iterdir()  # kept: its newest step is newer than the store's
     assert max(h.step for h in scan(Storage(str(folder)))) == 3

@@ -23,7 +23,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     preempt = Preemption()  # first: a signal during the seconds of start-up stops the run cleanly
     try:
-        from flextrain.trainer import ResumeRefused, TrainingDiverged, run
+        from flextrain.trainer import FinalSaveFailed, ResumeRefused, TrainingDiverged, run
         from zephon_state import FingerprintMismatch, ZephonError
 
         try:
@@ -32,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 cfg.run_dir = args.run_dir
             resume = True if args.resume else (False if args.fresh else None)
             run(cfg, resume=resume, preempt=preempt)
-        except (WorldRefused, TrainingDiverged) as e:  # every rank finds the same (the world; gathered values): said once
+        except (WorldRefused, TrainingDiverged, FinalSaveFailed) as e:  # every rank finds the same (the world; gathered values): said once
             if os.environ.get("RANK", "0") == "0":
                 print(f"flextrain: {e}", file=sys.stderr)
             return 2

@@ -50,6 +50,11 @@ class TrainingDiverged(RuntimeError):
     before its checkpoint."""
 
 
+class FinalSaveFailed(RuntimeError):
+    """The run's last checkpoint (at its last step, or at a stop) was not committed: a
+    restart resumes from an earlier step."""
+
+
 def init_distributed(backend: str = "gloo") -> tuple[int, int]:
     """(rank, world): torchrun's environment, else one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -406,6 +411,8 @@ class Trainer:
                 handle.wait_staged()
                 waits.append(handle.trainer_wait)
             self.ckpt.wait()
+            if handle is not None:  # the final save: the run ends on it, and a restart resumes from it
+                self._check_final_save(handle)
             # the fast tier's folder may go only once the store holds the run's newest step
             # (a failed final save leaves it in the tier; a resume with nothing to train too)
             self.persisted = self.ckpt.tier is None or self.ckpt.latest_step() == self.step
@@ -416,6 +423,22 @@ class Trainer:
         summary = self._summary(time.perf_counter() - t_start, waits, stopped)
         (self.run_dir / f"summary-w{self.world}-r{self.rank}.json").write_text(json.dumps(summary))
         return summary
+
+    def _check_final_save(self, handle: Any) -> None:
+        """Raise ``FinalSaveFailed`` when the final checkpoint was not committed (every rank
+        learns it from the store: the commit or the failure marker), naming what a restart
+        resumes from. Saves before it may fail and training goes on; the last one may not."""
+        try:
+            handle.result()
+        except Exception as e:  # noqa: BLE001 - SaveError, or a commit that never came (TimeoutError)
+            why = e.__cause__ or e  # the storage's own error, not "save of step N failed" twice
+            newest = self.ckpt.latest_step()
+            tier = self.ckpt.tier is not None and self.ckpt.tier.saved > 0
+            raise FinalSaveFailed(
+                f"the final checkpoint, step {self.step}, failed: {why}; a restart resumes from "
+                + (f"step {newest}" if newest is not None else "scratch (no committed checkpoint)")
+                + (" (or the fast tier's newest step, if newer: this node's folder is kept)" if tier else "")
+                + "; fix the storage and rerun: it trains again from there") from None
 
     def _gather_step(self, micro: list, loss_sum: float, weights_ok: bool = True) -> tuple[str, float, bool]:
         """One all-gather of this rank's step digests, loss sum and whether its updated weights
