@@ -32,15 +32,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                 cfg.run_dir = args.run_dir
             resume = True if args.resume else (False if args.fresh else None)
             run(cfg, resume=resume, preempt=preempt)
-        except (WorldRefused, TrainingDiverged, FinalSaveFailed) as e:  # every rank finds the same (the world; gathered values): said once
+        except (WorldRefused, TrainingDiverged) as e:  # every rank finds the same (the world; gathered values): said once
             if os.environ.get("RANK", "0") == "0":
                 print(f"flextrain: {e}", file=sys.stderr)
             return 2
         except StartupStopped as e:
             print(f"flextrain: {e}", file=sys.stderr)
             return 0  # as a stop in training: the run did what it was asked
-        except (ConfigError, ResumeRefused, FingerprintMismatch) as e:  # may be one rank's own (its view of the
-            # run folder, its data files): each rank says its own
+        except (ConfigError, ResumeRefused, FingerprintMismatch, FinalSaveFailed) as e:  # may be one rank's own
+            # (its view of the run folder, its data files, its part of the final save): each rank says its own
             print(f"flextrain: {e}", file=sys.stderr)
             return 2
         except ZephonError as e:  # the data a run reads, found wrong while building its pipelines

@@ -434,8 +434,9 @@ class Trainer:
             why = e.__cause__ or e  # the storage's own error, not "save of step N failed" twice
             newest = self.ckpt.latest_step()
             tier = self.ckpt.tier is not None and self.ckpt.tier.saved > 0
+            who = f"rank {self.rank}: " if self.world > 1 else ""  # each rank says its own
             raise FinalSaveFailed(
-                f"the final checkpoint, step {self.step}, failed: {why}; a restart resumes from "
+                f"{who}the final checkpoint, step {self.step}, failed: {why}; a restart resumes from "
                 + (f"step {newest}" if newest is not None else "scratch (no committed checkpoint)")
                 + (" (or the fast tier's newest step, if newer: this node's folder is kept)" if tier else "")
                 + "; fix the storage and rerun: it trains again from there") from None
