@@ -5,6 +5,7 @@ step's checkpoint (exit 2); a signal during start-up stops cleanly (exit 0)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -282,6 +283,75 @@ def test_an_error_in_training_keeps_the_fast_tier_whose_newest_step_a_restart_re
     assert sorted(metrics(run)) == [1, 2, 3, 4]
     assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps()[-1] == 4
     assert list(tier.iterdir()) == []  # a clean finish, step 4 in the store: the folder goes
+
+
+def test_a_crash_before_the_first_persistent_save_resumes_from_the_fast_tier(tmp_path, capsys, monkeypatch):
+    """Fast saves every step, persistent every 10: a run that fails at step 4 leaves nothing
+    in the store and steps 2 and 3 in the node's fast tier. The restart resumes from the
+    tier's step 3 and trains steps 4 and 5 on the batches, with the losses, of a run never
+    interrupted; ``--fresh`` is refused there (the tier's step would outrank the new run's).
+    Where the tier cannot restore any step (every step lacks a saved rank: its node lost),
+    the restart says so and starts from step 0, as a new run."""
+    import shutil
+
+    from flexckpt.storage import Storage
+    from flexckpt.tier.inventory import scan
+    from flextrain.trainer import Trainer, TrainingDiverged
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    shape = [*SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1", "--set", "data.micro_batch=1",
+             "--set", "data.eval_batches=1", "--set", "ckpt_every=10", "--set", "steps=5"]
+    args = ["train", "--run-dir", str(run), *shape, "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}"]
+    assert main(["train", "--run-dir", str(tmp_path / "ref"), *shape]) == 0
+    ref = metrics(tmp_path / "ref")
+    gather = Trainer._gather_step
+
+    def diverging(self, *a):
+        self.ckpt.tier.wait()  # the previous fast save is done: none is skipped
+        if self.step == 4:
+            raise TrainingDiverged("step 4: the loss is nan (test)")
+        return gather(self, *a)
+
+    monkeypatch.setattr(Trainer, "_gather_step", diverging)
+    assert main(args) == 2
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == []
+    (folder,) = tier.iterdir()
+    assert sorted({h.step for h in scan(Storage(str(folder)))}) == [2, 3]
+    shutil.copytree(tmp_path, tmp_path.parent / f"{tmp_path.name}-crashed")  # for the node loss below
+
+    assert main([*args, "--fresh"]) == 2
+    assert f"--fresh: the fast tier ({folder}) holds step 3 of an earlier run in {run}" in capsys.readouterr().err
+
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "flextrain: resuming from the fast tier's step 3 (the persistent store has none)\n" in err, err
+    assert json.loads((run / "resume-w1-r0.json").read_text())["step"] == 3
+    got = metrics(run)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in range(1, 6):  # one process, the same order of sums: equal to the bit
+        assert (got[step]["global_batch_sha256"], got[step]["loss"]) == \
+            (ref[step]["global_batch_sha256"], ref[step]["loss"]), step
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [5]
+    assert list(tier.iterdir()) == []  # a clean finish: the folder goes
+
+    # the node of saved rank 1 lost (as a world of 2 saved it): no step is complete on the nodes left
+    shutil.rmtree(run)
+    shutil.rmtree(tier)
+    for name in ("run", "tier"):
+        shutil.copytree(tmp_path.parent / f"{tmp_path.name}-crashed" / name, tmp_path / name)
+    for marker in folder.rglob("r00000-w00001.done"):
+        marker.rename(marker.with_name("r00000-w00002.done"))
+    assert main([*args, "--set", "steps=1"]) == 0  # one step shows a new run
+    err = capsys.readouterr().err
+    assert ("flextrain: the fast tier's step 3 cannot be restored (no fast-tier step is complete and nothing is "
+            "persistent; tier step 3 lacks the files of saved rank(s) [1] on every surviving node), and the "
+            "persistent store has no checkpoint: starting from step 0\n") in err, err
+    got = metrics(run)  # the crashed run's rows 1-3, then the new run's step 1 (a later row wins)
+    assert (got[1]["global_batch_sha256"], got[1]["loss"]) == (ref[1]["global_batch_sha256"], ref[1]["loss"])
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [1]
+    assert not (run / "resume-w1-r0.json").exists()
 
 
 def test_a_failed_final_save_is_an_error_and_keeps_the_fast_tier(tmp_path, capsys, monkeypatch):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexckpt import ByLane, Checkpointer
+from flexckpt import ByLane, Checkpointer, LoadError
 from flexckpt.tier import LocalTier
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from flexshard.world import ranks
@@ -109,6 +109,13 @@ def saved_trainer_values(ckpt: Checkpointer, step: int | None = None) -> tuple[i
     return got, {**probe["trainer"], "lanes": probe["data"].values}
 
 
+def data_state_of(saved: dict) -> dict:
+    """The pipeline's state from a checkpoint's ``trainer/`` values and lane cursors."""
+    data_state = json.loads(saved["data_state"])
+    data_state["lanes"] = saved["lanes"]
+    return data_state
+
+
 def check_resumable(saved_config: str, cfg: TrainConfig) -> None:
     saved = json.loads(saved_config)
     diffs = differences(saved, cfg.to_dict())
@@ -176,42 +183,53 @@ class Trainer:
         self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last, local=local)
         t = time.perf_counter()
         saved = None
-        if resume is not False and self.ckpt.latest_step() is not None:
+        newest = self.ckpt.latest_step()
+        # the store has none: a run killed before its first persistent save may have fast-tier
+        # steps (a collective: every rank asks, all get the same answer)
+        held = self.ckpt.tier.newest_held() if newest is None and self.ckpt.tier is not None else None
+        if resume is not False and newest is not None:
             _, saved = saved_trainer_values(self.ckpt)  # plain values only: refuse a changed run before any read
             check_resumable(saved["config"], cfg)
+        elif resume is not False and held is not None:
+            pass  # restored below, if the tier can (_resume_from_tier); its values come with the load
         elif resume:
             raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}; "
                                 "drop --resume to start a new run there")
-        elif (earlier := self.ckpt.latest_step()) is not None:  # --fresh: they would outrank this run's
+        elif newest is not None:  # --fresh: they would outrank this run's
             raise ResumeRefused(f"--fresh: {self.run_dir / 'ckpt'} holds committed steps up to "
-                                f"{earlier} of an earlier run, which a restart would resume from "
+                                f"{newest} of an earlier run, which a restart would resume from "
                                 f"and retention would keep over this run's; pass a new --run-dir (or remove that "
                                 f"folder to start over there)")
+        elif held is not None:  # --fresh: the tier's steps would outrank this run's until it saves a newer one
+            raise ResumeRefused(f"--fresh: the fast tier ({self.ckpt.tier.root}) holds step {held} of an earlier "
+                                f"run in {self.run_dir}, which a restart would resume from; pass a new --run-dir "
+                                f"(or remove that folder to start over there)")
         self.timings["checkpoint_probe_s"] = time.perf_counter() - t
         self.run_dir.mkdir(parents=True, exist_ok=True)  # not before: a refused run leaves the folder as it was
         (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
         # the pipeline is built, restored and started on a thread while the model builds and
         # the tensors load: a restart waits only for what is left of it (pipeline_build_s)
-        starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
-        data = starter.submit(self._start_pipeline, saved)
-        starter.shutdown(wait=False)
+        # (from the fast tier, whose values come only with the load: built after it, on this thread)
+        data = None
+        if held is None:
+            starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
+            data = starter.submit(self._start_pipeline, saved)
+            starter.shutdown(wait=False)
         t = time.perf_counter()
-        torch.manual_seed(cfg.seed)
-        self.model = Transformer(cfg.model)
-        self.model.init_weights(cfg.seed)  # on the CPU (its generator), the same bits on every device
-        self.model.to(self.device)
-        self.opt = build_optimizer(self.model, cfg)
-        if cfg.optim.compute_copy == "mxfp8":
-            self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
+        self._build_model()
         self.timings["model_build_s"] = time.perf_counter() - t
         self.step = 0
         self.resumed_from: int | None = None
         self._stop_if_signalled(agree=True, starting=data)  # every rank is here: a stop skips the load
         t = time.perf_counter()
-        data_state = self._resume() if saved is not None else None
+        data_state = None
+        if saved is not None:
+            data_state = data_state_of(self._resume())
+        elif held is not None:
+            saved = self._resume_from_tier(held, resume)
         self.timings["checkpoint_load_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        self.pipeline, started_from = data.result()
+        self.pipeline, started_from = data.result() if data is not None else self._start_pipeline(saved)
         if data_state is not None and data_state != started_from:  # the full load fell back to an older step
             self.pipeline.load_state_dict(data_state)
         self._calibration = self.pipeline.calibration() if isinstance(self.pipeline, Pipeline) else None
@@ -233,28 +251,39 @@ class Trainer:
             pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
         if saved is None:
             return pipeline, None
-        data_state = json.loads(saved["data_state"])
-        data_state["lanes"] = saved["lanes"]
+        data_state = data_state_of(saved)
         pipeline.load_state_dict(data_state)
         if isinstance(pipeline, Pipeline):
             pipeline.start()
         return pipeline, data_state
 
+    def _build_model(self) -> None:
+        """The model and optimizer as step 0 has them (seeded: the same bits on every rank)."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(cfg.model)
+        self.model.init_weights(cfg.seed)  # on the CPU (its generator), the same bits on every device
+        self.model.to(self.device)
+        self.opt = build_optimizer(self.model, cfg)
+        if cfg.optim.compute_copy == "mxfp8":
+            self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
+
     # ---- resume ---------------------------------------------------------------------------
     def _resume(self) -> dict:
-        """Load the checkpoint's tensors and values; returns its data state (the pipeline's)."""
+        """Load the checkpoint's tensors and values; returns its ``trainer/`` values and lane
+        cursors (``lanes``), as ``saved_trainer_values`` gives them."""
         newest = self.ckpt.latest_step()
         state = checkpoint_state(self.opt, 0, self.cfg, {"lanes": {}})
         got = self.ckpt.load(state, fallback=True)
         recovery = self.ckpt.tier.last_recovery if self.ckpt.tier is not None else None
         if recovery is not None and recovery.source == "tier":
-            self._say(f"flextrain: resuming from the fast tier's step {got} (the persistent store's newest: {newest})")
+            store = f"the persistent store's newest: {newest}" if newest is not None else "the persistent store has none"
+            self._say(f"flextrain: resuming from the fast tier's step {got} ({store})")
         elif got != newest:
             self._say(f"flextrain: the newest checkpoint (step {newest}) could not be read; resumed from step {got}")
         check_resumable(state["trainer"]["config"], self.cfg)
         adopt_checkpoint_state(self.opt, state)
-        data_state = json.loads(state["trainer"]["data_state"])
-        data_state["lanes"] = state["data"].values
+        values = {**state["trainer"], "lanes": state["data"].values}
         self.step = self.resumed_from = int(state["trainer"]["step"])
         stats = self.ckpt.last_load_stats
         record = {"step": got, "world": self.world, "rank": self.rank,
@@ -265,7 +294,27 @@ class Trainer:
         if self.step >= self.cfg.steps:  # else the run ends at once, without a word
             self._say(f"flextrain: the checkpoint is at step {self.step} and steps={self.cfg.steps}: nothing to "
                       f"train; pass --set steps=N with N > {self.step} to train on")
-        return data_state
+        return values
+
+    def _resume_from_tier(self, held: int, resume: bool | None) -> dict | None:
+        """The store has no checkpoint and some node's fast tier holds step ``held``: restore
+        the newest step the tier can (its recovery: every rank agrees on the step and on its
+        load's success). Its values as ``_resume`` returns them; None when the tier cannot
+        (a node lost with the only copy of a rank's part, another structure): a fresh start,
+        said, on a model built anew (a failed read may have written into it)."""
+        try:
+            return self._resume()
+        except LoadError:  # the tier gave no step, and the store has none
+            recovery = self.ckpt.tier.last_recovery
+            if recovery is None or recovery.source == "tier":
+                raise
+        why = f"the fast tier's step {held} cannot be restored ({recovery.reason})"
+        if resume:
+            raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}, and {why}; "
+                                "drop --resume to start the run over there")
+        self._say(f"flextrain: {why}, and the persistent store has no checkpoint: starting from step 0")
+        self._build_model()
+        return None
 
     def _stop_if_signalled(self, agree: bool = False, starting: Future | None = None) -> None:
         """A signal during start-up stops the run before its first step, with nothing to save.
