@@ -392,6 +392,61 @@ def test_a_failed_final_save_is_an_error_and_keeps_the_fast_tier(tmp_path, capsy
     assert max(h.step for h in scan(Storage(str(folder)))) == 3
 
 
+FULL_DISK_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":  # this rank's files of the final step fail: the others' are written
+    from flexckpt.manifest import step_dir
+    from flexckpt.storage import Storage
+    put = Storage.put_atomic
+
+    def full_disk(self, rel, *a, **k):
+        if rel.startswith(step_dir(2) + "/") and "r00001" in rel:
+            raise OSError(28, "No space left on device (test)")
+        return put(self, rel, *a, **k)
+
+    Storage.put_atomic = full_disk
+"""
+
+
+def test_a_final_save_failing_on_one_rank_of_two_fails_both_with_their_line(tmp_path):
+    """Two ranks (launched as torchrun launches its workers: env:// on a free port, without
+    its agent, which would end the other worker as soon as one exits non-zero): rank 1's
+    files of the final step fail (a full disk), so the step is not committed. Each rank
+    says so in its line, naming its own error, and exits 2; none hangs."""
+    import socket
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flextrain", "train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=2",
+           "--set", "data.global_batch=2", "--set", "data.micro_batch=1", "--set", "data.eval_batches=1",
+           "--set", "ckpt_every=2", "--set", "steps=2"]
+    procs = []
+    for rank in (0, 1):
+        env = dict(ENV, PYTHONPATH=f"{hook}{os.pathsep}{ENV['PYTHONPATH']}", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    tail = "; a restart resumes from scratch (no committed checkpoint); fix the storage and rerun: it trains again from there\n"
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert errs[1].endswith("flextrain: rank 1: the final checkpoint, step 2, failed: [Errno 28] No space left on "
+                            "device (test)" + tail), errs[1][-3000:]
+    assert errs[0].endswith("flextrain: rank 0: the final checkpoint, step 2, failed: save of step 2 failed on another "
+                            "rank: rank 1 failed while writing its chunk table: OSError: [Errno 28] No space left on "
+                            "device (test)" + tail), errs[0][-3000:]
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == []
+
+
 def test_resuming_a_run_already_at_its_steps_says_there_is_nothing_to_train(tmp_path, capsys):
     """A resume whose checkpoint is at (or past) ``steps`` trains nothing: it says so and
     how to go on, rather than ending without a word."""
