@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                    "runs/flextrain); same as --set run_dir=...")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
-    g.add_argument("--fresh", action="store_true", help="start a new run: refused when the run folder holds checkpoints (a restart "
-                   "would resume from them); drop both flags to resume when there are")
+    g.add_argument("--fresh", action="store_true", help="start a new run: refused when the run folder holds checkpoints "
+                   "or the fast tier a step (a restart would resume from them); drop both flags to resume when there are")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("plan", help="whether and how a run resumes on N ranks",
                        description="Per part of the state, what a resume on N ranks does, the bytes each rank reads "
