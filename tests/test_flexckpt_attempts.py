@@ -516,3 +516,40 @@ def test_another_ranks_writer_survives_retention_removing_its_empty_step_folder(
     for cp in cps:
         cp.close()
     assert load_value(tmp_path, 9) == {9.0} and load_value(tmp_path, 10) == {10.0}
+
+
+def _plant_stale(root, age=1000):
+    """An attempt folder of another job, untouched for ``age`` seconds, in committed step 5,
+    and an empty uncommitted step folder: what a normal start (its coordinator) removes."""
+    stale = root / "step-000000000005" / "old.0000abcd.1"
+    stale.mkdir(parents=True)
+    (stale / "r00000.data").write_bytes(b"\1" * 64)
+    for p in (stale / "r00000.data", stale):
+        os.utime(p, (time.time() - age, time.time() - age))
+    empty = root / "step-000000000003"
+    empty.mkdir()
+    return stale, empty
+
+
+def test_a_read_only_open_changes_nothing_where_a_normal_start_reclaims(tmp_path):
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job") as ck:
+        ck.save(5, {"w": torch.full((64,), 5.0), "step": 5}).result(timeout=30)
+    stale, empty = _plant_stale(tmp_path)
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="reader", commit_timeout=60, read_only=True) as ck:
+        target = {"w": torch.zeros(64), "step": 0}
+        assert ck.load(target) == 5 and target["step"] == 5 and target["w"].tolist() == [5.0] * 64
+        with pytest.raises(RuntimeError, match=rf"^this Checkpointer of {tmp_path} was opened read_only=True: open "
+                                               rf"one without read_only to save$"):
+            ck.save(6, target)
+    assert stale.is_dir() and empty.is_dir()
+    Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="writer", commit_timeout=60).close()
+    assert not stale.exists() and not empty.exists()
+
+
+def test_read_only_with_a_fast_tier_is_refused(tmp_path):
+    from flexckpt.tier import LocalTier
+
+    with pytest.raises(ValueError, match=r"^read_only=True writes nothing, and a fast tier \(local=\) saves: drop one "
+                                         r"of them$"):
+        Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="r", read_only=True, local=LocalTier(dir=str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []

@@ -309,3 +309,71 @@ def test_import_dcp_help_says_dcp_has_no_checksums(capsys):
         main(["import-dcp", "--help"])
     assert "DCP stores no checksums: a damaged byte in a DCP data file imports without an error" in \
         " ".join(capsys.readouterr().out.split())
+
+
+def test_an_export_reads_the_newest_manifest_once_before_its_first_tensor(tmp_path, monkeypatch, capsys):
+    """To learn what to export (each load of a batch of tensors reads it again: Checkpointer.load's own)."""
+    from flexckpt.storage import Storage
+
+    _save(tmp_path, step=5)
+    _save(tmp_path, step=7)
+    reads, at_first_load = [], []
+    read_bytes, load = Storage.read_bytes, Checkpointer.load
+
+    def counted_read(self, rel, limit=None):
+        if rel.endswith(MANIFEST):
+            reads.append(rel)
+        return read_bytes(self, rel, limit)
+
+    def noted_load(self, *args, **kwargs):
+        if not at_first_load:
+            at_first_load.append(list(reads))
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(Storage, "read_bytes", counted_read)
+    monkeypatch.setattr(Checkpointer, "load", noted_load)
+    for cmd in ("export-dcp", "export-safetensors"):
+        reads.clear()
+        at_first_load.clear()
+        assert main([cmd, str(tmp_path), str(tmp_path / cmd)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("exported step 7: 4 tensors"), out
+        assert cmd == "export-dcp" or f" in 1 file to {tmp_path / cmd}\n" in out, out
+        assert at_first_load == [[f"{step_dir(7)}/{MANIFEST}"]], cmd
+
+
+WRITES = ("makedirs", "write_stream", "write_direct", "put_atomic", "remove", "remove_tree")
+
+
+@pytest.mark.parametrize("argv", [
+    ["steps", "{src}"], ["inspect", "{src}"], ["verify", "{src}"], ["plan", "{src}", "--world", "1"],
+    ["export-dcp", "{src}", "{out}"], ["export-safetensors", "{src}", "{out}"],
+    ["reshard", "{src}", "{out}", "--world", "1"],
+], ids=lambda argv: argv[0])
+def test_a_command_that_reads_a_checkpoint_writes_nothing_there(tmp_path, monkeypatch, capsys, argv):
+    """As with read-only credentials, or beside a live job: a stale attempt folder of another
+    job and an empty step folder (which a job's start removes) stay, and no write under the
+    source is even tried (each would fail with a permission error)."""
+    from flexckpt.storage import Storage
+
+    src = tmp_path / "src"
+    _save(src)
+    stale = src / step_dir(5) / "old.0000abcd.1"
+    stale.mkdir()
+    (stale / "r00000.data").write_bytes(b"\1" * 64)
+    for p in (stale / "r00000.data", stale):
+        os.utime(p, (1e9, 1e9))  # 2001: untouched for far longer than any commit_timeout
+    (src / step_dir(3)).mkdir()
+    tried = []
+    for name in WRITES:
+        def refused(self, rel, *a, _write=getattr(Storage, name), _name=name, **k):
+            if os.path.commonpath([self.path(rel), str(src)]) == str(src):
+                tried.append(f"{_name} {rel}")
+                raise PermissionError(13, "Permission denied (read-only, test)", self.path(rel))
+            return _write(self, rel, *a, **k)
+
+        monkeypatch.setattr(Storage, name, refused)
+    assert main([a.format(src=src, out=tmp_path / "out") for a in argv]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().err == ""
+    assert tried == []
+    assert stale.is_dir() and (src / step_dir(3)).is_dir()

@@ -129,6 +129,8 @@ def test_converters_refuse_bad_input_with_one_line_and_no_complete_looking_outpu
         (["import-dcp", no_meta, str(tmp_path / "x")], "has no .metadata file"),
         (["export-safetensors", f"{root}/flex", str(tmp_path / "s1"), "--select", "model/nope*"], "matches no tensor"),
         (["export-safetensors", f"{root}/flex", str(tmp_path / "s2"), "--strip-prefix", "nope/"], "starts no selected"),
+        (["export-safetensors", f"{root}/flex", str(tmp_path / "s3"), "--strip-prefix", "model"],
+         "--strip-prefix 'model' leaves '/"),
         (["export-safetensors", f"{root}/flex", a_file], "already exists and is not an empty folder"),
         (["export-dcp", f"{root}/flex", "/proc/flexckpt-test/out"], "cannot create DCP folder"),
         (["export-dcp", str(tmp_path / "empty"), str(tmp_path / "d1")], "no committed flexckpt checkpoint"),
@@ -136,7 +138,7 @@ def test_converters_refuse_bad_input_with_one_line_and_no_complete_looking_outpu
     for argv, want in cases:
         rc, text = _cli(argv)
         assert rc == 2 and text.count("\n") == 1 and want in text, (argv, text)
-    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "s1")
+    assert not any(os.path.exists(tmp_path / d) for d in ("x", "s1", "s3"))
 
     # a failure half-way leaves neither the index nor any final-named file (nor .metadata)
     import flexckpt.convert.safetensors_out as so

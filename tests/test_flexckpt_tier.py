@@ -494,6 +494,35 @@ def test_a_torn_fast_step_is_never_loaded(tmp_path):
     ck4.close()
 
 
+def test_newest_held_names_the_tiers_newest_step_and_a_failed_tier_load_sets_every_step_aside(tmp_path):
+    """``newest_held``: the newest step the node holds a complete bundle of (None when it
+    holds none). A tier step whose load fails (a flipped byte in its data) falls back to
+    the store's step, and the tier's steps are set aside: the run goes on from the older
+    step, which they must never outrank at a later restart."""
+    ck = _one(tmp_path)
+    assert ck.tier.newest_held() is None
+    ck.save(5, make_state(0, 1, 5)).result(60)
+    for step in (6, 7):
+        ck.save_local(step, make_state(0, 1, step)).result(60)
+    assert ck.tier.newest_held() == 7
+    atexit.unregister(ck._atexit)  # a crash: the tier stays
+    held = {h.step: h for h in scan(ck.tier.storage)}
+    rel = [r for r in held[7].doc["files"] if r.endswith(".data")][0]
+    data = os.path.join(ck.tier.root, f"step-{7:012d}", rel)
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    ck2 = _one(tmp_path)
+    assert ck2.tier.newest_held() == 7  # complete as its marker says: only the load's checksums see the flip
+    state = make_state(0, 1, 0, zero=True)
+    assert ck2.load(state) == 5 and torch.equal(state["w"].local, make_state(0, 1, 5)["w"].local)
+    assert "the fast-tier load of step 7 failed on rank(s) [0]" in ck2.tier.last_recovery.reason
+    assert scan(ck2.tier.storage) == [] and ck2.tier.newest_held() is None
+    ck2.close()
+
+
 def test_a_fast_save_due_while_the_last_is_in_flight_is_skipped_and_counted(tmp_path, monkeypatch):
     import flexckpt.tier.fast as fast
 

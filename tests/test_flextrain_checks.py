@@ -5,6 +5,7 @@ step's checkpoint (exit 2); a signal during start-up stops cleanly (exit 0)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -210,6 +211,242 @@ def test_sigterm_during_start_up_stops_cleanly(tmp_path):
     assert not (run / "metrics.jsonl").exists()
 
 
+def test_a_signal_before_the_checkpoint_load_skips_it_and_keeps_the_fast_tier(tmp_path, capsys, monkeypatch):
+    """A restart stopped during start-up (here: SIGTERM while the model builds) stops before
+    the checkpoint load, saves nothing, exits 0 as a stop in training does, and keeps the
+    node's fast-tier folder, whose newest step a restart may need."""
+    import flexckpt
+    import flextrain.trainer
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    args = ["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+            "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=1",
+            "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}"]
+    assert main([*args, "--set", "steps=1"]) == 0
+    capsys.readouterr()
+    loads, load = [], flexckpt.Checkpointer.load
+
+    def noted_load(self, state, *a, **k):
+        if "model" in state:  # not the probe of plain values that decides whether to resume
+            loads.append(sorted(state))
+        return load(self, state, *a, **k)
+
+    monkeypatch.setattr(flexckpt.Checkpointer, "load", noted_load)
+    build = flextrain.trainer.build_optimizer
+
+    def signalled_build(*a):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*a)
+
+    monkeypatch.setattr(flextrain.trainer, "build_optimizer", signalled_build)
+    assert main([*args, "--set", "steps=2"]) == 0
+    assert capsys.readouterr().err == ("flextrain: SIGTERM received: during start-up: stopping before the first step\n"
+                                       "flextrain: stopped by a signal during start-up, before any step; nothing to "
+                                       "save\n")
+    assert loads == [] and not (run / "resume-w1-r0.json").exists()
+    assert sorted(metrics(run)) == [1]
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t").steps() == [1]
+    assert len(os.listdir(tier)) == 1  # the run's node folder, which a clean exit would have removed
+
+
+def test_an_error_in_training_keeps_the_fast_tier_whose_newest_step_a_restart_resumes(tmp_path, capsys, monkeypatch):
+    """A run that fails during training (here: TrainingDiverged at step 4, after the
+    persistent save of step 2 and the fast save of step 3) keeps the node's fast-tier
+    folder, whose step 3 is newer than the store's newest: the restart resumes from it. A
+    clean finish (its last step committed to the store) removes the folder."""
+    from flexckpt.storage import Storage
+    from flexckpt.tier.inventory import scan
+    from flextrain.trainer import Trainer, TrainingDiverged
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    args = ["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+            "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=2",
+            "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}", "--set", "steps=4"]
+    gather = Trainer._gather_step
+
+    def diverging(self, *a):
+        self.ckpt.tier.wait()  # the previous fast save is done: none is skipped
+        if self.step == 4:
+            raise TrainingDiverged("step 4: the loss is nan (test)")
+        return gather(self, *a)
+
+    monkeypatch.setattr(Trainer, "_gather_step", diverging)
+    assert main(args) == 2
+    assert capsys.readouterr().err.endswith("flextrain: step 4: the loss is nan (test)\n")
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [2]
+    (folder,) = tier.iterdir()  # kept: a clean exit would have removed it
+    assert max(h.step for h in scan(Storage(str(folder)))) == 3
+    monkeypatch.undo()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "flextrain: resuming from the fast tier's step 3 (the persistent store's newest: 2)\n" in err, err
+    assert sorted(metrics(run)) == [1, 2, 3, 4]
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps()[-1] == 4
+    assert list(tier.iterdir()) == []  # a clean finish, step 4 in the store: the folder goes
+
+
+def test_a_crash_before_the_first_persistent_save_resumes_from_the_fast_tier(tmp_path, capsys, monkeypatch):
+    """Fast saves every step, persistent every 10: a run that fails at step 4 leaves nothing
+    in the store and steps 2 and 3 in the node's fast tier. The restart resumes from the
+    tier's step 3 and trains steps 4 and 5 on the batches, with the losses, of a run never
+    interrupted; ``--fresh`` is refused there (the tier's step would outrank the new run's).
+    Where the tier cannot restore any step (every step lacks a saved rank: its node lost),
+    the restart says so and starts from step 0, as a new run."""
+    import shutil
+
+    from flexckpt.storage import Storage
+    from flexckpt.tier.inventory import scan
+    from flextrain.trainer import Trainer, TrainingDiverged
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    shape = [*SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1", "--set", "data.micro_batch=1",
+             "--set", "data.eval_batches=1", "--set", "ckpt_every=10", "--set", "steps=5"]
+    args = ["train", "--run-dir", str(run), *shape, "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}"]
+    assert main(["train", "--run-dir", str(tmp_path / "ref"), *shape]) == 0
+    ref = metrics(tmp_path / "ref")
+    gather = Trainer._gather_step
+
+    def diverging(self, *a):
+        self.ckpt.tier.wait()  # the previous fast save is done: none is skipped
+        if self.step == 4:
+            raise TrainingDiverged("step 4: the loss is nan (test)")
+        return gather(self, *a)
+
+    monkeypatch.setattr(Trainer, "_gather_step", diverging)
+    assert main(args) == 2
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == []
+    (folder,) = tier.iterdir()
+    assert sorted({h.step for h in scan(Storage(str(folder)))}) == [2, 3]
+    shutil.copytree(tmp_path, tmp_path.parent / f"{tmp_path.name}-crashed")  # for the node loss below
+
+    assert main([*args, "--fresh"]) == 2
+    assert f"--fresh: the fast tier ({folder}) holds step 3 of an earlier run in {run}" in capsys.readouterr().err
+
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "flextrain: resuming from the fast tier's step 3 (the persistent store has none)\n" in err, err
+    assert json.loads((run / "resume-w1-r0.json").read_text())["step"] == 3
+    got = metrics(run)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in range(1, 6):  # one process, the same order of sums: equal to the bit
+        assert (got[step]["global_batch_sha256"], got[step]["loss"]) == \
+            (ref[step]["global_batch_sha256"], ref[step]["loss"]), step
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [5]
+    assert list(tier.iterdir()) == []  # a clean finish: the folder goes
+
+    # the node of saved rank 1 lost (as a world of 2 saved it): no step is complete on the nodes left
+    shutil.rmtree(run)
+    shutil.rmtree(tier)
+    for name in ("run", "tier"):
+        shutil.copytree(tmp_path.parent / f"{tmp_path.name}-crashed" / name, tmp_path / name)
+    for marker in folder.rglob("r00000-w00001.done"):
+        marker.rename(marker.with_name("r00000-w00002.done"))
+    assert main([*args, "--set", "steps=1"]) == 0  # one step shows a new run
+    err = capsys.readouterr().err
+    assert ("flextrain: the fast tier's step 3 cannot be restored (no fast-tier step is complete and nothing is "
+            "persistent; tier step 3 lacks the files of saved rank(s) [1] on every surviving node), and the "
+            "persistent store has no checkpoint: starting from step 0\n") in err, err
+    got = metrics(run)  # the crashed run's rows 1-3, then the new run's step 1 (a later row wins)
+    assert (got[1]["global_batch_sha256"], got[1]["loss"]) == (ref[1]["global_batch_sha256"], ref[1]["loss"])
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [1]
+    assert not (run / "resume-w1-r0.json").exists()
+
+
+def test_a_failed_final_save_is_an_error_and_keeps_the_fast_tier(tmp_path, capsys, monkeypatch):
+    """A run whose last (persistent) save fails ends without that step in the store: it
+    says so in one line and exits 2 (saves before it may fail and training goes on), and
+    the node's fast-tier folder, whose step 3 is newer than the store's step 2, stays."""
+    from flexckpt.manifest import MANIFEST, step_dir
+    from flexckpt.storage import Storage
+    from flexckpt.tier.inventory import scan
+    from flextrain.trainer import Trainer
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    put = Storage.put_atomic
+
+    def full_disk(self, rel, *a, **k):
+        if rel == f"{step_dir(4)}/{MANIFEST}":
+            raise OSError(28, "No space left on device (test)")
+        return put(self, rel, *a, **k)
+
+    monkeypatch.setattr(Storage, "put_atomic", full_disk)
+    gather = Trainer._gather_step
+
+    def waiting(self, *a):
+        self.ckpt.tier.wait()  # the previous fast save is done: none is skipped
+        return gather(self, *a)
+
+    monkeypatch.setattr(Trainer, "_gather_step", waiting)
+    assert main(["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+                 "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=2",
+                 "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}", "--set", "steps=4"]) == 2
+    assert capsys.readouterr().err == (
+        "flextrain: the final checkpoint, step 4, failed: [Errno 28] No space left on device (test); a restart "
+        "resumes from step 2 (or the fast tier's newest step, if newer: this node's folder is kept); fix the "
+        "storage and rerun: it trains again from there\n")
+    assert not (run / "summary-w1-r0.json").exists()  # the run did not end as asked
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [2]
+    (folder,) = tier.iterdir()  # kept: its newest step is newer than the store's
+    assert max(h.step for h in scan(Storage(str(folder)))) == 3
+
+
+FULL_DISK_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":  # this rank's files of the final step fail: the others' are written
+    from flexckpt.manifest import step_dir
+    from flexckpt.storage import Storage
+    put = Storage.put_atomic
+
+    def full_disk(self, rel, *a, **k):
+        if rel.startswith(step_dir(2) + "/") and "r00001" in rel:
+            raise OSError(28, "No space left on device (test)")
+        return put(self, rel, *a, **k)
+
+    Storage.put_atomic = full_disk
+"""
+
+
+def test_a_final_save_failing_on_one_rank_of_two_fails_both_with_their_line(tmp_path):
+    """Two ranks (launched as torchrun launches its workers: env:// on a free port, without
+    its agent, which would end the other worker as soon as one exits non-zero): rank 1's
+    files of the final step fail (a full disk), so the step is not committed. Each rank
+    says so in its line, naming its own error, and exits 2; none hangs."""
+    import socket
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flextrain", "train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=2",
+           "--set", "data.global_batch=2", "--set", "data.micro_batch=1", "--set", "data.eval_batches=1",
+           "--set", "ckpt_every=2", "--set", "steps=2"]
+    procs = []
+    for rank in (0, 1):
+        env = dict(ENV, PYTHONPATH=f"{hook}{os.pathsep}{ENV['PYTHONPATH']}", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    tail = "; a restart resumes from scratch (no committed checkpoint); fix the storage and rerun: it trains again from there\n"
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert errs[1].endswith("flextrain: rank 1: the final checkpoint, step 2, failed: [Errno 28] No space left on "
+                            "device (test)" + tail), errs[1][-3000:]
+    assert errs[0].endswith("flextrain: rank 0: the final checkpoint, step 2, failed: save of step 2 failed on another "
+                            "rank: rank 1 failed while writing its chunk table: OSError: [Errno 28] No space left on "
+                            "device (test)" + tail), errs[0][-3000:]
+    assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == []
+
+
 def test_resuming_a_run_already_at_its_steps_says_there_is_nothing_to_train(tmp_path, capsys):
     """A resume whose checkpoint is at (or past) ``steps`` trains nothing: it says so and
     how to go on, rather than ending without a word."""
@@ -243,7 +480,9 @@ def test_fresh_is_refused_where_an_earlier_run_left_checkpoints(tmp_path, capsys
 
 def test_plan_of_a_run_whose_newest_checkpoint_is_damaged_follows_the_resume_to_the_one_before(tmp_path, capsys):
     """``flextrain train`` falls back to the previous step when the newest cannot be read;
-    ``flextrain plan`` plans that step too (it stopped with the newest step's error)."""
+    ``flextrain plan`` plans that step too (it stopped with the newest step's error). A plan
+    only reads: a stale attempt folder and an empty step folder, which a job's start
+    removes, stay."""
     from flexckpt.manifest import MANIFEST, step_dir
 
     run = tmp_path / "run"
@@ -251,7 +490,12 @@ def test_plan_of_a_run_whose_newest_checkpoint_is_damaged_follows_the_resume_to_
             "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=1", "--set", "steps=2"]
     assert main(["train", *tiny]) == 0
     (run / "ckpt" / step_dir(2) / MANIFEST).write_bytes(b"{")  # cut short
+    stale, empty = run / "ckpt" / step_dir(1) / "old.0000abcd.1", run / "ckpt" / step_dir(3)
+    stale.mkdir()
+    empty.mkdir()
+    os.utime(stale, (1e9, 1e9))  # untouched since 2001
     capsys.readouterr()
     assert main(["plan", str(run), "--world", "2"]) == 0
     assert capsys.readouterr().out.startswith(f"{run}: step 1 saved on 1 rank; resume on 2:\n")
     assert main(["plan", str(run), "--world", "2", "--step", "2"]) == 2  # asked for by number: no other
+    assert stale.is_dir() and empty.is_dir()

@@ -258,3 +258,70 @@ def test_the_demo_refuses_a_folder_it_did_not_write_and_leaves_it_whole(tmp_path
         main(["--dir", str(tmp_path / "new"), "--steps", "3"])
     assert e.value.code == 2 and "--steps 3: must be >= 4" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("loader", ["zephon", "usual"])
+def test_a_source_path_is_read_as_zephon_state_reads_it(tmp_path, loader):
+    """``.ndjson`` (and ``.jsonl.zstd``) are JSON Lines to zephon_state: the trainer reads
+    them as such, not as text files whose documents would be the raw JSON."""
+    import json
+
+    from flextrain.config import DataConfig
+    from flextrain.data import build_pipeline
+    from flextrain.usual_loader import UsualLoader
+
+    lines = "".join(json.dumps({"text": f"document {i} says {'word ' * i}"}) + "\n" for i in range(40))
+    (tmp_path / "a.jsonl").write_text(lines)
+    (tmp_path / "a.ndjson").write_text(lines)
+
+    def first_rows(path):
+        d = DataConfig(sources={"a": str(path)}, shares={"a": 1.0}, max_length=16, lanes=1, global_batch=1,
+                       micro_batch=1, shuffle_buffer=4, loader=loader)
+        p = UsualLoader(d, 0, 0, 1) if loader == "usual" else build_pipeline(d, 0, 0, 1)
+        try:
+            return [next(p).input_ids.tolist() for _ in range(3)]
+        finally:
+            p.close()
+
+    assert first_rows(tmp_path / "a.ndjson") == first_rows(tmp_path / "a.jsonl")
+
+
+def test_a_source_zephon_state_refuses_is_named_by_its_config_field():
+    from flextrain.data import source
+
+    with pytest.raises(ConfigError, match=r"^data.sources\['web'\]='' is not allowed: source paths must be a "
+                                          r"non-empty string"):
+        source("web", "")
+
+
+def test_the_cli_imports_no_torch_before_its_signal_handler_is_installed():
+    """``flextrain train`` installs its SIGTERM handler first; torch (seconds to import) comes
+    after. The CLI module, and the closed-pipe exit it shares with flexckpt's, import no torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, flextrain.cli, flextrain.preempt; "
+            "print(sorted(m for m in ('torch', 'flexckpt', 'numpy') if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr[-2000:]
+
+
+def test_plan_of_a_missing_or_checkpoint_folder_says_which_folder_to_give(tmp_path, capsys):
+    from flexckpt import Checkpointer
+    from flextrain.cli import main
+
+    with Checkpointer(str(tmp_path / "run" / "ckpt"), rank=0, world_size=1, run_id="t") as ck:
+        ck.save(3, {"trainer": {"step": 3}}).result(timeout=30)
+    assert main(["plan", str(tmp_path / "run" / "ckpt"), "--world", "2"]) == 2
+    assert capsys.readouterr().err == (f"flextrain: no committed checkpoint under {tmp_path}/run/ckpt/ckpt; "
+                                       f"{tmp_path}/run/ckpt is a checkpoint folder: give the run folder, "
+                                       f"{tmp_path}/run\n")
+    assert main(["plan", str(tmp_path / "nope"), "--world", "2"]) == 2
+    assert capsys.readouterr().err == (f"flextrain: {tmp_path}/nope does not exist; give the run folder of "
+                                       "flextrain train (its --run-dir)\n")
+    assert main(["plan", str(tmp_path / "run"), "--world", "2", "--step", "7"]) == 2
+    assert capsys.readouterr().err == (f"flextrain: step 7 is not a committed checkpoint under {tmp_path}/run/ckpt; "
+                                       "committed: [3]\n")  # its folder named once
+    assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(tmp_path / "run" / "ckpt")) == ["step-000000000003"]

@@ -95,6 +95,11 @@ class Checkpointer(SavePipeline, Committer):
             training goes on (None: wait for ever).
         local: a fast tier (:class:`flexckpt.tier.LocalTier`): ``save_local`` writes to
             node-local memory with a copy on a peer node; ``load()`` restores from it first.
+        read_only: open ``url`` to read it (``load``, ``steps``, ``contents``) and change
+            nothing there: no start-up housekeeping (the coordinator's removal of stale
+            save attempts), and ``save`` is refused. For tools beside a live job or with
+            read-only credentials (the CLI's exports, a reshard's source, ``flextrain plan``).
+            Not with ``local=``.
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class Checkpointer(SavePipeline, Committer):
         process_group: "dist.ProcessGroup | None" = None,
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         local: "LocalTier | None" = None,
+        read_only: bool = False,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -126,6 +132,9 @@ class Checkpointer(SavePipeline, Committer):
             raise ValueError(f"chunk_bytes must be an int in [64, 256 MiB], got {chunk_bytes!r}")
         if (rank is None) != (world_size is None):
             raise ValueError("pass both rank= and world_size=, or neither (to use torch.distributed's)")
+        if read_only and local is not None:
+            raise ValueError("read_only=True writes nothing, and a fast tier (local=) saves: drop one of them")
+        self.read_only = bool(read_only)
         self.group = process_group
         from_dist = rank is None
         if rank is None:
@@ -161,7 +170,7 @@ class Checkpointer(SavePipeline, Committer):
         # object stores stamp files with their own clock: allow for skew
         self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
         self._listed_steps: set[str] = set()  # step folders the live-job check listed (commit thread)
-        if self.is_coordinator:
+        if self.is_coordinator and not self.read_only:  # a reader changes nothing under url
             self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
         self.tier = None if local is None else FastTier(local, self)
@@ -262,6 +271,9 @@ class Checkpointer(SavePipeline, Committer):
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
+        if self.read_only:
+            raise RuntimeError(f"this Checkpointer of {self.storage.url} was opened read_only=True: open one "
+                               f"without read_only to save")
         step_dir(step)  # validates the step
         w = walk(state, self.rank, self.world_size)
         entry = self._plan_for(w)
@@ -312,10 +324,11 @@ class Checkpointer(SavePipeline, Committer):
         if self.is_coordinator and self._threads:
             self._commit_q.join()  # retention of the last commit, too
 
-    def close(self, timeout: float | None = None, *, _at_exit: bool = False) -> None:
+    def close(self, timeout: float | None = None, *, keep_tier: bool = False, _at_exit: bool = False) -> None:
         """Wait for saves in flight, then stop the background threads. A fast tier's node
         folder is removed here (a clean exit), not when the interpreter exits without
-        close() (a crash, whose restart needs it)."""
+        close() (a crash, whose restart needs it), nor with ``keep_tier`` (a job whose newest
+        step may be the tier's only: one that failed, or stopped without saving)."""
         if self._closed:
             return
         self._closed = True
@@ -327,7 +340,7 @@ class Checkpointer(SavePipeline, Committer):
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._threads = []
         if self.tier is not None:  # first: a fast save in flight may hold a staging buffer
-            self.tier.close(remove=not _at_exit)
+            self.tier.close(remove=not (_at_exit or keep_tier))
         self._last_save = None
         self._pool.clear()
 

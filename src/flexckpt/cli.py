@@ -1,4 +1,4 @@
-"""``flexckpt``: look at, check and rewrite checkpoints without a training job.
+"""flexckpt: look at, check and rewrite checkpoints without a training job.
 
     flexckpt steps   URL                          committed steps
     flexckpt inspect URL [--step N] [--tensors]   what a checkpoint holds
@@ -42,6 +42,7 @@ from typing import Any, Iterator, NoReturn
 
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.checksum import checksum
+from flexckpt.closed_pipe import reader_gone
 from flexckpt.codec import Compression, decompress_into, parse_compression
 from flexckpt.convert.cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
@@ -59,6 +60,10 @@ from flexshard.world import ranks
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _no_checkpoint(storage: Storage) -> CheckpointError:
@@ -129,10 +134,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if m.version == 1:
         codecs = Counter(c.codec for f in m.files.values() for c in f.chunks)
         print(f"  {len(m.tensors)} tensors, {_mib(m.total_bytes)} raw, {_mib(m.stored_bytes)} stored "
-              f"in {len(m.files)} files, {sum(len(f.chunks) for f in m.files.values())} chunks {dict(codecs)}")
+              f"in {_count(len(m.files), 'file')}, {sum(len(f.chunks) for f in m.files.values())} chunks {dict(codecs)}")
     else:  # chunk counts would need every rank's table: not read here
         print(f"  {len(m.tensors)} tensors, {_mib(m.total_bytes)} raw, {_mib(m.stored_bytes)} stored "
-              f"in {len(m.files)} files ({m.codec}), save attempt {m.attempt}")
+              f"in {_count(len(m.files), 'file')} ({m.codec}), save attempt {m.attempt}")
     print(f"  layouts: {dict(kinds)}")
     if m.version == 1:
         for name, f in sorted(m.files.items()):
@@ -220,7 +225,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     total += c.length
         status = "ok" if not errors else f"DAMAGED ({len(errors)} problem{'s' if len(errors) > 1 else ''})"
         sealed = "manifest checksum ok" if m.sealed else "manifest has no checksum (written before flexckpt sealed them)"
-        print(f"step {s}: {len(m.files)} files, {_mib(total)} read, {sealed}, {status}")
+        print(f"step {s}: {_count(len(m.files), 'file')}, {_mib(total)} read, {sealed}, {status}")
         for e in errors[:20]:
             print(f"  {e}")
         bad += bool(errors)
@@ -377,7 +382,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             if same_world:
                 for name in m.per_rank:
                     _put(state, name, PerRank(None))
-            with Checkpointer(args.src, rank=r, world_size=world, run_id="reshard") as reader:
+            with Checkpointer(args.src, rank=r, world_size=world, run_id="reshard", read_only=True) as reader:
                 reader.load(state, step=step, strict=False)
             for name in m.lanes:
                 if r != 0:
@@ -509,13 +514,6 @@ def _one_line_log() -> Iterator[_HeldErrors]:
         logger.propagate = propagate
 
 
-def _reader_gone() -> int:
-    """stdout's reader stopped early (``| head``): no traceback and no message, exit 141 as a
-    process ended by SIGPIPE does (flextrain's CLI does the same)."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
-    return 141
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="flexckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -558,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "process plays every rank), so a job of N ranks loads it without resharding (any "
                                    "world size can load the original too). Per-rank values are dropped when N changes.")
     p.add_argument("src", help=url_help)
-    p.add_argument("dst", help="where to write the new checkpoint")
+    p.add_argument("dst", help="where to write the new checkpoint: a folder or URL (file://, s3://bucket/prefix)")
     p.add_argument("--world", type=int, required=True, help="the world size to write for")
     p.add_argument("--step", type=int, help="a committed step (default: the newest)")
     p.add_argument("--layout", action="append", default=[], metavar="PATTERN=KIND", help=layout_help)
@@ -572,8 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             _check_arguments(args)
             rc = args.fn(args)
             sys.stdout.flush()  # here, so that a reader gone is seen here
-        except BrokenPipeError:
-            return _reader_gone()
+        except BrokenPipeError:  # stdout's reader stopped early (| head)
+            return reader_gone()
         except CheckpointError as e:
             print(f"flexckpt: {e}", file=sys.stderr)
             return 2

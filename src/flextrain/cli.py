@@ -1,8 +1,12 @@
-"""``flextrain``: train, and plan a restore at another world size.
+"""flextrain: the minimal trainer of flexckpt, flexshard and zephon_state. Train, and plan a
+resume at another world size.
 
     flextrain train [--preset tiny] [--config FILE.toml|json] [--set key=value ...] [--resume|--fresh]
     torchrun --nproc-per-node 2 -m flextrain train ...
     flextrain plan RUN_DIR --world N [--step S] [--batches K] [--json]
+
+SIGTERM or SIGINT: a final checkpoint at the end of a step all ranks agree on, then exit 0
+(during start-up: stop before the first step, nothing to save); a second signal exits at once.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     preempt = Preemption()  # first: a signal during the seconds of start-up stops the run cleanly
     try:
-        from flextrain.trainer import ResumeRefused, TrainingDiverged, run
+        from flextrain.trainer import FinalSaveFailed, ResumeRefused, TrainingDiverged, run
         from zephon_state import FingerprintMismatch, ZephonError
 
         try:
@@ -35,8 +39,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         except StartupStopped as e:
             print(f"flextrain: {e}", file=sys.stderr)
             return 0  # as a stop in training: the run did what it was asked
-        except (ConfigError, ResumeRefused, FingerprintMismatch) as e:  # may be one rank's own (its view of the
-            # run folder, its data files): each rank says its own
+        except (ConfigError, ResumeRefused, FingerprintMismatch, FinalSaveFailed) as e:  # may be one rank's own
+            # (its view of the run folder, its data files, its part of the final save): each rank says its own
             print(f"flextrain: {e}", file=sys.stderr)
             return 2
         except ZephonError as e:  # the data a run reads, found wrong while building its pipelines
@@ -63,20 +67,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flextrain", description="the minimal trainer of flexckpt/flexshard/zephon_state")
+    parser = argparse.ArgumentParser(prog="flextrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="train (one process, or under torchrun)",
                        description="Train; resumes automatically when the run folder holds a committed checkpoint.")
-    p.add_argument("--preset", default="tiny", help="tiny (tests, demo) or small (29.1M parameters)")
+    p.add_argument("--preset", default="tiny", help="tiny (13.3M parameters: tests, demo) or small (29.1M parameters)")
     p.add_argument("--config", help="a TOML or JSON file with the sections model, data, optim and top-level keys")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set data.global_batch=32 --set steps=200 (repeatable)")
+                   help="override a field, e.g. --set data.global_batch=32 --set steps=200 (repeatable; a table as "
+                   "JSON: --set 'data.sources={\"web\": \"web.jsonl.zst\"}'; an unknown key lists the known ones)")
     p.add_argument("--run-dir", help="run folder (checkpoints in RUN_DIR/ckpt, metrics.jsonl; default "
                    "runs/flextrain); same as --set run_dir=...")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
-    g.add_argument("--fresh", action="store_true", help="start a new run: refused when the run folder holds checkpoints (a restart "
-                   "would resume from them); drop both flags to resume when there are")
+    g.add_argument("--fresh", action="store_true", help="start a new run: refused when the run folder holds checkpoints "
+                   "or the fast tier a step (a restart would resume from them); drop both flags to resume when there are")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("plan", help="whether and how a run resumes on N ranks",
                        description="Per part of the state, what a resume on N ranks does, the bytes each rank reads "
@@ -92,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.fn(args)
         sys.stdout.flush()  # here, so that a reader gone is seen here
     except BrokenPipeError:  # stdout's reader stopped early (| head): exit as flexckpt's CLI does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
-        return 141  # as a process ended by SIGPIPE
+        from flexckpt.closed_pipe import reader_gone  # here: the commands have imported flexckpt (and torch)
+
+        return reader_gone()
     return rc
 
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
-from zephon_state import JsonLines, Mix, Pipeline, TextFiles, ZephonError, load_tokenizer
+from zephon_state import Mix, Pipeline, Source, ZephonError, load_tokenizer
+from zephon_state.source import as_source
 
 from flextrain.config import ConfigError, DataConfig, eval_micro_batch
 
 
-def _source(path: str):
-    stripped = path.removesuffix(".zst").removesuffix(".gz")
-    return JsonLines(path) if stripped.endswith((".jsonl", ".json")) else TextFiles(path)
+def source(name: str, path: str) -> Source:
+    """``data.sources[name]``, read as zephon_state reads a path (JSON Lines by its suffix,
+    else text files); a path it cannot take is refused naming the field."""
+    try:
+        return as_source(path)
+    except ZephonError as e:
+        raise ConfigError(f"data.sources[{name!r}]={path!r} is not allowed: {e}") from None
 
 
 def build_pipeline(d: DataConfig, seed: int, rank: int, world: int, side: str = "train",
@@ -21,7 +26,7 @@ def build_pipeline(d: DataConfig, seed: int, rank: int, world: int, side: str = 
     """The pipeline of ``side`` ("train" or "heldout") for data-parallel ``rank`` of ``world``.
     ``calibration`` (tokens per byte per source, e.g. a checkpoint's) skips measuring it: it
     sizes the readahead only and decides no batch."""
-    mix = Mix({n: _source(p) for n, p in d.sources.items()}, shares=dict(d.shares), calibration=calibration)
+    mix = Mix({n: source(n, p) for n, p in d.sources.items()}, shares=dict(d.shares), calibration=calibration)
     g = global_batch or d.global_batch
     micro = micro_batch or min(d.micro_batch, g // world)
     return (

@@ -46,7 +46,8 @@ def plot(curves: dict[str, dict[int, dict]], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python3 dev.py demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="runs/demo",
                     help="the run folders and the plot (emptied first: a new folder or an earlier demo's; "
                          "default runs/demo)")

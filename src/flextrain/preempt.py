@@ -5,7 +5,8 @@ extra collective or stall.
 
 The handler is installed when ``flextrain train`` starts (before torch is imported): a
 signal during start-up stops the run before its first step, with nothing to save, and
-exits 0 as a stop in training does (ranks agree on it once, when start-up ends)."""
+exits 0 as a stop in training does (ranks agree on it before the checkpoint load, which a
+stop skips, and when start-up ends)."""
 from __future__ import annotations
 
 import os

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from flexckpt import ByLane, Checkpointer
-from flexckpt.commit import read_manifest
+from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
 from flexshard import MuonConfig, ShardingConfig, plan_layouts
@@ -60,14 +60,21 @@ def plan_restore(run_dir: str, world: int, step: int | None = None, batches: int
         raise ConfigError(f"--world {world}: must be >= 1")
     if batches < 0:
         raise ConfigError(f"--batches {batches}: must be >= 0 (how many of the next global batches to digest)")
-    ckpt = Checkpointer(url, rank=0, world_size=1, run_id="plan")
+    if not Path(run_dir).is_dir():  # looked at, not created
+        raise ConfigError(f"{run_dir} does not exist; give the run folder of flextrain train (its --run-dir)")
+    ckpt = Checkpointer(url, rank=0, world_size=1, run_id="plan", read_only=True)  # a plan changes nothing
     try:
+        if not ckpt.steps():
+            here = Path(run_dir).resolve()
+            hint = (f"; {run_dir} is a checkpoint folder: give the run folder, {here.parent}"
+                    if committed_steps(Storage(str(here))) else "; give the run folder of flextrain train (its --run-dir)")
+            raise ConfigError(f"no committed checkpoint under {url}{hint}")
         probe = {"data": ByLane(), "trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "",
                                                "calibration": ""}}
         try:
             got = ckpt.load(probe, step=step, strict=False, fallback=step is None)  # as the resume would
         except Exception as e:  # noqa: BLE001 - a missing or unreadable run is the user's to fix
-            raise ConfigError(f"{url}: {e}") from None
+            raise ConfigError(str(e) if url in str(e) else f"{url}: {e}") from None
     finally:
         ckpt.close()
     cfg = from_dict(json.loads(probe["trainer"]["config"]))

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexckpt import ByLane, Checkpointer
+from flexckpt import ByLane, Checkpointer, LoadError
 from flexckpt.tier import LocalTier
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from flexshard.world import ranks
@@ -48,6 +48,11 @@ class ResumeRefused(RuntimeError):
 class TrainingDiverged(RuntimeError):
     """The step's loss or its updated weights are not finite: every rank stops at that step,
     before its checkpoint."""
+
+
+class FinalSaveFailed(RuntimeError):
+    """The run's last checkpoint (at its last step, or at a stop) was not committed: a
+    restart resumes from an earlier step."""
 
 
 def init_distributed(backend: str = "gloo") -> tuple[int, int]:
@@ -104,6 +109,13 @@ def saved_trainer_values(ckpt: Checkpointer, step: int | None = None) -> tuple[i
     return got, {**probe["trainer"], "lanes": probe["data"].values}
 
 
+def data_state_of(saved: dict) -> dict:
+    """The pipeline's state from a checkpoint's ``trainer/`` values and lane cursors."""
+    data_state = json.loads(saved["data_state"])
+    data_state["lanes"] = saved["lanes"]
+    return data_state
+
+
 def check_resumable(saved_config: str, cfg: TrainConfig) -> None:
     saved = json.loads(saved_config)
     diffs = differences(saved, cfg.to_dict())
@@ -151,6 +163,8 @@ class Trainer:
         self.cfg = cfg.validate()
         check_inputs(cfg.data, cfg.model.vocab_size)
         self.preempt = preempt  # installed by the CLI at start; train() installs one otherwise
+        self.persisted = False  # train() ended with its last step committed to the store (see close)
+        self._closed = False
         self.device = choose_device(cfg.device)  # flextrain.device decides; the rest follows it
         cfg.autocast = resolve_autocast(cfg.autocast, self.device)  # before anything is fingerprinted
         prepare(self.device)
@@ -169,41 +183,53 @@ class Trainer:
         self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last, local=local)
         t = time.perf_counter()
         saved = None
-        if resume is not False and self.ckpt.latest_step() is not None:
+        newest = self.ckpt.latest_step()
+        # the store has none: a run killed before its first persistent save may have fast-tier
+        # steps (a collective: every rank asks, all get the same answer)
+        held = self.ckpt.tier.newest_held() if newest is None and self.ckpt.tier is not None else None
+        if resume is not False and newest is not None:
             _, saved = saved_trainer_values(self.ckpt)  # plain values only: refuse a changed run before any read
             check_resumable(saved["config"], cfg)
+        elif resume is not False and held is not None:
+            pass  # restored below, if the tier can (_resume_from_tier); its values come with the load
         elif resume:
             raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}; "
                                 "drop --resume to start a new run there")
-        elif (earlier := self.ckpt.latest_step()) is not None:  # --fresh: they would outrank this run's
+        elif newest is not None:  # --fresh: they would outrank this run's
             raise ResumeRefused(f"--fresh: {self.run_dir / 'ckpt'} holds committed steps up to "
-                                f"{earlier} of an earlier run, which a restart would resume from "
+                                f"{newest} of an earlier run, which a restart would resume from "
                                 f"and retention would keep over this run's; pass a new --run-dir (or remove that "
                                 f"folder to start over there)")
+        elif held is not None:  # --fresh: the tier's steps would outrank this run's until it saves a newer one
+            raise ResumeRefused(f"--fresh: the fast tier ({self.ckpt.tier.root}) holds step {held} of an earlier "
+                                f"run in {self.run_dir}, which a restart would resume from; pass a new --run-dir "
+                                f"(or remove that folder to start over there)")
         self.timings["checkpoint_probe_s"] = time.perf_counter() - t
         self.run_dir.mkdir(parents=True, exist_ok=True)  # not before: a refused run leaves the folder as it was
         (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
         # the pipeline is built, restored and started on a thread while the model builds and
         # the tensors load: a restart waits only for what is left of it (pipeline_build_s)
-        starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
-        data = starter.submit(self._start_pipeline, saved)
-        starter.shutdown(wait=False)
+        # (from the fast tier, whose values come only with the load: built after it, on this thread)
+        data = None
+        if held is None:
+            starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
+            data = starter.submit(self._start_pipeline, saved)
+            starter.shutdown(wait=False)
         t = time.perf_counter()
-        torch.manual_seed(cfg.seed)
-        self.model = Transformer(cfg.model)
-        self.model.init_weights(cfg.seed)  # on the CPU (its generator), the same bits on every device
-        self.model.to(self.device)
-        self.opt = build_optimizer(self.model, cfg)
-        if cfg.optim.compute_copy == "mxfp8":
-            self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
+        self._build_model()
         self.timings["model_build_s"] = time.perf_counter() - t
         self.step = 0
         self.resumed_from: int | None = None
+        self._stop_if_signalled(agree=True, starting=data)  # every rank is here: a stop skips the load
         t = time.perf_counter()
-        data_state = self._resume() if saved is not None else None
+        data_state = None
+        if saved is not None:
+            data_state = data_state_of(self._resume())
+        elif held is not None:
+            saved = self._resume_from_tier(held, resume)
         self.timings["checkpoint_load_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        self.pipeline, started_from = data.result()
+        self.pipeline, started_from = data.result() if data is not None else self._start_pipeline(saved)
         if data_state is not None and data_state != started_from:  # the full load fell back to an older step
             self.pipeline.load_state_dict(data_state)
         self._calibration = self.pipeline.calibration() if isinstance(self.pipeline, Pipeline) else None
@@ -225,28 +251,39 @@ class Trainer:
             pipeline.fingerprint()  # load the sources, calibrate the mix, check the plan: before any step
         if saved is None:
             return pipeline, None
-        data_state = json.loads(saved["data_state"])
-        data_state["lanes"] = saved["lanes"]
+        data_state = data_state_of(saved)
         pipeline.load_state_dict(data_state)
         if isinstance(pipeline, Pipeline):
             pipeline.start()
         return pipeline, data_state
 
+    def _build_model(self) -> None:
+        """The model and optimizer as step 0 has them (seeded: the same bits on every rank)."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(cfg.model)
+        self.model.init_weights(cfg.seed)  # on the CPU (its generator), the same bits on every device
+        self.model.to(self.device)
+        self.opt = build_optimizer(self.model, cfg)
+        if cfg.optim.compute_copy == "mxfp8":
+            self.opt.gather_parameters()  # compute on the dequantized weights from the first step on
+
     # ---- resume ---------------------------------------------------------------------------
     def _resume(self) -> dict:
-        """Load the checkpoint's tensors and values; returns its data state (the pipeline's)."""
+        """Load the checkpoint's tensors and values; returns its ``trainer/`` values and lane
+        cursors (``lanes``), as ``saved_trainer_values`` gives them."""
         newest = self.ckpt.latest_step()
         state = checkpoint_state(self.opt, 0, self.cfg, {"lanes": {}})
         got = self.ckpt.load(state, fallback=True)
         recovery = self.ckpt.tier.last_recovery if self.ckpt.tier is not None else None
         if recovery is not None and recovery.source == "tier":
-            self._say(f"flextrain: resuming from the fast tier's step {got} (the persistent store's newest: {newest})")
+            store = f"the persistent store's newest: {newest}" if newest is not None else "the persistent store has none"
+            self._say(f"flextrain: resuming from the fast tier's step {got} ({store})")
         elif got != newest:
             self._say(f"flextrain: the newest checkpoint (step {newest}) could not be read; resumed from step {got}")
         check_resumable(state["trainer"]["config"], self.cfg)
         adopt_checkpoint_state(self.opt, state)
-        data_state = json.loads(state["trainer"]["data_state"])
-        data_state["lanes"] = state["data"].values
+        values = {**state["trainer"], "lanes": state["data"].values}
         self.step = self.resumed_from = int(state["trainer"]["step"])
         stats = self.ckpt.last_load_stats
         record = {"step": got, "world": self.world, "rank": self.rank,
@@ -257,22 +294,45 @@ class Trainer:
         if self.step >= self.cfg.steps:  # else the run ends at once, without a word
             self._say(f"flextrain: the checkpoint is at step {self.step} and steps={self.cfg.steps}: nothing to "
                       f"train; pass --set steps=N with N > {self.step} to train on")
-        return data_state
+        return values
 
-    def _stop_if_signalled(self, agree: bool = False) -> None:
-        """A signal during start-up stops the run before its first step. One rank stops on
-        its own flag at once; ranks stop only together, on ``agree`` (one all-reduce when
-        start-up ends), as a rank stopping alone would leave the others waiting."""
+    def _resume_from_tier(self, held: int, resume: bool | None) -> dict | None:
+        """The store has no checkpoint and some node's fast tier holds step ``held``: restore
+        the newest step the tier can (its recovery: every rank agrees on the step and on its
+        load's success). Its values as ``_resume`` returns them; None when the tier cannot
+        (a node lost with the only copy of a rank's part, another structure): a fresh start,
+        said, on a model built anew (a failed read may have written into it)."""
+        try:
+            return self._resume()
+        except LoadError:  # the tier gave no step, and the store has none
+            recovery = self.ckpt.tier.last_recovery
+            if recovery is None or recovery.source == "tier":
+                raise
+        why = f"the fast tier's step {held} cannot be restored ({recovery.reason})"
+        if resume:
+            raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}, and {why}; "
+                                "drop --resume to start the run over there")
+        self._say(f"flextrain: {why}, and the persistent store has no checkpoint: starting from step 0")
+        self._build_model()
+        return None
+
+    def _stop_if_signalled(self, agree: bool = False, starting: Future | None = None) -> None:
+        """A signal during start-up stops the run before its first step, with nothing to save.
+        One rank stops on its own flag at once; ranks stop only together, on ``agree`` (an
+        all-reduce: before the checkpoint load and when start-up ends), as a rank stopping
+        alone would leave the others waiting. ``starting``: the pipeline being built on its
+        thread, which the process must join before it can exit in any case."""
         flag = torch.tensor([float(self.preempt is not None and self.preempt.requested)], device=self.device)
         if agree and self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         elif self.world > 1:
             return
         if flag.item():
-            if not agree:  # in __init__: run() closes only a built trainer
-                for part in ("heldout", "pipeline", "ckpt"):
-                    if hasattr(self, part):
-                        getattr(self, part).close()
+            try:
+                if starting is not None:
+                    self.pipeline = starting.result()[0]
+            finally:
+                self.close()  # run() closes only a built trainer
             resumed = getattr(self, "resumed_from", None)
             kept = f" (step {resumed}, resumed from, stays the newest checkpoint)" if resumed else ""
             raise StartupStopped(f"stopped by a signal during start-up, before any step; nothing to save{kept}")
@@ -400,6 +460,11 @@ class Trainer:
                 handle.wait_staged()
                 waits.append(handle.trainer_wait)
             self.ckpt.wait()
+            if handle is not None:  # the final save: the run ends on it, and a restart resumes from it
+                self._check_final_save(handle)
+            # the fast tier's folder may go only once the store holds the run's newest step
+            # (a failed final save leaves it in the tier; a resume with nothing to train too)
+            self.persisted = self.ckpt.tier is None or self.ckpt.latest_step() == self.step
         finally:
             preempt.restore()
             if bar is not None:
@@ -407,6 +472,23 @@ class Trainer:
         summary = self._summary(time.perf_counter() - t_start, waits, stopped)
         (self.run_dir / f"summary-w{self.world}-r{self.rank}.json").write_text(json.dumps(summary))
         return summary
+
+    def _check_final_save(self, handle: Any) -> None:
+        """Raise ``FinalSaveFailed`` when the final checkpoint was not committed (every rank
+        learns it from the store: the commit or the failure marker), naming what a restart
+        resumes from. Saves before it may fail and training goes on; the last one may not."""
+        try:
+            handle.result()
+        except Exception as e:  # noqa: BLE001 - SaveError, or a commit that never came (TimeoutError)
+            why = e.__cause__ or e  # the storage's own error, not "save of step N failed" twice
+            newest = self.ckpt.latest_step()
+            tier = self.ckpt.tier is not None and self.ckpt.tier.saved > 0
+            who = f"rank {self.rank}: " if self.world > 1 else ""  # each rank says its own
+            raise FinalSaveFailed(
+                f"{who}the final checkpoint, step {self.step}, failed: {why}; a restart resumes from "
+                + (f"step {newest}" if newest is not None else "scratch (no committed checkpoint)")
+                + (" (or the fast tier's newest step, if newer: this node's folder is kept)" if tier else "")
+                + "; fix the storage and rerun: it trains again from there") from None
 
     def _gather_step(self, micro: list, loss_sum: float, weights_ok: bool = True) -> tuple[str, float, bool]:
         """One all-gather of this rank's step digests, loss sum and whether its updated weights
@@ -469,9 +551,18 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        self.ckpt.close()
-        self.pipeline.close()
-        self.heldout.close()
+        """Close what start-up built (all of it, once built). The fast tier's node folder
+        goes only after a clean finish, its last step committed to the store; otherwise (an
+        exception out of training, a stop during start-up, a failed final save) it stays,
+        as its newest step may be newer than the store's and a restart resumes from it."""
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "ckpt"):
+            self.ckpt.close(keep_tier=not self.persisted)
+        for part in ("pipeline", "heldout"):
+            if hasattr(self, part):
+                getattr(self, part).close()
 
 
 def run(cfg: TrainConfig, resume: bool | None = None, preempt: Preemption | None = None) -> dict[str, Any]:

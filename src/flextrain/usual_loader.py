@@ -21,7 +21,7 @@ from zephon_state.holdout import HoldoutConfig, split
 from zephon_state.storage import IoOptions
 
 from flextrain.config import DataConfig
-from flextrain.data import _source
+from flextrain.data import source
 
 FORMAT = "flextrain-usual-loader/1"
 
@@ -32,7 +32,7 @@ class UsualLoader:
         hold = HoldoutConfig(d.heldout_fraction, seed, "train")
         sources = {}
         for name, path in d.sources.items():
-            docs = split(_source(path).load("text", IoOptions(), "count"), hold)
+            docs = split(source(name, path).load("text", IoOptions(), "count"), hold)
             sources[name] = InMemory(list(docs.texts[rank::world]), name=name)
         local = d.global_batch // world
         self.pipeline = (

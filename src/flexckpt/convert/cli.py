@@ -74,23 +74,9 @@ def _import_for_world(args: argparse.Namespace, import_dcp: Any) -> Any:
     return r
 
 
-def _check_newest(args: argparse.Namespace) -> None:
-    """Without --step, a damaged newest manifest is refused naming the step before it, as inspect does."""
-    if args.step is None:
-        from flexckpt.cli import _read_step
-        from flexckpt.commit import committed_steps
-        from flexckpt.storage import Storage
-
-        storage = Storage(args.url)
-        steps = committed_steps(storage)
-        if steps:
-            _read_step(storage, steps[-1], newest=True)
-
-
 def cmd_export_dcp(args: argparse.Namespace) -> int:
     from flexckpt.convert.dcp import export_dcp
 
-    _check_newest(args)
     r = export_dcp(args.url, args.dcp_dir, args.step, budget=_budget(args), progress=sys.stderr.isatty())
     print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) to {args.dcp_dir}")
     for what in r.left_out:
@@ -101,18 +87,19 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
 def cmd_export_safetensors(args: argparse.Namespace) -> int:
     from flexckpt.convert.safetensors_out import export_safetensors
 
-    _check_newest(args)
     r = export_safetensors(args.url, args.out_dir, args.step, select=args.select, strip_prefix=args.strip_prefix,
                            dtype=args.dtype, max_shard_size=args.max_shard_size, budget=_budget(args),
                            progress=sys.stderr.isatty())
-    print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) in {len(r.files)} files to {args.out_dir}")
+    files = f"{len(r.files)} file{'s' if len(r.files) != 1 else ''}"
+    print(f"exported step {r.step}: {r.tensors} tensors ({_mib(r.nbytes)}) in {files} to {args.out_dir}")
     return 0
 
 
 def _command(sub: Any, name: str, fn: Any, src: str, dst: str, help: str, description: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=description)
     what = {"url": "flexckpt checkpoint folder or URL (file://, s3://bucket/prefix; for a flextrain run, RUN_DIR/ckpt)",
-            "dcp_dir": "torch.distributed.checkpoint folder", "out_dir": "output folder (new or empty)"}
+            "dcp_dir": "torch.distributed.checkpoint folder" + (" to write (new or empty)" if dst == "dcp_dir" else ""),
+            "out_dir": "output folder (new or empty)"}
     p.add_argument(src, help=what[src])
     p.add_argument(dst, help="where to write the checkpoint: a folder or URL (file://, s3://bucket/prefix)"
                    if dst == "url" else what[dst])
@@ -158,4 +145,5 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--select", action="append", metavar="GLOB", help="tensor names to export (repeatable; default all)")
     p.add_argument("--strip-prefix", metavar="P", help="drop this prefix from names, e.g. model/")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point tensors")
-    p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB; 10**9 bytes a GB)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest file: e.g. 5GB (the default; 10**9 bytes a GB), 500MB, 2GiB or a byte count")

@@ -79,6 +79,10 @@ def export_safetensors(url: str, out_dir: str, step: int | None = None, *, selec
             raise CheckpointError(f"--select {select} matches no tensor of step {contents.step} (tensors: {some} ...)")
         if strip_prefix and not any(n.startswith(strip_prefix) for n in chosen):
             raise CheckpointError(f"--strip-prefix {strip_prefix!r} starts no selected tensor name (first: {chosen[0]!r})")
+        cut = next((n for n in chosen if strip_prefix and n.startswith(strip_prefix + "/")), None)
+        if cut is not None:  # 'model' of 'model/w' would name it '.w'
+            raise CheckpointError(f"--strip-prefix {strip_prefix!r} leaves {cut[len(strip_prefix):]!r} of {cut!r}; "
+                                  f"pass {strip_prefix + '/'!r}")
         out_names = {n: _out_name(n, strip_prefix) for n in chosen}
         if len(set(out_names.values())) != len(out_names):
             raise CheckpointError("two tensors get the same name after --strip-prefix; narrow --select")

@@ -43,15 +43,22 @@ def batches(names: list[str], sizes: dict[str, int], budget: int) -> Iterator[li
 
 
 def open_source(url: str, step: int | None) -> tuple[Checkpointer, Contents]:
-    """A single-rank reader of ``url`` and what its chosen step holds."""
-    ck = Checkpointer(url, rank=0, world_size=1, run_id="convert")
+    """A single-rank reader of ``url`` and what its chosen step holds (its manifest read
+    once). A damaged newest manifest, taken by default, is refused naming the step before it."""
+    ck = Checkpointer(url, rank=0, world_size=1, run_id="convert", read_only=True)  # the source stays as it is
     try:
-        if not ck.steps():
+        steps = ck.steps()
+        if not steps:
             run_ckpt = url.rstrip("/") + "/ckpt"  # a flextrain run folder keeps its checkpoints there
-            with Checkpointer(run_ckpt, rank=0, world_size=1, run_id="convert") as probe:
+            with Checkpointer(run_ckpt, rank=0, world_size=1, run_id="convert", read_only=True) as probe:
                 hint = f"; for a flextrain run folder pass {run_ckpt}" if probe.steps() else ""
             raise CheckpointError(f"no committed flexckpt checkpoint under {url}{hint}")
-        return ck, ck.contents(step)
+        try:
+            return ck, ck.contents(steps[-1] if step is None else step)
+        except CheckpointError as e:
+            if step is not None or len(steps) < 2:
+                raise
+            raise CheckpointError(f"{e}; pass --step {steps[-2]} for the step before it") from None
     except BaseException:
         ck.close()
         raise

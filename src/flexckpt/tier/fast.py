@@ -461,6 +461,18 @@ class FastTier:
             shutil.rmtree(self.root, ignore_errors=True)
 
     # -- recovery ------------------------------------------------------------------------------
+    def newest_held(self) -> int | None:
+        """The newest step some node's folder holds a complete saved-rank bundle of (this
+        lineage's), or None: one all-gather on the tier's group (every rank calls it, and
+        gets the same answer). Whether that step can be restored (every saved rank held,
+        the state's structure) is ``recover``'s to decide; this only says one may be."""
+        try:
+            mine = max((h.step for h in scan(self.storage) if h.doc.get("lineage") == self.lineage), default=None)
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather; recover() reports it
+            log.warning("flexckpt fast tier rank %d: listing %s failed: %s", self.rank, self.root, exc)
+            mine = None
+        return max((s for s in self._all_gather(mine) if s is not None), default=None)
+
     def recover(self, ckpt: Any, state: dict, strict: bool, exclude: tuple[str, ...] = ()) -> int | None:
         """Restore the newest step complete across the surviving nodes; None when the
         persistent store must serve the load (the reason is in ``last_recovery``).
@@ -555,6 +567,8 @@ class FastTier:
             if error is not None:
                 why += f" (here: {type(error).__name__}: {error})"
             log.error("flexckpt fast tier: %s; loading from the persistent store", why)
+            if leader:  # the run goes on from an older step: this one may never outrank its new steps
+                self._sweep(set_aside(self.root, -1))
             self.last_recovery = Recovery("persistent", None, why, seconds=time.perf_counter() - t0)
             return None
         assert pending is not None
