@@ -181,12 +181,13 @@ class PendingLoad:
 
         def fetch(r: Request) -> int:
             """Read one request; returns how many of its chunks landed wholly in targets."""
-            where = f"{folder}/{r.plan.file} bytes [{r.offset}, {r.offset + r.length})"
-            if r.plan.entry.codec_ids[r.plan.ids[r.first : r.stop]].any():
-                return fetch_compressed(r, where)
-            return fetch_scattered(r, where)
+            return fetch_compressed(r) if r.compressed else fetch_scattered(r)
 
-        def fetch_compressed(r: Request, where: str) -> int:
+        def where(r: Request) -> str:
+            return f"{folder}/{r.plan.file} bytes [{r.offset}, {r.offset + r.length})"
+
+        def fetch_compressed(r: Request) -> int:
+            at = where(r)
             mv = scratch(r.length)
             reader(r.plan.file).read_into(r.offset, mv)
             p, e = r.plan, r.plan.entry
@@ -195,26 +196,26 @@ class PendingLoad:
                 c = int(p.ids[k])
                 lo = int(e.offsets[c]) - r.offset
                 stored = mv[lo : lo + int(e.lengths[c])]
-                _verify(stored, f"{int(e.checksums[c]):016x}", where)
-                raw = memoryview(decompress_into(CODECS[e.codec_ids[c]], stored, int(e.raw_lengths[c]), where))
+                _verify(stored, f"{int(e.checksums[c]):016x}", at)
+                raw = memoryview(decompress_into(CODECS[e.codec_ids[c]], stored, int(e.raw_lengths[c]), at))
                 for cp, n, t, tp in zip(*(col[first[k] : first[k + 1]].tolist() for col in
                                          (p.copy_chunk_pos, p.copy_nbytes, p.copy_dest, p.copy_dest_pos))):
                     views[t][tp : tp + n] = raw[cp : cp + n]
             return 0
 
-        def fetch_scattered(r: Request, where: str) -> int:
+        def fetch_scattered(r: Request) -> int:
             # uncompressed: read each chunk's bytes straight into the targets that want them
             # (the rest into the sink, still needed for the checksum) with one preadv a
             # group, then verify each chunk over the places its bytes went
             sc = r.scatter
-            bufs = [*views, scratch(r.sink_bytes)]  # a place's buffer: a target, or (SINK, -1) the last
+            bufs = [*views, scratch(r.sink_bytes)] if r.sink_bytes else views  # a target, or (SINK, -1) the last
             x, y = r.place_start, r.groups[-1][1]
             places = [bufs[d][p : p + n] for d, p, n in zip(sc.place_dest[x:y], sc.place_pos[x:y], sc.place_len[x:y])]
             rd = reader(r.plan.file)
             if not getattr(rd, "local", False):  # a store's file: a read is a request, one a fetch
                 # (decided per file: the fast tier's view routes a missing part to the store)
                 rd.read_scatter(r.offset, places)
-                verify(sc, r.first, r.stop, bufs, where)
+                verify(sc, r.first, r.stop, bufs, r)
             else:
                 # a local file: read a group of chunks, then verify them while their bytes are
                 # still in the CPU's cache (hashing after a 16 MiB read fetched every byte from
@@ -222,11 +223,11 @@ class PendingLoad:
                 first, begin = r.first, 0
                 for end, place_end in r.groups:
                     rd.read_scatter(sc.offsets[first], places[begin : place_end - x])
-                    verify(sc, first, end, bufs, where)
+                    verify(sc, first, end, bufs, r)
                     first, begin = end, place_end - x
             return (r.stop - r.first) - (sc.sunk_before[r.stop] - sc.sunk_before[r.first])
 
-        def verify(sc: Scatter, first: int, stop: int, bufs: list[memoryview], where: str) -> None:
+        def verify(sc: Scatter, first: int, stop: int, bufs: list[memoryview], r: Request) -> None:
             """Touched chunks ``[first, stop)`` against their checksums, over their places."""
             if sc.multi_before[stop] == sc.multi_before[first]:  # each chunk in one place of one target
                 got = [digest(bufs[d][p : p + n]) for d, p, n in
@@ -245,7 +246,7 @@ class PendingLoad:
             if got != want:
                 k = next(k for k in range(len(got)) if got[k] != want[k])
                 raise ChecksumError(
-                    f"{where}: chunk at byte {sc.offsets[first + k]} has checksum {got[k]:016x}, the manifest says "
+                    f"{where(r)}: chunk at byte {sc.offsets[first + k]} has checksum {got[k]:016x}, the manifest says "
                     f"{want[k]:016x}; the file is damaged"
                 )
 

@@ -263,6 +263,7 @@ class Request(NamedTuple):
     offset: int
     length: int
     scatter: Scatter | None = None
+    compressed: bool = False  # some chunk of it is (then it is read whole into scratch, chunk by chunk)
     sink_base: int = 0
     sink_bytes: int = 0
     place_start: int = 0
@@ -292,15 +293,16 @@ def requests(plan: FilePlan, max_bytes: int) -> list[Request]:
     offsets = plan.entry.offsets[plan.ids]
     ends = offsets + plan.entry.lengths[plan.ids]
     breaks = (np.flatnonzero(offsets[1:] != ends[:-1]) + 1).tolist()
+    starts, stops = offsets.tolist(), ends.tolist()
     out: list[Request] = []
-    for a, b in zip([0, *breaks], [*breaks, len(offsets)]):
+    for a, b in zip([0, *breaks], [*breaks, len(starts)]):
         while a < b:
-            start = int(offsets[a])
-            if int(ends[b - 1]) - start <= max_bytes:
+            start = starts[a]
+            if stops[b - 1] - start <= max_bytes:
                 stop = b
             else:
                 stop = max(a + 1, a + int(np.searchsorted(ends[a:b], start + max_bytes, "right")))
-            out.append(Request(plan, a, stop, start, int(ends[stop - 1]) - start))
+            out.append(Request(plan, a, stop, start, stops[stop - 1] - start))
             a = stop
     return out
 
@@ -362,9 +364,10 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
                     seg_first.tolist(), dest.tolist(), seg_pos_rel.tolist(), seg_len.tolist())
     places = place_of_chunk.tolist()
     sinks = sink_before[seg_first].tolist()
-    return [r._replace(scatter=lists, sink_base=sinks[r.first], sink_bytes=sinks[r.stop] - sinks[r.first],
-                       place_start=places[r.first], groups=tuple((e, places[e]) for e in ends))
-            for r, ends in zip(reqs, group_ends)]
+    packed = np.concatenate(([0], np.cumsum(plan.entry.codec_ids[plan.ids] != 0))).tolist()
+    return [Request(plan, a, b, offset, length, lists, packed[b] > packed[a], sinks[a], sinks[b] - sinks[a], places[a],
+                    tuple([(e, places[e]) for e in ends]))
+            for (_, a, b, offset, length, *_), ends in zip(reqs, group_ends)]
 
 
 @dataclass(frozen=True)
