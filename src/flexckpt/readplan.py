@@ -3,7 +3,12 @@ size), the saved pieces that intersect it, turned into the stored chunks to fetc
 byte copies to make from each. Pieces on both sides are parts of boxes
 (:mod:`flexshard.box`): a flat range is the whole tensor's box. Each shared stretch that is
 contiguous in both the saved piece and the target is one run; a chunk is fetched once,
-whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O."""
+whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O.
+
+A load plans over columns (:func:`plan_requests`: a file's chunks, the runs cut at their
+bounds, each touched chunk tiled by segments, the fetch loop's plain lists), never one
+object a chunk or a copy; :func:`plan_reads` and :func:`coalesce` give the same plan as
+:class:`ChunkRead` and :class:`Fetch` objects, for the tier's range planning and tests."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -253,8 +258,8 @@ class Scatter(NamedTuple):
 class Request(NamedTuple):
     """One ranged read of consecutive stored chunks of one file: touched chunks
     ``[first, stop)`` of ``plan`` (indices into ``plan.ids``), stored bytes
-    ``[offset, offset + length)``; ``sink_base``, ``sink_bytes``: its stretch of the file's
-    sink; ``groups``: where a local read cuts it (each group's touched-chunk end and place
+    ``[offset, offset + length)``; ``sink_bytes``: the bytes of its chunks no target wants
+    (read into a scratch buffer of its own, to be checksummed); ``groups``: where a local read cuts it (each group's touched-chunk end and place
     end), its places starting at ``place_start``."""
 
     plan: FilePlan
@@ -264,7 +269,6 @@ class Request(NamedTuple):
     length: int
     scatter: Scatter | None = None
     compressed: bool = False  # some chunk of it is (then it is read whole into scratch, chunk by chunk)
-    sink_base: int = 0
     sink_bytes: int = 0
     place_start: int = 0
     groups: tuple[tuple[int, int], ...] = ()
@@ -365,7 +369,7 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
     places = place_of_chunk.tolist()
     sinks = sink_before[seg_first].tolist()
     packed = np.concatenate(([0], np.cumsum(plan.entry.codec_ids[plan.ids] != 0))).tolist()
-    return [Request(plan, a, b, offset, length, lists, packed[b] > packed[a], sinks[a], sinks[b] - sinks[a], places[a],
+    return [Request(plan, a, b, offset, length, lists, packed[b] > packed[a], sinks[b] - sinks[a], places[a],
                     tuple([(e, places[e]) for e in ends]))
             for (_, a, b, offset, length, *_), ends in zip(reqs, group_ends)]
 
