@@ -16,6 +16,7 @@ from flexckpt.manifest import FileEntry, StoredChunk, parse_manifest
 from flexckpt.readplan import (
     SINK, ChunkRead, Copy, coalesce, file_plan, gather_runs, plan_requests, read_groups, requests, scatter,
 )
+from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Replicate, Shard
 
 
@@ -173,10 +174,8 @@ def test_a_load_from_the_scatter_lists_alone_rebuilds_every_target_and_checks_ev
 def test_a_request_straddling_a_partial_chunk_reads_the_rest_of_it_into_its_own_sink():
     # 4096 floats saved at world 1 in chunks of 1 KiB; elements 100..4095 and 0..99 wanted by
     # two targets, so chunk 0 has two copies; then 300..700 only: chunks 1 and 2, each with a gap
-    specs = [Shard(0)]
-    from flexckpt.structure import TensorSpec
-    spec = TensorSpec("big", torch.float32, (4096,), specs[0])
-    manifest, streams = _save_in_memory({"big": torch.arange(4096.0)}, [spec], 1, 1024)
+    spec = TensorSpec("big", torch.float32, (4096,), Shard(0))
+    manifest, _ = _save_in_memory({"big": torch.arange(4096.0)}, [spec], 1, 1024)
     t = manifest.tensors["big"]
     (r,) = plan_requests(manifest, [(t, FlatRange(100, 4096)), (t, FlatRange(0, 100))], 1 << 20, 1 << 20)
     sc = r.scatter
@@ -196,7 +195,8 @@ def test_runs_that_overlap_in_a_chunk_are_refused_naming_the_chunk():
 
 
 def test_a_file_entry_from_columns_is_the_one_from_its_chunks():
-    chunks = (StoredChunk(0, 100, 0, 40, "zstd", "00000000000000ff"), StoredChunk(100, 28, 40, 28, "none", "0123456789abcdef"))
+    chunks = (StoredChunk(0, 100, 0, 40, "zstd", "00000000000000ff"),
+              StoredChunk(100, 28, 40, 28, "none", "0123456789abcdef"))
     a = FileEntry("f", 128, chunks)
     b = FileEntry.from_columns("f", 128, [0, 100], [100, 28], [0, 40], [40, 28], "zstd",
                                np.array([0xFF, 0x0123456789ABCDEF], dtype=np.uint64))

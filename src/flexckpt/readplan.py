@@ -259,8 +259,9 @@ class Request(NamedTuple):
     """One ranged read of consecutive stored chunks of one file: touched chunks
     ``[first, stop)`` of ``plan`` (indices into ``plan.ids``), stored bytes
     ``[offset, offset + length)``; ``sink_bytes``: the bytes of its chunks no target wants
-    (read into a scratch buffer of its own, to be checksummed); ``groups``: where a local read cuts it (each group's touched-chunk end and place
-    end), its places starting at ``place_start``."""
+    (read into a scratch buffer of its own, to be checksummed); ``groups``: where a local
+    read cuts it (each group's touched-chunk end and place end), its places starting at
+    ``place_start``."""
 
     plan: FilePlan
     first: int

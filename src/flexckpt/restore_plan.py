@@ -90,8 +90,9 @@ def restore_plan(manifest: Manifest, layouts: Mapping[str, Layout], world: int) 
                 held += len(rng) * itemsize(t.dtype)
         fetches = plan_requests(manifest, targets, FETCH_BYTES)
         biggest = max((f.length for f in fetches), default=0)
-        ranks.append(RankRestore(r, held, sum(f.length for f in fetches), len(fetches), sum(f.stop - f.first for f in fetches),
-                                 len({f.plan.file for f in fetches}), held + biggest))
+        ranks.append(RankRestore(r, held, sum(f.length for f in fetches), len(fetches),
+                                 sum(f.stop - f.first for f in fetches), len({f.plan.file for f in fetches}),
+                                 held + biggest))
     moves = tuple(TensorMove(n, t.layout.to_json(), layouts[n].to_json()) for n, t in sorted(manifest.tensors.items()))
     return RestorePlan(manifest.step, manifest.world_size, world, tuple(ranks), moves, tuple(sorted(manifest.plain)),
                        tuple(sorted(manifest.lanes)), tuple(sorted(manifest.per_rank)), tuple(sorted(manifest.keyed)))
