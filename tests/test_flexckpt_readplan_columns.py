@@ -147,13 +147,17 @@ def _simulate(manifest, streams, targets, max_bytes, group_bytes):
                 bufs[d][p : p + n] = stream[pos : pos + n]
                 pos += n
             assert pos == sc.offsets[end - 1] + manifest.files[r.plan.file].lengths[r.plan.ids[end - 1]]
-            for k in range(first, end):
-                a, b = sc.seg_first[k], sc.seg_first[k + 1]
-                parts = [bufs[d][p : p + n] for d, p, n in zip(sc.seg_dest[a:b], sc.seg_pos[a:b], sc.seg_len[a:b])]
-                assert (digest_parts(parts) if len(parts) > 1 else digest(parts[0])) == sc.checks[k]
-                assert sc.multi[k] == (len(parts) > 1)
+            for k in range(first, end):  # as the load verifies: a chunk of several segments over each
                 d, p, n = sc.first_dest[k], sc.first_pos[k], sc.first_len[k]
-                assert bytes(bufs[d][p : p + n]) == bytes(parts[0])
+                if sc.multi[k]:
+                    a, b = sc.seg_first[k], sc.seg_first[k + 1]
+                    parts = [bufs[d][p : p + n] for d, p, n in zip(sc.seg_dest[a:b], sc.seg_pos[a:b], sc.seg_len[a:b])]
+                    assert len(parts) > 1 and sum(len(x) for x in parts) == manifest.files[r.plan.file].raw_lengths[
+                        r.plan.ids[k]] and (sc.seg_dest[a], sc.seg_pos[a], sc.seg_len[a]) == (d, p, n)
+                    assert digest_parts(parts) == sc.checks[k]
+                else:
+                    assert n == manifest.files[r.plan.file].raw_lengths[r.plan.ids[k]] and d != SINK
+                    assert digest(bufs[d][p : p + n]) == sc.checks[k]
                 checked += 1
             first, x = end, place_end
     return out, checked

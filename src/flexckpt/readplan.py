@@ -214,6 +214,11 @@ def file_plan(file: str, entry: FileEntry, columns: list[np.ndarray]) -> FilePla
         raise ManifestError(f"data file {file}: two runs a load wants overlap in the chunk at raw byte "
                             f"{int(entry.raw_offsets[chunk[k]])}; the checkpoint's pieces overlap")
     tail = np.where(last_in_chunk, entry.raw_lengths[chunk] - ends, 0)  # after a chunk's last copy
+    ids, copy_start = chunk[new_chunk], np.flatnonzero(new_chunk)
+    copy_first = np.append(copy_start, n).astype(np.int64)
+    if new_chunk.all() and not gap.any() and not tail.any():  # each chunk whole in one target: a segment a copy
+        return FilePlan(file, entry, ids, copy_first, dest, dest_pos, nbytes, copy_first, chunk_pos, nbytes, dest,
+                        dest_pos)
     # segments, three slots a copy: the gap before it, itself, the chunk's tail after it
     lens = np.stack([gap, nbytes, tail], axis=1).reshape(-1)
     dests = np.stack([np.full(n, SINK), dest, np.full(n, SINK)], axis=1).reshape(-1)
@@ -224,10 +229,8 @@ def file_plan(file: str, entry: FileEntry, columns: list[np.ndarray]) -> FilePla
     sink_lens = np.where(sink, lens, 0)
     poss = np.where(sink, np.cumsum(sink_lens) - sink_lens, poss)
     seg_chunk = np.repeat(chunk, 3)[keep]
-    ids, copy_start = chunk[new_chunk], np.flatnonzero(new_chunk)
-    bounds = lambda starts, total: np.append(starts, total).astype(np.int64)  # noqa: E731
     seg_start = np.flatnonzero(np.append(True, seg_chunk[1:] != seg_chunk[:-1])) if len(seg_chunk) else seg_chunk
-    return FilePlan(file, entry, ids, bounds(seg_start, len(lens)), dests, poss, lens, bounds(copy_start, n),
+    return FilePlan(file, entry, ids, np.append(seg_start, len(lens)).astype(np.int64), dests, poss, lens, copy_first,
                     chunk_pos, nbytes, dest, dest_pos)
 
 
@@ -340,10 +343,20 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
         return []
     lengths = plan.entry.lengths[plan.ids]
     seg_first, dest, pos, seg_len = plan.seg_first, plan.seg_dest, plan.seg_pos, plan.seg_len
-    sink = dest == SINK
-    sink_before = np.concatenate(([0], np.cumsum(np.where(sink, seg_len, 0))))  # a segment's sink start
+    n = len(plan.ids)
     group_ends = read_groups(lengths.tolist(), [r.stop for r in reqs], group_bytes)
     cut_chunks = np.array(sorted({r.first for r in reqs} | {e for ends in group_ends for e in ends[:-1]}), dtype=np.int64)
+    sink = dest == SINK
+    if sink.any():  # a request's sink starts at 0: sink positions counted from its first segment's
+        sink_before = np.concatenate(([0], np.cumsum(np.where(sink, seg_len, 0))))  # at each segment
+        req_of_chunk = np.repeat(np.arange(len(reqs)), [r.stop - r.first for r in reqs])
+        req_of_seg = req_of_chunk[np.repeat(np.arange(n), np.diff(seg_first))]
+        pos = np.where(sink, pos - sink_before[seg_first[[r.first for r in reqs]]][req_of_seg], pos)
+        sinks = sink_before[seg_first].tolist()
+        sunk = np.add.reduceat(sink, seg_first[:-1]) > 0
+        sunk_before = np.concatenate(([0], np.cumsum(sunk))).tolist()
+    else:  # every chunk lands whole in targets (a load at the saved layout, or gathering whole pieces)
+        sinks = sunk_before = [0] * (n + 1)
     # a place starts where a segment does not continue the one before in the same buffer,
     # and at every group's first segment
     start = np.ones(len(seg_len), dtype=bool)
@@ -351,24 +364,17 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
     start[seg_first[cut_chunks]] = True
     firsts = np.flatnonzero(start)
     place_len = np.add.reduceat(seg_len, firsts) if len(firsts) else seg_len
-    place_dest = dest[firsts]
-    req_of_chunk = np.repeat(np.arange(len(reqs)), [r.stop - r.first for r in reqs])
-    req_of_seg = req_of_chunk[np.repeat(np.arange(len(plan.ids)), np.diff(seg_first))]
-    req_sink = sink_before[seg_first[[r.first for r in reqs]]]  # each request's sink starts at 0
-    seg_pos_rel = np.where(sink, pos - req_sink[req_of_seg], pos)
-    place_pos = seg_pos_rel[firsts]
-    place_of_chunk = np.searchsorted(firsts, seg_first, "left")  # the first place of each chunk (and the end)
-    single = np.diff(seg_first) == 1
-    multi = ~single
-    multi_before = np.concatenate(([0], np.cumsum(multi)))
-    sunk = np.add.reduceat(sink, seg_first[:-1]) > 0
-    sunk_before = np.concatenate(([0], np.cumsum(sunk)))
-    lists = Scatter(place_dest.tolist(), place_pos.tolist(), place_len.tolist(), plan.entry.checksums[plan.ids].tolist(),
-                    plan.entry.offsets[plan.ids].tolist(), multi.tolist(), multi_before.tolist(), sunk_before.tolist(),
-                    dest[seg_first[:-1]].tolist(), seg_pos_rel[seg_first[:-1]].tolist(), seg_len[seg_first[:-1]].tolist(),
-                    seg_first.tolist(), dest.tolist(), seg_pos_rel.tolist(), seg_len.tolist())
-    places = place_of_chunk.tolist()
-    sinks = sink_before[seg_first].tolist()
+    places = np.searchsorted(firsts, seg_first, "left").tolist()  # each chunk's first place (and the end)
+    multi = np.diff(seg_first) > 1
+    if multi.any():
+        multi_before = np.concatenate(([0], np.cumsum(multi))).tolist()
+        segs = (seg_first.tolist(), dest.tolist(), pos.tolist(), seg_len.tolist())
+    else:  # one segment a chunk: its first is all of it
+        multi_before, segs = [0] * (n + 1), ([], [], [], [])
+    heads = seg_first[:-1]
+    lists = Scatter(dest[firsts].tolist(), pos[firsts].tolist(), place_len.tolist(), plan.entry.checksums[plan.ids].tolist(),
+                    plan.entry.offsets[plan.ids].tolist(), multi.tolist(), multi_before, sunk_before,
+                    dest[heads].tolist(), pos[heads].tolist(), seg_len[heads].tolist(), *segs)
     packed = np.concatenate(([0], np.cumsum(plan.entry.codec_ids[plan.ids] != 0))).tolist()
     return [Request(plan, a, b, offset, length, lists, packed[b] > packed[a], sinks[b] - sinks[a], places[a],
                     tuple([(e, places[e]) for e in ends]))
