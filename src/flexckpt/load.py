@@ -200,16 +200,21 @@ class PendingLoad:
             mv = scratch(r.length)
             reader(r.plan.file).read_into(r.offset, mv)
             p, e = r.plan, r.plan.entry
-            first = p.copy_first.tolist()
-            for k in range(r.first, r.stop):
-                c = int(p.ids[k])
-                lo = int(e.offsets[c]) - r.offset
-                stored = mv[lo : lo + int(e.lengths[c])]
-                _verify(stored, f"{int(e.checksums[c]):016x}", at)
-                raw = memoryview(decompress_into(CODECS[e.codec_ids[c]], stored, int(e.raw_lengths[c]), at))
-                for cp, n, t, tp in zip(*(col[first[k] : first[k + 1]].tolist() for col in
-                                         (p.copy_chunk_pos, p.copy_nbytes, p.copy_dest, p.copy_dest_pos))):
-                    views[t][tp : tp + n] = raw[cp : cp + n]
+            ids = p.ids[r.first : r.stop]
+            a = int(p.copy_first[r.first])
+            copies = [col[a : p.copy_first[r.stop]].tolist()
+                      for col in (p.copy_chunk_pos, p.copy_nbytes, p.copy_dest, p.copy_dest_pos)]
+            ends = (p.copy_first[r.first + 1 : r.stop + 1] - a).tolist()  # each chunk's copies end there
+            begin = 0
+            for off, n, check, codec, raw_n, end in zip(e.offsets[ids].tolist(), e.lengths[ids].tolist(),
+                                                        e.checksums[ids].tolist(), e.codec_ids[ids].tolist(),
+                                                        e.raw_lengths[ids].tolist(), ends):
+                stored = mv[off - r.offset : off - r.offset + n]
+                _verify(stored, f"{check:016x}", at)
+                raw = memoryview(decompress_into(CODECS[codec], stored, raw_n, at))
+                for cp, nb, t, tp in zip(*(col[begin:end] for col in copies)):
+                    views[t][tp : tp + nb] = raw[cp : cp + nb]
+                begin = end
             return 0
 
         def fetch_scattered(r: Request) -> int:
