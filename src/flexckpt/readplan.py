@@ -11,6 +11,7 @@ object a chunk or a copy; :func:`plan_reads` and :func:`coalesce` give the same 
 :class:`ChunkRead` and :class:`Fetch` objects, for the tier's range planning and tests."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -321,8 +322,13 @@ def read_groups(lengths: list[int], stops: list[int], group_bytes: int) -> list[
     ``group_bytes``, and after a request's last. Each request's group ends (indices into
     ``lengths``). A plain loop: one addition a chunk costs less than an array call a group."""
     out: list[list[int]] = []
+    cum = [0, *itertools.accumulate(lengths)]
     k = 0
     for stop in stops:
+        if cum[stop] - cum[k] < group_bytes:  # the whole request is short of one group
+            out.append([stop])
+            k = stop
+            continue
         ends, total = [], 0
         while k < stop:
             total += lengths[k]
@@ -345,13 +351,12 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
     seg_first, dest, pos, seg_len = plan.seg_first, plan.seg_dest, plan.seg_pos, plan.seg_len
     n = len(plan.ids)
     group_ends = read_groups(lengths.tolist(), [r.stop for r in reqs], group_bytes)
-    cut_chunks = np.array(sorted({r.first for r in reqs} | {e for ends in group_ends for e in ends[:-1]}), dtype=np.int64)
+    cut_chunks = [c for r, ends in zip(reqs, group_ends) for c in (r.first, *ends[:-1])]  # ascending
     sink = dest == SINK
     if sink.any():  # a request's sink starts at 0: sink positions counted from its first segment's
         sink_before = np.concatenate(([0], np.cumsum(np.where(sink, seg_len, 0))))  # at each segment
-        req_of_chunk = np.repeat(np.arange(len(reqs)), [r.stop - r.first for r in reqs])
-        req_of_seg = req_of_chunk[np.repeat(np.arange(n), np.diff(seg_first))]
-        pos = np.where(sink, pos - sink_before[seg_first[[r.first for r in reqs]]][req_of_seg], pos)
+        req_segs = seg_first[[r.first for r in reqs] + [n]]
+        pos = np.where(sink, pos - np.repeat(sink_before[req_segs[:-1]], np.diff(req_segs)), pos)
         sinks = sink_before[seg_first].tolist()
         sunk = np.add.reduceat(sink, seg_first[:-1]) > 0
         sunk_before = np.concatenate(([0], np.cumsum(sunk))).tolist()
@@ -377,7 +382,7 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
                     dest[heads].tolist(), pos[heads].tolist(), seg_len[heads].tolist(), *segs)
     packed = np.concatenate(([0], np.cumsum(plan.entry.codec_ids[plan.ids] != 0))).tolist()
     return [Request(plan, a, b, offset, length, lists, packed[b] > packed[a], sinks[b] - sinks[a], places[a],
-                    tuple([(e, places[e]) for e in ends]))
+                    ((b, places[b]),) if len(ends) == 1 else tuple([(e, places[e]) for e in ends]))
             for (_, a, b, offset, length, *_), ends in zip(reqs, group_ends)]
 
 
