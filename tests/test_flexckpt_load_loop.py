@@ -13,6 +13,7 @@ from flexckpt import Checkpointer, ChecksumError
 from flexckpt.manifest import step_dir
 from flexckpt.stall import StorageStalled, bounded_all, progress
 from flexckpt.storage import RangeReader
+from flexshard import Shard, ShardedTensor
 
 
 def data_path(root, step):
@@ -65,6 +66,28 @@ def test_a_damaged_chunk_in_any_group_is_named_by_its_offset(tmp_path, byte):
         chunk = byte // (128 << 10) * (128 << 10)
         with pytest.raises(ChecksumError, match=rf"chunk at byte {chunk} has checksum [0-9a-f]{{16}}, the manifest says"):
             ckpt.load({"w": torch.zeros_like(values)})
+
+
+def test_compressed_chunks_cut_by_the_target_load_exact_and_a_damaged_one_is_named_by_its_range(tmp_path):
+    # zstd chunks of 4 KiB saved at world 1; rank 1 of 3 wants rows 22..43 (Shard(0)): the
+    # first and last chunks it touches are cut, each chunk decompressed once and copied in
+    values = torch.arange(64 * 100, dtype=torch.float32).reshape(64, 100)
+    with Checkpointer(str(tmp_path), compression="zstd", chunk_bytes=4096) as ckpt:
+        ckpt.save(1, {"w": values}).result()
+    target = {"w": ShardedTensor.empty((64, 100), Shard(0), dtype=torch.float32, rank=1, world_size=3)}
+    with Checkpointer(str(tmp_path), rank=1, world_size=3, run_id="rd") as ck:
+        ck.load(target)
+        assert torch.equal(target["w"].local, ShardedTensor.from_global(values, Shard(0), 1, 3).local)
+        assert ck.last_load_stats.direct_chunks == 0
+    path = data_path(str(tmp_path), 1)
+    raw = bytearray(open(path, "rb").read())
+    raw[-5] ^= 0x01  # in the last chunk
+    with open(path, "wb") as f:
+        f.write(bytes(raw))
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(ChecksumError, match=rf"r00000.data bytes \[0, {len(raw)}\): checksum [0-9a-f]{{16}} does "
+                                                rf"not match the manifest's [0-9a-f]{{16}}; the file is damaged"):
+            ck.load({"w": torch.zeros_like(values)})
 
 
 def test_bounded_all_returns_results_in_order_and_raises_the_first_error_after_all_ended():

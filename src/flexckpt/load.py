@@ -24,9 +24,9 @@ from flexckpt.checksum import checksum, digest, digest_parts
 from flexckpt.codec import decompress_into
 from flexckpt.dtypes import dtype_from_name, dtype_name
 from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
-from flexckpt.manifest import Manifest, keyed_name, step_dir
+from flexckpt.manifest import CODECS, Manifest, keyed_name, step_dir
 from flexckpt.plan import part_of_world
-from flexckpt.readplan import ChunkRead, Fetch, coalesce, plan_reads
+from flexckpt.readplan import Request, Scatter, plan_requests
 from flexckpt.stall import bounded_all
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.structure import Excluder, Walk, decode_plain
@@ -50,8 +50,17 @@ class LoadStats:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    """The bytes of a contiguous CPU tensor, writable, without a copy. A dtype numpy has
+    takes one conversion (half the time of torch's reshape and view: a load makes one a
+    target); bfloat16 and the float8 types go through a uint8 view."""
+    t = t.detach()
+    if t.dtype in _NUMPY_DTYPES and t.numel():
+        return memoryview(t.numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+_NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))
 
 
 def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict: bool,
@@ -150,7 +159,8 @@ class PendingLoad:
             self._read(threads)
 
     def _read(self, threads: int) -> None:
-        reads = plan_reads(self.manifest, [(self.manifest.tensors[self.walk.specs[i].name], rng) for i, rng in self.targets])
+        requests = plan_requests(self.manifest, [(self.manifest.tensors[self.walk.specs[i].name], rng)
+                                                 for i, rng in self.targets], FETCH_BYTES, READ_GROUP_BYTES)
         dests: list[torch.Tensor] = []  # where bytes land: the target itself, or a CPU staging copy
         self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, _ in self.targets:
@@ -179,88 +189,81 @@ class PendingLoad:
                 buf = local.buf = memoryview(np.empty(max(n, 1), dtype=np.uint8))
             return buf[:n]
 
-        def fetch(f: Fetch) -> int:
-            """Read one fetch; returns how many of its chunks landed wholly in targets."""
-            where = f"{folder}/{f.file} bytes [{f.offset}, {f.offset + f.length})"
-            if all(cr.chunk.codec == "none" for cr in f.reads):
-                return scatter(f, where)
-            mv = scratch(f.length)
-            reader(f.file).read_into(f.offset, mv)
-            for cr in f.reads:
-                c = cr.chunk
-                lo = c.offset - f.offset
-                stored = mv[lo : lo + c.length]
-                _verify(stored, c.checksum, where)
-                raw = memoryview(decompress_into(c.codec, stored, c.raw_length, where))
-                for cp in cr.copies:
-                    views[cp.target][cp.target_pos : cp.target_pos + cp.nbytes] = raw[cp.chunk_pos : cp.chunk_pos + cp.nbytes]
+        def fetch(r: Request) -> int:
+            """Read one request; returns how many of its chunks landed wholly in targets."""
+            return fetch_compressed(r) if r.compressed else fetch_scattered(r)
+
+        def where(r: Request) -> str:
+            return f"{folder}/{r.plan.file} bytes [{r.offset}, {r.offset + r.length})"
+
+        def fetch_compressed(r: Request) -> int:
+            at = where(r)
+            mv = scratch(r.length)
+            reader(r.plan.file).read_into(r.offset, mv)
+            p, e = r.plan, r.plan.entry
+            ids = p.ids[r.first : r.stop]
+            a = int(p.copy_first[r.first])
+            copies = [col[a : p.copy_first[r.stop]].tolist()
+                      for col in (p.copy_chunk_pos, p.copy_nbytes, p.copy_dest, p.copy_dest_pos)]
+            ends = (p.copy_first[r.first + 1 : r.stop + 1] - a).tolist()  # each chunk's copies end there
+            begin = 0
+            for off, n, check, codec, raw_n, end in zip(e.offsets[ids].tolist(), e.lengths[ids].tolist(),
+                                                        e.checksums[ids].tolist(), e.codec_ids[ids].tolist(),
+                                                        e.raw_lengths[ids].tolist(), ends):
+                stored = mv[off - r.offset : off - r.offset + n]
+                _verify(stored, f"{check:016x}", at)
+                raw = memoryview(decompress_into(CODECS[codec], stored, raw_n, at))
+                for cp, nb, t, tp in zip(*(col[begin:end] for col in copies)):
+                    views[t][tp : tp + nb] = raw[cp : cp + nb]
+                begin = end
             return 0
 
-        def scatter(f: Fetch, where: str) -> int:
+        def fetch_scattered(r: Request) -> int:
             # uncompressed: read each chunk's bytes straight into the targets that want them
-            # (the rest into scratch, still needed for the checksum) with one preadv, then
-            # verify each chunk over the places its bytes went
-            places: list[memoryview] = []
-            ends: list[int] = []  # where each chunk's places end in ``places``
-            whole = 0
-            sink: memoryview | None = None
-            used = 0
-            for cr in f.reads:
-                copies, n = cr.copies, cr.chunk.raw_length
-                if len(copies) == 1 and copies[0].chunk_pos == 0 and copies[0].nbytes == n:  # lands whole
-                    cp = copies[0]
-                    places.append(views[cp.target][cp.target_pos : cp.target_pos + n])
-                    ends.append(len(places))
-                    whole += 1
-                    continue
-                if sink is None:
-                    sink = scratch(sum(c.chunk.raw_length - sum(cp.nbytes for cp in c.copies) for c in f.reads))
-                pos, direct = 0, True
-                for cp in sorted(copies, key=lambda cp: cp.chunk_pos) if len(copies) > 1 else copies:
-                    if cp.chunk_pos > pos:
-                        places.append(sink[used : used + cp.chunk_pos - pos])
-                        used += cp.chunk_pos - pos
-                        direct = False
-                    places.append(views[cp.target][cp.target_pos : cp.target_pos + cp.nbytes])
-                    pos = cp.chunk_pos + cp.nbytes
-                if pos < n:
-                    places.append(sink[used : used + n - pos])
-                    used += n - pos
-                    direct = False
-                ends.append(len(places))
-                whole += direct
-            rd = reader(f.file)
+            # (the rest into the sink, still needed for the checksum) with one preadv a
+            # group, then verify each chunk over the places its bytes went
+            sc = r.scatter
+            bufs = [*views, scratch(r.sink_bytes)] if r.sink_bytes else views  # a target, or (SINK, -1) the last
+            x, y = r.place_start, r.groups[-1][1]
+            places = [bufs[d][p : p + n] for d, p, n in zip(sc.place_dest[x:y], sc.place_pos[x:y], sc.place_len[x:y])]
+            rd = reader(r.plan.file)
             if not getattr(rd, "local", False):  # a store's file: a read is a request, one a fetch
                 # (decided per file: the fast tier's view routes a missing part to the store)
-                rd.read_scatter(f.offset, places)
-                verify(f.reads, ends, places, 0, where)
-                return whole
-            # a local file: read a group of chunks, then verify them while their bytes are
-            # still in the CPU's cache (hashing after a 16 MiB read fetched every byte from
-            # memory a second time: a quarter of a warm load's CPU)
-            first = begin = 0  # the group's first chunk and first place
-            pos, nbytes = f.offset, 0
-            last = len(f.reads) - 1
-            for k, cr in enumerate(f.reads):
-                nbytes += cr.chunk.length
-                if nbytes < READ_GROUP_BYTES and k < last:
-                    continue
-                rd.read_scatter(pos, places[begin : ends[k]])
-                verify(f.reads[first : k + 1], ends[first : k + 1], places, begin, where)
-                first, begin, pos, nbytes = k + 1, ends[k], pos + nbytes, 0
-            return whole
+                rd.read_scatter(r.offset, places)
+                verify(sc, r.first, r.stop, bufs, r)
+            else:
+                # a local file: read a group of chunks, then verify them while their bytes are
+                # still in the CPU's cache (hashing after a 16 MiB read fetched every byte from
+                # memory a second time: a quarter of a warm load's CPU)
+                first, begin = r.first, 0
+                for end, place_end in r.groups:
+                    rd.read_scatter(sc.offsets[first], places[begin : place_end - x])
+                    verify(sc, first, end, bufs, r)
+                    first, begin = end, place_end - x
+            return (r.stop - r.first) - (sc.sunk_before[r.stop] - sc.sunk_before[r.first])
 
-        def verify(reads: tuple[ChunkRead, ...], ends: list[int], places: list[memoryview], begin: int, where: str) -> None:
-            """Each chunk of ``reads`` against its checksum, over its places (``ends``: where
-            each chunk's places end in ``places``, the first beginning at ``begin``)."""
-            for cr, end in zip(reads, ends):
-                got = digest(places[begin]) if end - begin == 1 else digest_parts(places[begin:end])
-                begin = end
-                if got != int(cr.chunk.checksum, 16):
-                    raise ChecksumError(
-                        f"{where}: chunk at byte {cr.chunk.offset} has checksum {got:016x}, the manifest says "
-                        f"{cr.chunk.checksum}; the file is damaged"
-                    )
+        def verify(sc: Scatter, first: int, stop: int, bufs: list[memoryview], r: Request) -> None:
+            """Touched chunks ``[first, stop)`` against their checksums, over their places."""
+            if sc.multi_before[stop] == sc.multi_before[first]:  # each chunk in one place of one target
+                got = [digest(bufs[d][p : p + n]) for d, p, n in
+                       zip(sc.first_dest[first:stop], sc.first_pos[first:stop], sc.first_len[first:stop])]
+            else:
+                got = []
+                for k in range(first, stop):
+                    if sc.multi[k]:
+                        a, b = sc.seg_first[k], sc.seg_first[k + 1]
+                        got.append(digest_parts([bufs[d][p : p + n] for d, p, n in
+                                                 zip(sc.seg_dest[a:b], sc.seg_pos[a:b], sc.seg_len[a:b])]))
+                    else:
+                        d, p, n = sc.first_dest[k], sc.first_pos[k], sc.first_len[k]
+                        got.append(digest(bufs[d][p : p + n]))
+            want = sc.checks[first:stop]
+            if got != want:
+                k = next(k for k in range(len(got)) if got[k] != want[k])
+                raise ChecksumError(
+                    f"{where(r)}: chunk at byte {sc.offsets[first + k]} has checksum {got[k]:016x}, the manifest says "
+                    f"{want[k]:016x}; the file is damaged"
+                )
 
         # per-rank values are read (version 2: from this rank's chunk table) and checked
         # now, before the ranks agree, so that apply() cannot fail half-way
@@ -274,22 +277,21 @@ class PendingLoad:
             raise ManifestError(f"checkpoint step {self.manifest.step} has no per-rank values {missing} for rank {self.rank}")
         self._values = self._decode_values()
         self._keyed = self._read_keyed()
-        fetches = coalesce(reads, FETCH_BYTES)
         stall = self.storage.stall_timeout
         try:
             # the shares run on the storage calls' helper threads (reused from load to load),
             # under one stall watch each, not one per read: a resharding load makes hundreds
-            parts = [fetches[i::threads] for i in range(max(1, min(threads, len(fetches))))]
-            shares = bounded_all(stall, f"reading {len(fetches)} ranges on {self.storage.url}",
-                                 [lambda part=part: [fetch(f) for f in part] for part in parts]) if fetches else []
+            parts = [requests[i::threads] for i in range(max(1, min(threads, len(requests))))]
+            shares = bounded_all(stall, f"reading {len(requests)} ranges on {self.storage.url}",
+                                 [lambda part=part: [fetch(r) for r in part] for part in parts]) if requests else []
             whole = [n for share in shares for n in share]
         finally:
-            for r in readers.values():
-                r.close()
-        self.stats.fetches = len(fetches)
+            for rd in readers.values():
+                rd.close()
+        self.stats.fetches = len(requests)
         self.stats.direct_chunks = sum(whole)
-        self.stats.chunks = len(reads)
-        self.stats.bytes_read = sum(cr.chunk.length for cr in reads) + sum(len(v) for v in self._keyed.values())
+        self.stats.chunks = sum(r.stop - r.first for r in requests)
+        self.stats.bytes_read = sum(r.length for r in requests) + sum(len(v) for v in self._keyed.values())
         self.stats.tensors = len(self.targets)
         self.stats.metadata_bytes = self.manifest.metadata_bytes_read
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
+import numpy as np
 import orjson
 import torch
 
@@ -161,11 +162,62 @@ class StoredChunk(NamedTuple):
         return list(self)
 
 
-@dataclass(frozen=True)
 class FileEntry:
-    name: str
-    nbytes: int  # raw stream size
-    chunks: tuple[StoredChunk, ...]
+    """A data file: its raw stream's size and its chunks as columns, one row a chunk: raw
+    byte offset and length, stored offset and length (int64), checksum (uint64), codec
+    (uint8, an index into CODECS). A load plans and verifies over the columns (thousands of
+    chunks a file: one object each was most of a warm load's planning); :attr:`chunks`, one
+    :class:`StoredChunk` each, is built on first use for the callers that walk them one by
+    one (verify, inspect, version 1's JSON)."""
+
+    __slots__ = ("name", "nbytes", "raw_offsets", "raw_lengths", "offsets", "lengths", "checksums", "codec_ids",
+                 "_chunks")
+
+    def __init__(self, name: str, nbytes: int, chunks: "tuple[StoredChunk, ...]") -> None:
+        self.name, self.nbytes = name, nbytes
+        n = len(chunks)
+        cols = [np.fromiter((c[k] for c in chunks), dtype=np.int64, count=n) for k in range(4)]
+        self.raw_offsets, self.raw_lengths, self.offsets, self.lengths = cols
+        self.codec_ids = np.fromiter((CODECS.index(c.codec) for c in chunks), dtype=np.uint8, count=n)
+        self.checksums = np.fromiter((int(c.checksum or "0", 16) for c in chunks), dtype=np.uint64, count=n)
+        self._chunks: tuple[StoredChunk, ...] | None = tuple(chunks)
+
+    @classmethod
+    def from_columns(cls, name: str, nbytes: int, raw_offsets: np.ndarray, raw_lengths: np.ndarray,
+                     offsets: np.ndarray, lengths: np.ndarray, codec: str, checksums: np.ndarray) -> "FileEntry":
+        """A file whose chunks all have ``codec`` (version 2: one codec a save)."""
+        self = cls.__new__(cls)
+        self.name, self.nbytes = name, nbytes
+        self.raw_offsets, self.raw_lengths, self.offsets, self.lengths = (
+            np.asarray(c, dtype=np.int64) for c in (raw_offsets, raw_lengths, offsets, lengths))
+        self.codec_ids = np.full(len(self.offsets), CODECS.index(codec), dtype=np.uint8)
+        self.checksums = np.asarray(checksums, dtype=np.uint64)
+        self._chunks = None
+        return self
+
+    @property
+    def chunks(self) -> "tuple[StoredChunk, ...]":
+        if self._chunks is None:
+            self._chunks = tuple(map(StoredChunk, self.raw_offsets.tolist(), self.raw_lengths.tolist(),
+                                     self.offsets.tolist(), self.lengths.tolist(),
+                                     [CODECS[c] for c in self.codec_ids.tolist()],
+                                     map("{:016x}".format, self.checksums.tolist())))
+        return self._chunks
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FileEntry):
+            return NotImplemented
+        return (self.name, self.nbytes) == (other.name, other.nbytes) and all(
+            np.array_equal(getattr(self, k), getattr(other, k))
+            for k in ("raw_offsets", "raw_lengths", "offsets", "lengths", "checksums", "codec_ids"))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"FileEntry({self.name!r}, {self.nbytes}, {len(self)} chunks)"
 
     def to_json(self) -> dict:
         return {"nbytes": self.nbytes, "chunks": [c.to_json() for c in self.chunks]}
@@ -351,17 +403,19 @@ class TableFiles(Mapping):
         where = f"chunk table of rank {rank}"
         if table.codec != self.codec:
             raise ManifestError(f"{where}: codec {table.codec!r}, the manifest says {self.codec!r}")
-        lengths = table.stored_lengths.tolist()
-        if any(n > MAX_CHUNK_BYTES for n in lengths) or sum(lengths) != self.ranks[rank].stored_nbytes:
+        lengths = table.stored_lengths
+        if (lengths > MAX_CHUNK_BYTES).any() or int(lengths.sum(dtype=np.uint64)) != self.ranks[rank].stored_nbytes:
             raise ManifestError(f"{where}: chunk lengths do not add up to the {self.ranks[rank].stored_nbytes} bytes stored")
-        if self.codec == "none":
-            bad = next(((c, n) for c, n in zip(raw.chunks, lengths) if n != c.length), None)
-            if bad is not None:
-                raise ManifestError(f"{where}: uncompressed chunk at {bad[0].offset} stores {bad[1]} bytes for {bad[0].length}")
-        stored_at = itertools.accumulate(lengths, initial=0)
-        chunks = tuple(map(StoredChunk, (c.offset for c in raw.chunks), (c.length for c in raw.chunks), stored_at,
-                           lengths, itertools.repeat(self.codec), map("{:016x}".format, table.checksums.tolist())))
-        return FileEntry(name, raw.nbytes, chunks)
+        bounds = np.fromiter(itertools.chain.from_iterable(raw.chunks), dtype=np.int64, count=2 * len(raw.chunks))
+        raw_offsets, raw_lengths = bounds[0::2], bounds[1::2]  # (offset, length) a chunk
+        stored = lengths.astype(np.int64)  # each at most MAX_CHUNK_BYTES: checked
+        if self.codec == "none" and (stored != raw_lengths).any():
+            bad = int(np.flatnonzero(stored != raw_lengths)[0])
+            raise ManifestError(f"{where}: uncompressed chunk at {int(raw_offsets[bad])} stores {int(stored[bad])} bytes "
+                                f"for {int(raw_lengths[bad])}")
+        stored_at = np.concatenate(([0], np.cumsum(stored)[:-1])) if len(stored) else stored
+        return FileEntry.from_columns(name, raw.nbytes, raw_offsets, raw_lengths, stored_at, stored, self.codec,
+                                      table.checksums)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,15 @@ size), the saved pieces that intersect it, turned into the stored chunks to fetc
 byte copies to make from each. Pieces on both sides are parts of boxes
 (:mod:`flexshard.box`): a flat range is the whole tensor's box. Each shared stretch that is
 contiguous in both the saved piece and the target is one run; a chunk is fetched once,
-whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O."""
+whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O.
+
+A load plans over columns (:func:`plan_requests`: a file's chunks, the runs cut at their
+bounds, each touched chunk tiled by segments, the fetch loop's plain lists), never one
+object a chunk or a copy; :func:`plan_reads` and :func:`coalesce` give the same plan as
+:class:`ChunkRead` and :class:`Fetch` objects, for the tier's range planning and tests."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -119,20 +125,29 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
 
 
 def file_reads(file: str, entry: FileEntry, columns: list[np.ndarray]) -> list[ChunkRead]:
-    """:func:`gather_runs`' runs of ``file`` cut at its chunks' bounds (see :func:`_file_reads`)."""
-    return _file_reads(file, entry, *columns)
-
-
-def _file_reads(file: str, entry: FileEntry, starts: np.ndarray, nbytes: np.ndarray, dest: np.ndarray,
-                dest_pos: np.ndarray) -> list[ChunkRead]:
-    """The runs wanted from ``file`` (``nbytes`` raw bytes at ``starts``, landing at byte
-    ``dest_pos`` of target ``dest``) cut at its chunks' bounds: the chunks they touch, in
-    file order, each with its copies in the order the runs came."""
-    if not len(starts):
+    """:func:`gather_runs`' runs of ``file`` cut at its chunks' bounds: the chunks they touch,
+    in file order, each with its copies in the order the runs came (one object a chunk and a
+    copy: for inspection and tests; a load plans with :func:`file_plan`)."""
+    chunk, chunk_pos, nbytes, dest, dest_pos = cut_runs(file, entry, *columns)
+    if not len(chunk):
         return []
+    copies = list(map(Copy, chunk_pos.tolist(), nbytes.tolist(), dest.tolist(), dest_pos.tolist()))
+    cuts = (np.flatnonzero(np.diff(chunk)) + 1).tolist()
+    ids = chunk.tolist()
     chunks = entry.chunks
-    offsets = np.fromiter((c.raw_offset for c in chunks), dtype=np.int64, count=len(chunks))
-    ends = offsets + np.fromiter((c.raw_length for c in chunks), dtype=np.int64, count=len(chunks))
+    return [ChunkRead(file, chunks[ids[a]], tuple(copies[a:b])) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+
+
+def cut_runs(file: str, entry: FileEntry, starts: np.ndarray, nbytes: np.ndarray, dest: np.ndarray,
+             dest_pos: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The runs wanted from ``file`` (``nbytes`` raw bytes at ``starts``, landing at byte
+    ``dest_pos`` of target ``dest``) cut at its chunks' bounds, as copies: chunk index,
+    byte position in the chunk, length, target, byte position in the target; ordered by
+    chunk, and within a chunk in the order the runs came."""
+    if not len(starts):
+        return tuple(np.empty(0, dtype=np.int64) for _ in range(5))
+    offsets = entry.raw_offsets
+    ends = offsets + entry.raw_lengths
     stops = starts + nbytes
     first = np.maximum(np.searchsorted(offsets, starts, "right") - 1, 0)
     count = np.searchsorted(offsets, stops, "left") - first  # the chunks each run touches
@@ -145,11 +160,230 @@ def _file_reads(file: str, entry: FileEntry, starts: np.ndarray, nbytes: np.ndar
     if (hi <= lo).any() or int((hi - lo).sum()) != int(nbytes.sum()):
         raise ManifestError(f"data file {file}: the bytes a load wants are not all inside its chunks; the "
                             f"checkpoint's chunk table does not match its plan")
-    copies = list(map(Copy, (lo - offsets[chunk]).tolist(), (hi - lo).tolist(), dest[run].tolist(),
-                      (dest_pos[run] + lo - starts[run]).tolist()))
-    cuts = (np.flatnonzero(np.diff(chunk)) + 1).tolist()
-    ids = chunk.tolist()
-    return [ChunkRead(file, chunks[ids[a]], tuple(copies[a:b])) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+    return chunk, lo - offsets[chunk], hi - lo, dest[run], dest_pos[run] + lo - starts[run]
+
+
+SINK = -1  # a segment's buffer: bytes read only to be checksummed (the part of a chunk no target wants)
+
+
+@dataclass(frozen=True, eq=False)
+class FilePlan:
+    """What a load reads of one data file, as columns. ``ids``: the chunks it touches, in
+    file order. Each chunk's raw bytes are tiled, in order, by segments: a stretch of a
+    target (``seg_dest`` >= 0, at byte ``seg_pos``) or of the sink (:data:`SINK`, at byte
+    ``seg_pos`` of the file's bytes nobody wants); chunk ``k``'s are rows
+    ``seg_first[k]:seg_first[k + 1]``. ``copy_*``: the copies (chunk ``k``'s are rows
+    ``copy_first[k]:copy_first[k + 1]``, by position in the chunk), for compressed chunks."""
+
+    file: str
+    entry: FileEntry
+    ids: np.ndarray
+    seg_first: np.ndarray
+    seg_dest: np.ndarray
+    seg_pos: np.ndarray
+    seg_len: np.ndarray
+    copy_first: np.ndarray
+    copy_chunk_pos: np.ndarray
+    copy_nbytes: np.ndarray
+    copy_dest: np.ndarray
+    copy_dest_pos: np.ndarray
+
+    @property
+    def direct(self) -> np.ndarray:
+        """Per touched chunk: every byte of it lands in targets (one segment a copy, no sink)."""
+        return np.diff(self.seg_first) == np.diff(self.copy_first)
+
+
+def file_plan(file: str, entry: FileEntry, columns: list[np.ndarray]) -> FilePlan:
+    """:func:`gather_runs`' runs of ``file`` cut at its chunks' bounds (:func:`cut_runs`),
+    and each touched chunk tiled by segments (:class:`FilePlan`). Copies of one chunk must
+    not overlap."""
+    chunk, chunk_pos, nbytes, dest, dest_pos = cut_runs(file, entry, *columns)
+    order = np.lexsort((chunk_pos, chunk))
+    chunk, chunk_pos, nbytes, dest, dest_pos = (c[order] for c in (chunk, chunk_pos, nbytes, dest, dest_pos))
+    n = len(chunk)
+    new_chunk = np.ones(n, dtype=bool)
+    new_chunk[1:] = chunk[1:] != chunk[:-1]
+    last_in_chunk = np.ones(n, dtype=bool)
+    last_in_chunk[:-1] = new_chunk[1:]
+    ends = chunk_pos + nbytes
+    prev_end = np.zeros(n, dtype=np.int64)
+    prev_end[1:] = ends[:-1]
+    gap = chunk_pos - np.where(new_chunk, 0, prev_end)  # raw bytes before each copy that no copy wants
+    if (gap < 0).any():
+        k = int(np.flatnonzero(gap < 0)[0])
+        raise ManifestError(f"data file {file}: two runs a load wants overlap in the chunk at raw byte "
+                            f"{int(entry.raw_offsets[chunk[k]])}; the checkpoint's pieces overlap")
+    tail = np.where(last_in_chunk, entry.raw_lengths[chunk] - ends, 0)  # after a chunk's last copy
+    ids, copy_start = chunk[new_chunk], np.flatnonzero(new_chunk)
+    copy_first = np.append(copy_start, n).astype(np.int64)
+    if new_chunk.all() and not gap.any() and not tail.any():  # each chunk whole in one target: a segment a copy
+        return FilePlan(file, entry, ids, copy_first, dest, dest_pos, nbytes, copy_first, chunk_pos, nbytes, dest,
+                        dest_pos)
+    # segments, three slots a copy: the gap before it, itself, the chunk's tail after it
+    lens = np.stack([gap, nbytes, tail], axis=1).reshape(-1)
+    dests = np.stack([np.full(n, SINK), dest, np.full(n, SINK)], axis=1).reshape(-1)
+    poss = np.stack([np.zeros(n, dtype=np.int64), dest_pos, np.zeros(n, dtype=np.int64)], axis=1).reshape(-1)
+    keep = lens > 0
+    lens, dests, poss = lens[keep], dests[keep], poss[keep]
+    sink = dests == SINK
+    sink_lens = np.where(sink, lens, 0)
+    poss = np.where(sink, np.cumsum(sink_lens) - sink_lens, poss)
+    seg_chunk = np.repeat(chunk, 3)[keep]
+    seg_start = np.flatnonzero(np.append(True, seg_chunk[1:] != seg_chunk[:-1])) if len(seg_chunk) else seg_chunk
+    return FilePlan(file, entry, ids, np.append(seg_start, len(lens)).astype(np.int64), dests, poss, lens, copy_first,
+                    chunk_pos, nbytes, dest, dest_pos)
+
+
+class Scatter(NamedTuple):
+    """A file's requests as the fetch loop walks them, in plain lists (indexed a chunk at a
+    time: numpy scalars would cost more than the lists). Places: where the bytes are read
+    to, in file order, adjacent segments of one buffer merged (never across a group or a
+    request), a sink place at its byte in its request's sink. Per touched chunk: its
+    checksum, its stored offset, whether it has several segments, and its first segment."""
+
+    place_dest: list[int]
+    place_pos: list[int]
+    place_len: list[int]
+    checks: list[int]
+    offsets: list[int]
+    multi: list[bool]
+    multi_before: list[int]  # multi-segment chunks before each touched chunk (one more entry)
+    sunk_before: list[int]  # chunks with a sink segment (not direct) before each touched chunk (the same)
+    first_dest: list[int]
+    first_pos: list[int]
+    first_len: list[int]
+    seg_first: list[int]
+    seg_dest: list[int]
+    seg_pos: list[int]
+    seg_len: list[int]
+
+
+class Request(NamedTuple):
+    """One ranged read of consecutive stored chunks of one file: touched chunks
+    ``[first, stop)`` of ``plan`` (indices into ``plan.ids``), stored bytes
+    ``[offset, offset + length)``; ``sink_bytes``: the bytes of its chunks no target wants
+    (read into a scratch buffer of its own, to be checksummed); ``groups``: where a local
+    read cuts it (each group's touched-chunk end and place end), its places starting at
+    ``place_start``."""
+
+    plan: FilePlan
+    first: int
+    stop: int
+    offset: int
+    length: int
+    scatter: Scatter | None = None
+    compressed: bool = False  # some chunk of it is (then it is read whole into scratch, chunk by chunk)
+    sink_bytes: int = 0
+    place_start: int = 0
+    groups: tuple[tuple[int, int], ...] = ()
+
+
+def plan_requests(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | Part]],
+                  max_bytes: int, group_bytes: int | None = None) -> list[Request]:
+    """The reads a load of ``targets`` makes (see :func:`plan_reads`), as :func:`coalesce`
+    groups them: the same chunks and byte ranges, without an object a chunk. With
+    ``group_bytes``, each request also carries its :class:`Scatter` and its read groups
+    (:func:`read_groups`)."""
+    by_file = gather_runs(targets)
+    out: list[Request] = []
+    for file in sorted(by_file):
+        plan = file_plan(file, manifest.files[file], by_file[file])
+        reqs = requests(plan, max_bytes)
+        out += reqs if group_bytes is None else scatter(plan, reqs, group_bytes)
+    return out
+
+
+def requests(plan: FilePlan, max_bytes: int) -> list[Request]:
+    """``plan``'s touched chunks merged as :func:`coalesce` merges them: runs of chunks
+    touching in the file, cut where a request would pass ``max_bytes`` (one chunk may)."""
+    if not len(plan.ids):
+        return []
+    offsets = plan.entry.offsets[plan.ids]
+    ends = offsets + plan.entry.lengths[plan.ids]
+    breaks = (np.flatnonzero(offsets[1:] != ends[:-1]) + 1).tolist()
+    starts, stops = offsets.tolist(), ends.tolist()
+    out: list[Request] = []
+    for a, b in zip([0, *breaks], [*breaks, len(starts)]):
+        while a < b:
+            start = starts[a]
+            if stops[b - 1] - start <= max_bytes:
+                stop = b
+            else:
+                stop = max(a + 1, a + int(np.searchsorted(ends[a:b], start + max_bytes, "right")))
+            out.append(Request(plan, a, stop, start, stops[stop - 1] - start))
+            a = stop
+    return out
+
+
+def read_groups(lengths: list[int], stops: list[int], group_bytes: int) -> list[list[int]]:
+    """Where a local read cuts requests of chunks of stored ``lengths`` (consecutive
+    requests ending at ``stops``) into groups: after the first chunk that brings a group to
+    ``group_bytes``, and after a request's last. Each request's group ends (indices into
+    ``lengths``). A plain loop: one addition a chunk costs less than an array call a group."""
+    out: list[list[int]] = []
+    cum = [0, *itertools.accumulate(lengths)]
+    k = 0
+    for stop in stops:
+        if cum[stop] - cum[k] < group_bytes:  # the whole request is short of one group
+            out.append([stop])
+            k = stop
+            continue
+        ends, total = [], 0
+        while k < stop:
+            total += lengths[k]
+            k += 1
+            if total >= group_bytes:
+                ends.append(k)
+                total = 0
+        if not ends or ends[-1] != stop:
+            ends.append(stop)
+        out.append(ends)
+    return out
+
+
+def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Request]:
+    """``reqs`` (of ``plan``, in order) with their read groups and the file's
+    :class:`Scatter`: every list the fetch loop needs, built in one vectorized pass."""
+    if not reqs:
+        return []
+    lengths = plan.entry.lengths[plan.ids]
+    seg_first, dest, pos, seg_len = plan.seg_first, plan.seg_dest, plan.seg_pos, plan.seg_len
+    n = len(plan.ids)
+    group_ends = read_groups(lengths.tolist(), [r.stop for r in reqs], group_bytes)
+    cut_chunks = [c for r, ends in zip(reqs, group_ends) for c in (r.first, *ends[:-1])]  # ascending
+    sink = dest == SINK
+    if sink.any():  # a request's sink starts at 0: sink positions counted from its first segment's
+        sink_before = np.concatenate(([0], np.cumsum(np.where(sink, seg_len, 0))))  # at each segment
+        req_segs = seg_first[[r.first for r in reqs] + [n]]
+        pos = np.where(sink, pos - np.repeat(sink_before[req_segs[:-1]], np.diff(req_segs)), pos)
+        sinks = sink_before[seg_first].tolist()
+        sunk = np.add.reduceat(sink, seg_first[:-1]) > 0
+        sunk_before = np.concatenate(([0], np.cumsum(sunk))).tolist()
+    else:  # every chunk lands whole in targets (a load at the saved layout, or gathering whole pieces)
+        sinks = sunk_before = [0] * (n + 1)
+    # a place starts where a segment does not continue the one before in the same buffer,
+    # and at every group's first segment
+    start = np.ones(len(seg_len), dtype=bool)
+    start[1:] = (dest[1:] != dest[:-1]) | (pos[1:] != pos[:-1] + seg_len[:-1])
+    start[seg_first[cut_chunks]] = True
+    firsts = np.flatnonzero(start)
+    place_len = np.add.reduceat(seg_len, firsts) if len(firsts) else seg_len
+    places = np.searchsorted(firsts, seg_first, "left").tolist()  # each chunk's first place (and the end)
+    multi = np.diff(seg_first) > 1
+    if multi.any():
+        multi_before = np.concatenate(([0], np.cumsum(multi))).tolist()
+        segs = (seg_first.tolist(), dest.tolist(), pos.tolist(), seg_len.tolist())
+    else:  # one segment a chunk: its first is all of it
+        multi_before, segs = [0] * (n + 1), ([], [], [], [])
+    heads = seg_first[:-1]
+    lists = Scatter(dest[firsts].tolist(), pos[firsts].tolist(), place_len.tolist(), plan.entry.checksums[plan.ids].tolist(),
+                    plan.entry.offsets[plan.ids].tolist(), multi.tolist(), multi_before, sunk_before,
+                    dest[heads].tolist(), pos[heads].tolist(), seg_len[heads].tolist(), *segs)
+    packed = np.concatenate(([0], np.cumsum(plan.entry.codec_ids[plan.ids] != 0))).tolist()
+    return [Request(plan, a, b, offset, length, lists, packed[b] > packed[a], sinks[b] - sinks[a], places[a],
+                    ((b, places[b]),) if len(ends) == 1 else tuple([(e, places[e]) for e in ends]))
+            for (_, a, b, offset, length, *_), ends in zip(reqs, group_ends)]
 
 
 @dataclass(frozen=True)

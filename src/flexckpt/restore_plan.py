@@ -2,7 +2,7 @@
 layouts (per tensor) and a world size, each rank's held bytes, the bytes and requests it
 reads and the memory it needs, and what happens to plain, per-lane and per-rank values.
 Pure: built from a parsed manifest with the same read plan the load runs
-(``readplan.plan_reads`` + ``readplan.coalesce``), so the predicted bytes equal
+(``readplan.plan_requests``), so the predicted bytes equal
 ``Checkpointer.last_load_stats.bytes_read``."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Mapping
 from flexckpt.dtypes import itemsize
 from flexckpt.load import FETCH_BYTES  # the load's largest coalesced request: the same fetches
 from flexckpt.manifest import Manifest
-from flexckpt.readplan import coalesce, plan_reads
+from flexckpt.readplan import plan_requests
 from flexshard import Layout, part_of
 
 
@@ -88,11 +88,11 @@ def restore_plan(manifest: Manifest, layouts: Mapping[str, Layout], world: int) 
             if len(rng):
                 targets.append((t, rng))
                 held += len(rng) * itemsize(t.dtype)
-        reads = plan_reads(manifest, targets)
-        fetches = coalesce(reads, FETCH_BYTES)
+        fetches = plan_requests(manifest, targets, FETCH_BYTES)
         biggest = max((f.length for f in fetches), default=0)
-        ranks.append(RankRestore(r, held, sum(cr.chunk.length for cr in reads), len(fetches), len(reads),
-                                 len({cr.file for cr in reads}), held + biggest))
+        ranks.append(RankRestore(r, held, sum(f.length for f in fetches), len(fetches),
+                                 sum(f.stop - f.first for f in fetches), len({f.plan.file for f in fetches}),
+                                 held + biggest))
     moves = tuple(TensorMove(n, t.layout.to_json(), layouts[n].to_json()) for n, t in sorted(manifest.tensors.items()))
     return RestorePlan(manifest.step, manifest.world_size, world, tuple(ranks), moves, tuple(sorted(manifest.plain)),
                        tuple(sorted(manifest.lanes)), tuple(sorted(manifest.per_rank)), tuple(sorted(manifest.keyed)))

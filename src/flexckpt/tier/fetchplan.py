@@ -9,12 +9,15 @@ stream, which the write plan gives: the ranges are known before any chunk table 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any, Iterator, NamedTuple
 
+import numpy as np
+
 from flexckpt.load import FETCH_BYTES
-from flexckpt.manifest import FileEntry, Manifest, StoredChunk, data_name
+from flexckpt.manifest import FileEntry, Manifest, data_name
 from flexckpt.readplan import coalesce, plan_reads
 
 _RANK = re.compile(r"/r(\d{5})\.[a-z]+$")
@@ -63,8 +66,10 @@ class _RawFiles(Mapping):
     def __getitem__(self, name: str) -> FileEntry:
         if name not in self.cache:
             raw = self.plan.rank_plan(self.names[name])
-            self.cache[name] = FileEntry(name, raw.nbytes, tuple(
-                StoredChunk(c.offset, c.length, c.offset, c.length, "none", "") for c in raw.chunks))
+            n = len(raw.chunks)
+            bounds = np.fromiter(itertools.chain.from_iterable(raw.chunks), dtype=np.int64, count=2 * n)
+            self.cache[name] = FileEntry.from_columns(name, raw.nbytes, bounds[0::2], bounds[1::2], bounds[0::2],
+                                                      bounds[1::2], "none", np.zeros(n, dtype=np.uint64))
         return self.cache[name]
 
     def __iter__(self) -> Iterator[str]:
