@@ -1,10 +1,11 @@
 """The load path after its rewrite over chunk columns (readplan.plan_requests, load._read),
 end to end through real Checkpointers: paths the column tests do not reach on their own.
 Loads in several threads at once (the structure's plan, part_of's and layout_from_json's
-answers shared between them); a store's reader (one request a fetch) with requests and
-read groups cut small, over compressed and uncompressed chunks, n-D box targets, bf16 and
-float8 targets, a non-contiguous target (the staging copy), zero-element and 0-d tensors;
-and a damaged chunk that only a sink reads, named by its request's range."""
+answers shared between them); requests and read groups cut small, read as a store's file
+(one read a request) and as a local one (a read a group), over compressed and uncompressed
+chunks, n-D box targets, bf16 and float8 targets, a non-contiguous target (the staging
+copy), zero-element and 0-d tensors; and a damaged chunk that only a sink reads, named by
+its request's range."""
 from __future__ import annotations
 
 import glob
@@ -83,16 +84,18 @@ def test_checkpointers_loading_in_threads_at_once_each_get_their_own_checkpoints
     assert not errors, errors[0]
 
 
-@pytest.fixture
-def store_reads(monkeypatch):
-    """Every file read as a store's (one read a request), requests and groups cut small."""
-    monkeypatch.setattr(RangeReader, "local", property(lambda self: False))
+@pytest.fixture(params=["store", "local"])
+def small_reads(monkeypatch, request):
+    """Requests and read groups cut small; every file read as a store's (one read a
+    request), or as a local file's (a read a group)."""
+    if request.param == "store":
+        monkeypatch.setattr(RangeReader, "local", property(lambda self: False))
     monkeypatch.setattr(load_mod, "FETCH_BYTES", 500)
     monkeypatch.setattr(load_mod, "READ_GROUP_BYTES", 200)
 
 
 @pytest.mark.parametrize("codec", [None, "zstd"])
-def test_a_resharding_load_through_a_stores_reader_in_small_requests_is_exact(tmp_path, store_reads, codec):
+def test_a_resharding_load_in_small_requests_and_groups_is_exact(tmp_path, small_reads, codec):
     want = _state(7)
     url = str(tmp_path / "ck")
     with Checkpointer(url, compression=codec, chunk_bytes=256) as ck:
@@ -114,7 +117,7 @@ def _data_files(url: str) -> list[str]:
     return glob.glob(os.path.join(url, "**", "*.data"), recursive=True)
 
 
-def test_a_damaged_byte_that_only_a_sink_reads_is_found_through_a_stores_reader(tmp_path, store_reads):
+def test_a_damaged_byte_that_only_a_sink_reads_fails_the_load(tmp_path, small_reads):
     # rows 22..43 of 64 (rank 1 of 3), chunks of 4 KiB: the chunk holding row 21's last
     # bytes and row 22's first is read whole, row 21's part into the request's sink; a
     # damaged byte of row 21 must fail the load, named by the request's range and the chunk
@@ -140,3 +143,29 @@ def test_a_damaged_byte_that_only_a_sink_reads_is_found_through_a_stores_reader(
         with pytest.raises(ChecksumError, match=r"r00000\.data bytes \[8192, \d+\): chunk at byte 8192 has checksum "
                                                 r"[0-9a-f]{16}, the manifest says [0-9a-f]{16}; the file is damaged"):
             ck.load(target)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_box_and_flat_targets_of_random_shapes_load_exact_through_small_requests(tmp_path, small_reads, seed):
+    # n-D boxes (a 2x2 mesh sharding two dims, either way round) and flat layouts, on random
+    # shapes saved in chunks of 64 to 1024 bytes: runs cut at every chunk, segment and group bound
+    import random
+
+    rnd = random.Random(seed)
+    shapes = {f"t{i}": tuple(rnd.randint(1, 23) for _ in range(rnd.randint(2, 3))) for i in range(4)}
+    g = torch.Generator().manual_seed(seed)
+    want = {k: (torch.randn(s, generator=g) * 100).to(rnd.choice([torch.float32, torch.bfloat16, torch.int8]))
+            for k, s in shapes.items()}
+    url = str(tmp_path / "ck")
+    with Checkpointer(url, compression=rnd.choice([None, "zstd"]), chunk_bytes=rnd.choice([64, 256, 1024])) as ck:
+        ck.save(1, want).result()
+    layouts = [MeshLayout((2, 2), ("S0", "S1")), MeshLayout((2, 2), ("S1", "S0")), Shard(0), BlockShard(3),
+               HybridShard(2)]
+    for rank in range(4):
+        target = {k: ShardedTensor.empty(v.shape, rnd.choice(layouts), dtype=v.dtype, rank=rank, world_size=4)
+                  for k, v in want.items()}
+        with Checkpointer(url, rank=rank, world_size=4, run_id="reader", read_only=True) as ck:
+            ck.load(target)
+        for k, v in want.items():
+            expect = ShardedTensor.from_global(v, target[k].layout, rank, 4).local
+            assert torch.equal(target[k].local, expect), (k, target[k].layout, rank)
