@@ -295,6 +295,17 @@ class PlanPieces:
             for r, part in plan.writers(i, want)
         ]
 
+    def flat_pieces(self, name: str, lo: int, hi: int) -> list[tuple[str, int, int, int]] | None:
+        """:meth:`pieces_in` of the flat range ``[lo, hi)`` (not empty) of a flat-layout
+        tensor, as ``(file, start, stop, raw_offset)`` tuples (each a flat range of the whole
+        tensor); None for a mesh layout, whose pieces are boxes."""
+        i = self.index[name]
+        plan = self.plan
+        if plan._geometry[i].kind == "mesh":
+            return None
+        files, offsets = self._files, plan.offsets
+        return [(files.get(r) or self._file(r), a, b, offsets(r)[i]) for r, a, b in plan.flat_spans(i, lo, hi)]
+
     def _file(self, rank: int) -> str:
         name = self._files.get(rank)
         if name is None:
