@@ -53,7 +53,8 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, without a copy. A dtype numpy has
     takes one conversion (half the time of torch's reshape and view: a load makes one a
     target); bfloat16 and the float8 types go through a uint8 view."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype in _NUMPY_DTYPES and t.numel():
         return memoryview(t.numpy()).cast("B")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())

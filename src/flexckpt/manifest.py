@@ -34,6 +34,7 @@ from flexckpt.checksum import ALGORITHM, checksum
 from flexckpt.chunktable import MAX_TABLE_BYTES, ChunkTable, parse_table
 from flexckpt.dtypes import dtype_from_name, dtype_name, itemsize
 from flexckpt.errors import ManifestError
+from flexckpt.stall import bounded
 from flexckpt.plan import READ_RULES_VERSIONS, RULES_VERSION, PlanRules, WritePlan
 from flexckpt.structure import TensorSpec
 from flexckpt.values import MAX_BYTES_VALUE
@@ -360,6 +361,14 @@ class TableFiles(Mapping):
             table = self._tables.get(rank)
         if table is not None:
             return table
+        if self.storage is None:
+            raise ManifestError("this version-2 manifest is not bound to its storage; read it with read_manifest")
+        # its storage calls (the table, the data file's size) under one watch: on one helper
+        # thread, one hand-off, not one each
+        return bounded(self.storage.stall_timeout, f"reading the chunk table of rank {rank} on {self.storage.url}",
+                       lambda: self._read_table(rank))
+
+    def _read_table(self, rank: int) -> ChunkTable:
         e = self.ranks[rank]
         rel = f"{self.folder}/{table_name(self.attempt, rank)}"
         data = self._read_verified(rel, e.table_nbytes, e.table_checksum, "chunk table")
