@@ -162,17 +162,17 @@ class PendingLoad:
     def _read(self, threads: int) -> None:
         requests = plan_requests(self.manifest, [(self.manifest.tensors[self.walk.specs[i].name], rng)
                                                  for i, rng in self.targets], FETCH_BYTES, READ_GROUP_BYTES)
-        dests: list[torch.Tensor] = []  # where bytes land: the target itself, or a CPU staging copy
+        views: list[memoryview] = []  # where bytes land: the target itself, or a CPU staging copy
         self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tensors = self.walk.tensors
         for i, _ in self.targets:
-            t = self.walk.tensors[i]
+            t = tensors[i]
             if t.device.type == "cpu" and t.is_contiguous():
-                dests.append(t)
+                views.append(_byte_view(t))
             else:
                 tmp = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-                dests.append(tmp)
+                views.append(_byte_view(tmp))
                 self._copy_back.append((t, tmp))
-        views = [_byte_view(d) for d in dests]
         readers: dict[str, RangeReader] = {}
         lock = threading.Lock()
         local = threading.local()
