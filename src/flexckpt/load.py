@@ -279,14 +279,31 @@ class PendingLoad:
         self._values = self._decode_values()
         self._keyed = self._read_keyed()
         stall = self.storage.stall_timeout
+        todo = requests[::-1]  # taken from the end: in file order
         try:
             # the shares run on the storage calls' helper threads (reused from load to load),
-            # under one stall watch each, not one per read: a resharding load makes hundreds
-            parts = [requests[i::threads] for i in range(max(1, min(threads, len(requests))))]
+            # under one stall watch each, not one per read: a resharding load makes hundreds.
+            # Each takes the next request once done with one (requests differ in size: a
+            # fixed split left one thread with most of the bytes); a failed read stops them
+            # all from taking more (list.pop and clear are atomic)
+            def share() -> list[int]:
+                done = []
+                while True:
+                    try:
+                        r = todo.pop()
+                    except IndexError:
+                        return done
+                    try:
+                        done.append(fetch(r))
+                    except BaseException:
+                        todo.clear()
+                        raise
+
             shares = bounded_all(stall, f"reading {len(requests)} ranges on {self.storage.url}",
-                                 [lambda part=part: [fetch(r) for r in part] for part in parts]) if requests else []
-            whole = [n for share in shares for n in share]
+                                 [share] * max(1, min(threads, len(requests)))) if requests else []
+            whole = [n for part in shares for n in part]
         finally:
+            todo.clear()  # a call given up (stalled) takes no more
             for rd in readers.values():
                 rd.close()
         self.stats.fetches = len(requests)
