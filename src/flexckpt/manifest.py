@@ -34,8 +34,8 @@ from flexckpt.checksum import ALGORITHM, checksum
 from flexckpt.chunktable import MAX_TABLE_BYTES, ChunkTable, parse_table
 from flexckpt.dtypes import dtype_from_name, dtype_name, itemsize
 from flexckpt.errors import ManifestError
-from flexckpt.stall import bounded
 from flexckpt.plan import READ_RULES_VERSIONS, RULES_VERSION, PlanRules, WritePlan
+from flexckpt.stall import bounded
 from flexckpt.structure import TensorSpec
 from flexckpt.values import MAX_BYTES_VALUE
 from flexshard import Box, FlatRange, Layout, MeshLayout, Part, layout_from_json
