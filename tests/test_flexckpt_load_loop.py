@@ -154,3 +154,29 @@ def test_a_stores_file_is_read_a_fetch_per_request_also_when_the_fast_tiers_view
     assert view.local  # the view is over the node's folder ...
     assert not view.open_reader(saved).local  # ... but the store's file through it is read a fetch per request
     assert view.open_reader("own.data").local and view.open_reader("peer.data").local
+
+
+def test_a_reading_thread_held_up_by_one_request_leaves_the_others_to_the_other_thread(tmp_path, monkeypatch):
+    """The reading threads take the next request once done with one (no fixed split): while
+    one thread waits on the first request, the other reads all the rest."""
+    values = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB: 16 chunks of 128 KiB
+    monkeypatch.setattr(load_mod, "FETCH_BYTES", 128 << 10)  # a request a chunk: 16
+    real = RangeReader.read_scatter
+    by_thread = {}
+
+    def read_scatter(self, offset, outs):
+        if offset == 0:
+            time.sleep(0.5)
+        by_thread.setdefault(threading.get_ident(), []).append(offset)
+        return real(self, offset, outs)
+
+    with Checkpointer(str(tmp_path), read_threads=2) as ckpt:
+        ckpt.save(1, {"w": values}).result()
+        monkeypatch.setattr(RangeReader, "read_scatter", read_scatter)
+        target = {"w": torch.zeros_like(values)}
+        ckpt.load(target)
+        assert torch.equal(target["w"], values)
+        assert ckpt.last_load_stats.fetches == 16
+    assert sorted(map(len, by_thread.values())) == [1, 15]
+    slow, fast = sorted(by_thread.values(), key=len)
+    assert slow == [0] and fast == [k * (128 << 10) for k in range(1, 16)]  # the rest, in file order

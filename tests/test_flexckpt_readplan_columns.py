@@ -4,6 +4,8 @@ over random plans: the same chunks, the same bytes to the same places, the same 
 and read groups; and a load simulated from the plan's lists alone rebuilds every target."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,8 @@ from flexckpt.readplan import (
     SINK, ChunkRead, Copy, coalesce, file_plan, gather_runs, plan_requests, read_groups, requests, scatter,
 )
 from flexckpt.structure import TensorSpec
-from flexshard import BlockShard, FlatRange, Owned, Replicate, Shard
+from flexshard import BlockShard, FlatRange, Owned, Part, Replicate, Shard
+from flexshard.box import whole
 
 
 # -- the reference: the slow computation the columns replaced -----------------------------------
@@ -210,3 +213,50 @@ def test_a_file_entry_from_columns_is_the_one_from_its_chunks():
     assert a == b and b.chunks == chunks and len(b) == 2
     assert requests(file_plan("f", a, [np.array([v]) for v in (0, 128, 0, 0)]), 1 << 20)[0][3:5] == (0, 68)
     assert scatter(file_plan("f", a, [np.array([], dtype=np.int64)] * 4), [], 1) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes=shapes_st, src_world=st.integers(1, 6), dst_world=st.integers(1, 5), dst_rank=st.integers(0, 4),
+       chunk=st.sampled_from([64, 4096]), hybrid=st.booleans())
+def test_a_version_2_flat_want_gathers_the_runs_the_pieces_give(shapes, src_world, dst_world, dst_rank, chunk, hybrid):
+    """gather_runs' shortcut for a flat range of a version-2 tensor (the plan's writers as
+    tuples, no piece objects) against the same tensor with its pieces listed (the general
+    path): the same runs in each file."""
+    from flexckpt.manifest import PlanPieces, _saved_tensor
+    from flexckpt.plan import make_write_plan
+    from flexshard import HybridShard
+
+    specs = _specs(shapes, src_world)
+    if hybrid and src_world % 2 == 0:
+        specs = [dataclasses.replace(s, layout=HybridShard(2)) if i % 3 == 0 else s for i, s in enumerate(specs)]
+    plan = make_write_plan(specs, src_world, chunk)
+    source = PlanPieces(plan, "run.1")
+    dst_rank %= dst_world
+    fast, listed = [], []
+    for i, s in enumerate(plan.specs):
+        layout = [Shard(0), BlockShard(3), Replicate(), Owned((i + 1) % dst_world)][i % 4]
+        rng = layout.flat_range(s.shape, dst_world, dst_rank)
+        if not len(rng):
+            continue
+        saved = _saved_tensor(s, source)
+        want = rng if i % 2 else Part(whole(s.shape), rng.start, rng.stop)  # either form of a flat want
+        fast.append((saved, want))
+        listed.append((dataclasses.replace(saved, pieces=tuple(saved.all_pieces())), want))
+
+    def rows(by_file):
+        return {f: sorted(zip(*(c.tolist() for c in cols))) for f, cols in by_file.items() if len(cols[0])}
+
+    got = rows(gather_runs(fast))
+    assert got == rows(gather_runs(listed))
+    assert sum(n for r in got.values() for _, n, _, _ in r) == sum(
+        len(w) * s.dtype.itemsize for s, w in fast)
+
+
+def test_a_version_2_flat_want_the_pieces_do_not_cover_is_refused_naming_the_tensor():
+    from flexckpt.manifest import PlanPieces, _saved_tensor
+    from flexckpt.plan import make_write_plan
+
+    plan = make_write_plan([TensorSpec("w", torch.float32, (10, 4), Shard(0))], 2, 64)
+    saved = _saved_tensor(plan.specs[0], PlanPieces(plan, "run.1"))
+    with pytest.raises(ManifestError, match=r"tensor 'w': the checkpoint's pieces hold 40 of the 41 elements wanted"):
+        gather_runs([(saved, FlatRange(0, 41))])

@@ -53,7 +53,8 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, without a copy. A dtype numpy has
     takes one conversion (half the time of torch's reshape and view: a load makes one a
     target); bfloat16 and the float8 types go through a uint8 view."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype in _NUMPY_DTYPES and t.numel():
         return memoryview(t.numpy()).cast("B")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -161,17 +162,17 @@ class PendingLoad:
     def _read(self, threads: int) -> None:
         requests = plan_requests(self.manifest, [(self.manifest.tensors[self.walk.specs[i].name], rng)
                                                  for i, rng in self.targets], FETCH_BYTES, READ_GROUP_BYTES)
-        dests: list[torch.Tensor] = []  # where bytes land: the target itself, or a CPU staging copy
+        views: list[memoryview] = []  # where bytes land: the target itself, or a CPU staging copy
         self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tensors = self.walk.tensors
         for i, _ in self.targets:
-            t = self.walk.tensors[i]
+            t = tensors[i]
             if t.device.type == "cpu" and t.is_contiguous():
-                dests.append(t)
+                views.append(_byte_view(t))
             else:
                 tmp = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-                dests.append(tmp)
+                views.append(_byte_view(tmp))
                 self._copy_back.append((t, tmp))
-        views = [_byte_view(d) for d in dests]
         readers: dict[str, RangeReader] = {}
         lock = threading.Lock()
         local = threading.local()
@@ -278,14 +279,31 @@ class PendingLoad:
         self._values = self._decode_values()
         self._keyed = self._read_keyed()
         stall = self.storage.stall_timeout
+        todo = requests[::-1]  # taken from the end: in file order
         try:
             # the shares run on the storage calls' helper threads (reused from load to load),
-            # under one stall watch each, not one per read: a resharding load makes hundreds
-            parts = [requests[i::threads] for i in range(max(1, min(threads, len(requests))))]
+            # under one stall watch each, not one per read: a resharding load makes hundreds.
+            # Each takes the next request once done with one (requests differ in size: a
+            # fixed split left one thread with most of the bytes); a failed read stops them
+            # all from taking more (list.pop and clear are atomic)
+            def share() -> list[int]:
+                done = []
+                while True:
+                    try:
+                        r = todo.pop()
+                    except IndexError:
+                        return done
+                    try:
+                        done.append(fetch(r))
+                    except BaseException:
+                        todo.clear()
+                        raise
+
             shares = bounded_all(stall, f"reading {len(requests)} ranges on {self.storage.url}",
-                                 [lambda part=part: [fetch(r) for r in part] for part in parts]) if requests else []
-            whole = [n for share in shares for n in share]
+                                 [share] * max(1, min(threads, len(requests)))) if requests else []
+            whole = [n for part in shares for n in part]
         finally:
+            todo.clear()  # a call given up (stalled) takes no more
             for rd in readers.values():
                 rd.close()
         self.stats.fetches = len(requests)

@@ -35,6 +35,7 @@ from flexckpt.chunktable import MAX_TABLE_BYTES, ChunkTable, parse_table
 from flexckpt.dtypes import dtype_from_name, dtype_name, itemsize
 from flexckpt.errors import ManifestError
 from flexckpt.plan import READ_RULES_VERSIONS, RULES_VERSION, PlanRules, WritePlan
+from flexckpt.stall import bounded
 from flexckpt.structure import TensorSpec
 from flexckpt.values import MAX_BYTES_VALUE
 from flexshard import Box, FlatRange, Layout, MeshLayout, Part, layout_from_json
@@ -295,6 +296,17 @@ class PlanPieces:
             for r, part in plan.writers(i, want)
         ]
 
+    def flat_pieces(self, name: str, lo: int, hi: int) -> list[tuple[str, int, int, int]] | None:
+        """:meth:`pieces_in` of the flat range ``[lo, hi)`` (not empty) of a flat-layout
+        tensor, as ``(file, start, stop, raw_offset)`` tuples (each a flat range of the whole
+        tensor); None for a mesh layout, whose pieces are boxes."""
+        i = self.index[name]
+        plan = self.plan
+        if plan._geometry[i].kind == "mesh":
+            return None
+        files, offsets = self._files, plan.offsets
+        return [(files.get(r) or self._file(r), a, b, offsets(r)[i]) for r, a, b in plan.flat_spans(i, lo, hi)]
+
     def _file(self, rank: int) -> str:
         name = self._files.get(rank)
         if name is None:
@@ -349,6 +361,14 @@ class TableFiles(Mapping):
             table = self._tables.get(rank)
         if table is not None:
             return table
+        if self.storage is None:
+            raise ManifestError("this version-2 manifest is not bound to its storage; read it with read_manifest")
+        # its storage calls (the table, the data file's size) under one watch: on one helper
+        # thread, one hand-off, not one each
+        return bounded(self.storage.stall_timeout, f"reading the chunk table of rank {rank} on {self.storage.url}",
+                       lambda: self._read_table(rank))
+
+    def _read_table(self, rank: int) -> ChunkTable:
         e = self.ranks[rank]
         rel = f"{self.folder}/{table_name(self.attempt, rank)}"
         data = self._read_verified(rel, e.table_nbytes, e.table_checksum, "chunk table")

@@ -262,13 +262,20 @@ class WritePlan:
     def _flat_writers(self, i: int, lo: int, hi: int) -> list[tuple[int, Part]]:
         """The writers of elements ``[lo, hi)`` (not empty) of a flat-layout tensor, with the
         flat ranges they write as parts of the whole tensor."""
-        geo, w, box = self._geometry[i], self.world_size, self._whole(i)
+        box = self._whole(i)
+        return [(r, Part(box, a, b)) for r, a, b in self.flat_spans(i, lo, hi)]
+
+    def flat_spans(self, i: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """:meth:`writers` of elements ``[lo, hi)`` (not empty) of a flat-layout tensor as
+        ``(rank, start, stop)``: the flat ranges they write, no object each (a load asks
+        once a tensor)."""
+        geo, w = self._geometry[i], self.world_size
         n, span = geo.n, geo.span
         if geo.kind == "replicate":
             r = self.replicated_writer.get(i)
-            return [] if r is None else [(r, Part(box, 0, n))]
+            return [] if r is None else [(r, 0, n)]
         if geo.kind == "rows":
-            return [(k, Part(box, k * span, min(k * span + span, n))) for k in range(lo // span, min(w, -(-hi // span)))]
+            return [(k, k * span, min(k * span + span, n)) for k in range(lo // span, min(w, -(-hi // span)))]
         if geo.kind == "hybrid":
             out = []
             for p in range(lo // span, min(geo.group, -(-hi // span))):
@@ -281,10 +288,10 @@ class WritePlan:
                     if a >= hi:
                         break
                     if b > a:
-                        out.append((((geo.first + p + j) % geo.replicas) * geo.group + p, Part(box, a, b)))
+                        out.append((((geo.first + p + j) % geo.replicas) * geo.group + p, a, b))
             return out
         spec, rng = self.specs[i], FlatRange(lo, hi)  # Owned, or a layout without closed form here: every holder
-        return [(r, Part(box, x.start, x.stop)) for r in range(w)
+        return [(r, x.start, x.stop) for r in range(w)
                 if len(x := spec.layout.flat_range(spec.shape, w, r)) and x.intersect(rng)]
 
 

@@ -90,12 +90,32 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
     target index, byte position in the target). Needs only the manifest's plan, not the
     files' chunk tables (:func:`file_reads` then cuts them at the chunks' bounds)."""
     by_file: dict[str, _Runs] = {}
+    sizes: dict = {}
     for t, (saved, want) in enumerate(targets):
         shape = saved.shape
+        size = sizes.get(saved.dtype) or sizes.setdefault(saved.dtype, itemsize(saved.dtype))
+        flat_want = isinstance(want, FlatRange) or want.box.sizes == shape
+        if flat_want and saved.pieces is None and want.stop > want.start:  # version 2, a flat range wanted
+            spans = saved.source.flat_pieces(saved.name, want.start, want.stop)  # type: ignore[union-attr]
+            if spans is not None:  # a flat layout: each writer's piece a flat range, one run at most
+                found = 0
+                for file, start, stop, raw_offset in spans:
+                    lo, hi = max(start, want.start), min(stop, want.stop)
+                    acc = by_file.get(file)
+                    if acc is None:
+                        acc = by_file[file] = _Runs()
+                    if lo < hi:
+                        starts, lengths, dest, pos = acc.ints
+                        starts.append(raw_offset + (lo - start) * size)
+                        lengths.append((hi - lo) * size)
+                        dest.append(t)
+                        pos.append((lo - want.start) * size)
+                        found += hi - lo
+                if found != want.stop - want.start:
+                    _not_covered(saved, want, found)
+                continue
         if isinstance(want, FlatRange):
             want = Part(whole(shape), want.start, want.stop)
-        size = itemsize(saved.dtype)
-        flat_want = want.box.sizes == shape
         found = 0
         for piece in saved.pieces_in(want):  # version 2: only the writers of the wanted part, recomputed
             acc = by_file.get(piece.file)
@@ -117,11 +137,17 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
                 acc.arrays.append((piece.raw_offset + shared[:, 0] * size, shared[:, 2] * size,
                                    np.full(len(shared), t, dtype=np.int64), shared[:, 1] * size))
         if found != len(want):
-            raise ManifestError(
-                f"tensor {saved.name!r}: the checkpoint's pieces hold {found} of the {len(want)} elements wanted "
-                f"({want}); the checkpoint does not cover every element exactly once"
-            )
+            _not_covered(saved, want, found)
     return {file: acc.columns() for file, acc in by_file.items()}
+
+
+def _not_covered(saved: SavedTensor, want: FlatRange | Part, found: int) -> None:
+    if isinstance(want, FlatRange):
+        want = Part(whole(saved.shape), want.start, want.stop)
+    raise ManifestError(
+        f"tensor {saved.name!r}: the checkpoint's pieces hold {found} of the {len(want)} elements wanted "
+        f"({want}); the checkpoint does not cover every element exactly once"
+    )
 
 
 def file_reads(file: str, entry: FileEntry, columns: list[np.ndarray]) -> list[ChunkRead]:
