@@ -249,6 +249,22 @@ def test_a_signal_before_the_checkpoint_load_skips_it_and_keeps_the_fast_tier(tm
     assert len(os.listdir(tier)) == 1  # the run's node folder, which a clean exit would have removed
 
 
+def _diverge_at_step_4(monkeypatch) -> None:
+    """Training raises TrainingDiverged at step 4, each step after the previous fast save
+    is done (none skipped)."""
+    from flextrain.trainer import Trainer, TrainingDiverged
+
+    gather = Trainer._gather_step
+
+    def diverging(self, *a):
+        self.ckpt.tier.wait()
+        if self.step == 4:
+            raise TrainingDiverged("step 4: the loss is nan (test)")
+        return gather(self, *a)
+
+    monkeypatch.setattr(Trainer, "_gather_step", diverging)
+
+
 def test_an_error_in_training_keeps_the_fast_tier_whose_newest_step_a_restart_resumes(tmp_path, capsys, monkeypatch):
     """A run that fails during training (here: TrainingDiverged at step 4, after the
     persistent save of step 2 and the fast save of step 3) keeps the node's fast-tier
@@ -256,21 +272,12 @@ def test_an_error_in_training_keeps_the_fast_tier_whose_newest_step_a_restart_re
     clean finish (its last step committed to the store) removes the folder."""
     from flexckpt.storage import Storage
     from flexckpt.tier.inventory import scan
-    from flextrain.trainer import Trainer, TrainingDiverged
 
     run, tier = tmp_path / "run", tmp_path / "tier"
     args = ["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
             "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=2",
             "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}", "--set", "steps=4"]
-    gather = Trainer._gather_step
-
-    def diverging(self, *a):
-        self.ckpt.tier.wait()  # the previous fast save is done: none is skipped
-        if self.step == 4:
-            raise TrainingDiverged("step 4: the loss is nan (test)")
-        return gather(self, *a)
-
-    monkeypatch.setattr(Trainer, "_gather_step", diverging)
+    _diverge_at_step_4(monkeypatch)
     assert main(args) == 2
     assert capsys.readouterr().err.endswith("flextrain: step 4: the loss is nan (test)\n")
     assert Checkpointer(str(run / "ckpt"), rank=0, world_size=1, run_id="t", read_only=True).steps() == [2]
@@ -296,7 +303,6 @@ def test_a_crash_before_the_first_persistent_save_resumes_from_the_fast_tier(tmp
 
     from flexckpt.storage import Storage
     from flexckpt.tier.inventory import scan
-    from flextrain.trainer import Trainer, TrainingDiverged
 
     run, tier = tmp_path / "run", tmp_path / "tier"
     shape = [*SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1", "--set", "data.micro_batch=1",
@@ -304,15 +310,7 @@ def test_a_crash_before_the_first_persistent_save_resumes_from_the_fast_tier(tmp
     args = ["train", "--run-dir", str(run), *shape, "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}"]
     assert main(["train", "--run-dir", str(tmp_path / "ref"), *shape]) == 0
     ref = metrics(tmp_path / "ref")
-    gather = Trainer._gather_step
-
-    def diverging(self, *a):
-        self.ckpt.tier.wait()  # the previous fast save is done: none is skipped
-        if self.step == 4:
-            raise TrainingDiverged("step 4: the loss is nan (test)")
-        return gather(self, *a)
-
-    monkeypatch.setattr(Trainer, "_gather_step", diverging)
+    _diverge_at_step_4(monkeypatch)
     assert main(args) == 2
     monkeypatch.undo()
     capsys.readouterr()
