@@ -433,6 +433,11 @@ def test_load_with_exclude_restores_from_the_tier_and_leaves_the_excluded_leaves
     with pytest.raises(Exception, match="extra"):
         ck2.load(target())
     assert "another lineage or structure" in ck2.tier.last_recovery.reason
+    assert ck2.tier.last_recovery.other_structure
+    # the step of another structure stays (a mistaken load must not sweep it): it is restored once the structure matches
+    assert 7 in {h.step for h in scan(ck2.tier.storage)}
+    state = target()
+    assert ck2.load(state, exclude=("meta", "extra")) == 7 and ck2.tier.last_recovery.source == "tier"
     ck2.close()
 
 

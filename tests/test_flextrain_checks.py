@@ -321,6 +321,12 @@ def test_a_crash_before_the_first_persistent_save_resumes_from_the_fast_tier(tmp
 
     assert main([*args, "--fresh"]) == 2
     assert f"--fresh: the fast tier ({folder}) holds step 3 of an earlier run in {run}" in capsys.readouterr().err
+    # a changed model (another structure) is refused, as a store resume refuses it, and the tier keeps its steps
+    assert main([*args, "--set", "model.d_ff=64"]) == 2
+    err = capsys.readouterr().err
+    assert "flextrain: the fast tier's step 3 cannot be restored (" in err and \
+        "it was saved with another model structure than this config's; restore the run's config" in err, err
+    assert sorted({h.step for h in scan(Storage(str(folder)))}) == [2, 3]
 
     assert main(args) == 0
     err = capsys.readouterr().err

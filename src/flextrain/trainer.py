@@ -300,8 +300,9 @@ class Trainer:
         """The store has no checkpoint and some node's fast tier holds step ``held``: restore
         the newest step the tier can (its recovery: every rank agrees on the step and on its
         load's success). Its values as ``_resume`` returns them; None when the tier cannot
-        (a node lost with the only copy of a rank's part, another structure): a fresh start,
-        said, on a model built anew (a failed read may have written into it)."""
+        (a node lost with the only copy of a rank's part): a fresh start, said, on a model
+        built anew (a failed read may have written into it). A step saved with another model
+        structure (a changed config) is refused, as a store resume refuses it, and kept."""
         try:
             return self._resume()
         except LoadError:  # the tier gave no step, and the store has none
@@ -309,6 +310,9 @@ class Trainer:
             if recovery is None or recovery.source == "tier":
                 raise
         why = f"the fast tier's step {held} cannot be restored ({recovery.reason})"
+        if recovery.other_structure:  # a changed config, most likely: refused, as a store resume refuses it
+            raise ResumeRefused(f"{why}: it was saved with another model structure than this config's; restore the "
+                                f"run's config to resume from it (the tier keeps it), or pass a new --run-dir")
         if resume:
             raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}, and {why}; "
                                 "drop --resume to start the run over there")

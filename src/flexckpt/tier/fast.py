@@ -88,6 +88,7 @@ class Recovery:
     fetched: dict[str, int] = field(default_factory=dict)  # bytes received by file (relative to the step)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # phases (seconds): see recover()
+    other_structure: bool = False  # the tier held a complete step saved with another structure (kept)
 
 
 @dataclass(eq=False)
@@ -499,7 +500,9 @@ class FastTier:
             decision = choose(inventories, self.lineage, target, gathered[0][2], exclude)
         leader = self.rank == min(r for r, g in enumerate(gathered) if g[0] == self.node)
         if decision.source != "tier":
-            if leader and not errors:  # nothing here is loadable: older than the persistent step, or incomplete
+            # nothing here is loadable: older than the persistent step, or incomplete; but a step saved
+            # with another structure stays (a load with a changed config must not cost the run its newest step)
+            if leader and not errors and not decision.other_structure:
                 self._sweep(set_aside(self.root, -1))
             reason = decision.reason
             if self.other_lineages and not inventories[self.rank]:
@@ -507,7 +510,8 @@ class FastTier:
                            f"this launch's {self.lineage!r}: FLEXCKPT_RUN_ID must be the same on every launch for a "
                            f"relaunch to find its tier")
             log.warning("flexckpt fast tier: %s", reason)
-            self.last_recovery = Recovery(decision.source, decision.step, reason, seconds=time.perf_counter() - t0)
+            self.last_recovery = Recovery(decision.source, decision.step, reason, seconds=time.perf_counter() - t0,
+                                          other_structure=decision.other_structure)
             return None
         report = Recovery("tier", decision.step, decision.reason)
         t1 = time.perf_counter()

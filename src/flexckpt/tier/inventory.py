@@ -89,6 +89,7 @@ class Decision:
     docs: dict[int, dict] = field(default_factory=dict)
     reason: str = ""
     missing: list[int] = field(default_factory=list)  # saved ranks no node holds: the store's same step serves them
+    other_structure: bool = False  # a complete step of this lineage was saved with another structure than the target's
 
 
 def compat_union(structures: list[dict]) -> str:
@@ -157,10 +158,12 @@ def choose(
             found.setdefault(key, {}).setdefault(h.rank, []).append(who)
             docs.setdefault(key, {})[h.rank] = h.doc
     complete = [k for k, ranks in found.items() if len(ranks) == k[2] and set(ranks) == set(range(k[2]))]
+    other_structure = False
     whys = []  # the fingerprint is the union of the target ranks' structures; a step's, of its saved ranks'
     for k in sorted(complete, key=lambda k: (k[0], attempt_order(k[1]))):
         fp, why = saved_compat(docs[k], exclude)
         if fp != fingerprint:
+            other_structure = True
             complete.remove(k)
             foreign += sum(len(v) for v in found.pop(k).values())
             if why:
@@ -191,11 +194,11 @@ def choose(
                             f"fast tier step {best[0]} lacks saved rank(s) {missing[:10]} on every surviving node; "
                             f"the persistent store holds step {best[0]}: those parts come from it{note}", missing)
         return Decision("persistent", newest_persistent,
-                        reason=f"persistent step {newest_persistent} is newer than tier step {best[0]}{note}")
+                        reason=f"persistent step {newest_persistent} is newer than tier step {best[0]}{note}", other_structure=other_structure)
     if newest_persistent is not None:
         return Decision("persistent", newest_persistent,
-                        reason=f"no fast-tier step is complete; loading persistent step {newest_persistent} whole{note}")
-    return Decision("none", None, reason=f"no fast-tier step is complete and nothing is persistent{note}")
+                        reason=f"no fast-tier step is complete; loading persistent step {newest_persistent} whole{note}", other_structure=other_structure)
+    return Decision("none", None, reason=f"no fast-tier step is complete and nothing is persistent{note}", other_structure=other_structure)
 
 
 def remove_bundle(storage: Storage, step: int, doc_name: str, files: list[str]) -> None:
