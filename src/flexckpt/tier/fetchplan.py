@@ -1,8 +1,7 @@
 """Which byte ranges a recovering rank asks of which peer (pure: no processes, no I/O).
 
-A rank asks only for the chunks its target pieces need, the same chunks the ordinary load
-reads (:func:`flexckpt.readplan.plan_reads`), grouped as the load groups them
-(:func:`flexckpt.readplan.coalesce`), so that each load read falls in one asked range.
+A rank asks only for the chunks its target pieces need: the ordinary load's own requests
+(:func:`flexckpt.readplan.plan_requests`), so that each load read falls in one asked range.
 Tier files are never compressed, so a chunk's place in its file is its place in the raw
 stream, which the write plan gives: the ranges are known before any chunk table arrives
 (the tables come with them, for the load to verify every chunk)."""
@@ -18,7 +17,7 @@ import numpy as np
 
 from flexckpt.load import FETCH_BYTES
 from flexckpt.manifest import FileEntry, Manifest, data_name
-from flexckpt.readplan import coalesce, plan_reads
+from flexckpt.readplan import Request, plan_requests
 
 _RANK = re.compile(r"/r(\d{5})\.[a-z]+$")
 
@@ -92,31 +91,36 @@ class Range(NamedTuple):
 
 def ranges_needed(manifest: Manifest, targets: list, files: set[str]) -> dict[str, list[Range]]:
     """For each data file in ``files`` (names as the manifest gives them), the byte ranges
-    the load of ``targets`` (``(SavedTensor, part)`` pairs, as ``plan_reads`` takes) reads
-    of it, when the file is stored uncompressed."""
+    the load of ``targets`` (``(SavedTensor, part)`` pairs, as ``plan_requests`` takes)
+    reads of it, when the file is stored uncompressed."""
     if manifest.codec != "none":
         raise ValueError(f"byte ranges are planned on uncompressed files; this step's codec is {manifest.codec!r}")
     raw = dataclasses.replace(manifest, files=_RawFiles(manifest))
-    reads = [cr for cr in plan_reads(raw, targets) if cr.file in files]
     out: dict[str, list[Range]] = {}
-    for f in coalesce(reads, FETCH_BYTES):
-        out.setdefault(f.file, []).extend(_split(f.reads))
+    for r in plan_requests(raw, targets, FETCH_BYTES):
+        if r.plan.file in files:
+            out.setdefault(r.plan.file, []).extend(_split(r))
     return out
 
 
-def _split(reads: tuple) -> list[Range]:
-    """One load read's chunks as ranges: runs of whole chunks that fill one stretch of one
+def _split(r: Request) -> list[Range]:
+    """One load request's chunks as ranges: runs of whole chunks that fill one stretch of one
     target (received there), and runs of the others (received into a buffer)."""
+    p = r.plan
+    ids = p.ids[r.first : r.stop]
+    ncopies = np.diff(p.copy_first)[r.first : r.stop]
+    whole = (p.direct[r.first : r.stop] & (ncopies == 1)).tolist()  # one copy, all of the chunk
+    heads = p.copy_first[r.first : r.stop]
     out: list[Range] = []
-    for cr in reads:
-        c = cr.copies[0] if cr.whole else None
+    for offset, length, w, t, tp in zip(p.entry.offsets[ids].tolist(), p.entry.lengths[ids].tolist(), whole,
+                                        p.copy_dest[heads].tolist(), p.copy_dest_pos[heads].tolist()):
+        target, target_pos = (t, tp) if w else (-1, 0)
         last = out[-1] if out else None
-        if last is not None and last.offset + last.length == cr.chunk.offset and (
-                (c is None and last.target < 0)
-                or (c is not None and last.target == c.target and last.target_pos + last.length == c.target_pos)):
-            out[-1] = last._replace(length=last.length + cr.chunk.length)
+        if last is not None and last.offset + last.length == offset and last.target == target and (
+                target < 0 or last.target_pos + last.length == target_pos):
+            out[-1] = last._replace(length=last.length + length)
         else:
-            out.append(Range(cr.chunk.offset, cr.chunk.length, *((c.target, c.target_pos) if c else (-1, 0))))
+            out.append(Range(offset, length, target, target_pos))
     return out
 
 
