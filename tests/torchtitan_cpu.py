@@ -207,7 +207,7 @@ def flex_zephon():
     c = _base()
     c.checkpoint = FlexCheckpointManager.Config(interval=4, last_save_model_only=False)
     c.dataloader = ZephonDataLoader.Config(dataset_path=str(Path(os.environ["TT_ASSETS"]) / "data" / "train.jsonl"),
-                                           lanes=4, shuffle_buffer=16)
+                                           lanes=4, shuffle_buffer=16, global_batch_size=8)
     c.training.global_batch_size = 8
     return c
 

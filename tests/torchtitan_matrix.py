@@ -138,7 +138,8 @@ def main() -> int:
         (args("flex_zephon", "zephon", *resume), None),
         (args("flex_zephon", "zephon-micro1", "--training.local_batch_size", "1"), None),
         (args("flex_zephon", "bad-lanes", "--dataloader.lanes", "3"), None),
-        (args("flex_zephon", "bad-batch", "--training.global_batch_size", "12", "--dataloader.lanes", "8"), None),
+        (args("flex_zephon", "bad-batch", "--training.global_batch_size", "12", "--dataloader.global_batch_size", "12",
+                                  "--dataloader.lanes", "8"), None),
     ])
     t_two = time.perf_counter()
     one = spawn(1, [
