@@ -5,13 +5,16 @@ torchtitan 0.3.0's own trainer (CPU, gloo, a 2-layer debug model; see torchtitan
   bit for bit, and the same global batches as the uninterrupted run;
 - resumed at 1 rank, the zephon loader yields the same global batches (equal
   global_batch_sha256 at every resumed step);
-- a lane count or a global batch that does not split fails at start, naming sizes that work.
+- a lane count or a global batch that does not split fails at start, naming sizes that work;
+- the zephon loader under torchtitan's own DCP manager resumes at 2 and 1 ranks (in the
+  same processes), and what a user sets up is parsed and checked at start (issue 25).
 
 The full matrix (DCP baselines, 4 ranks, the default loader's refusal) runs with
 ``python3 dev.py test-torchtitan`` (tests/torchtitan_matrix.py).
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -60,33 +63,45 @@ def global_digests(per_rank: list[dict]) -> list[str]:
 
 
 def _runs_then_alone(rank: int, world: int, plan: list[tuple[list[str], int | None]],
-                     alone: list[str]) -> tuple[list[dict], dict | None]:
-    """``_runs``, then rank 0 runs ``alone`` in a group of its own (world 1): a resume at
-    1 rank without starting (and importing torchtitan in) another process."""
+                     alone: list[str], dcp_folder: str) -> tuple[list[dict], dict | None, list]:
+    """``_runs`` and ``_dcp_rounds``, then rank 0 runs ``alone`` and resumes the DCP save in a
+    group of its own (world 1): a resume at 1 rank without starting (and importing torchtitan
+    in) another process."""
     import torch.distributed as dist
 
     runs = _runs(rank, world, plan)
+    dcp = _or_error(_dcp_rounds, rank, world, dcp_folder)
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
-        return runs, None
+        return runs, None, dcp
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return runs, tt.run_trainer(0, 1, alone)
+    return runs, tt.run_trainer(0, 1, alone), [*dcp, _or_error(_dcp_resume, 0, 1, dcp_folder)]
+
+
+def _or_error(fn, *args):
+    """``fn(*args)``, or the error it raised as text (one failing part fails its own test)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return [f"{type(e).__name__}: {e}"]
 
 
 @pytest.fixture(scope="module")
 def zephon_run(assets, tmp_path_factory):
     """The uninterrupted 2-rank run (checkpoints at steps 2 and 4), in the same processes
-    its resume from step 2 at 2 ranks, then rank 0's resume from step 2 at 1 rank."""
+    its resume from step 2 at 2 ranks, then rank 0's resume from step 2 at 1 rank; and the
+    zephon loader under torchtitan's DCP manager (``_dcp_rounds``)."""
     dump = tmp_path_factory.mktemp("tt-zephon")
     base = ["--config", "flex_zephon", "--dump_folder", str(dump), "--checkpoint.enable", *SHORT]
     resume = [*base, "--checkpoint.load_step", "2"]
-    ranks = run_workers(_runs_then_alone, 2, [(base, None), (resume, None)], resume, timeout=TIMEOUT)
-    return [r[0][0] for r in ranks], [r[0][1] for r in ranks], [ranks[0][1]]
+    ranks = run_workers(_runs_then_alone, 2, [(base, None), (resume, None)], resume,
+                        str(tmp_path_factory.mktemp("tt-dcp")), timeout=TIMEOUT)
+    return [r[0][0] for r in ranks], [r[0][1] for r in ranks], [ranks[0][1]], [r[2] for r in ranks]
 
 
 def test_fsdp2_resume_at_2_ranks_is_bit_exact(zephon_run):
-    full, resumed, _ = zephon_run
+    full, resumed, _, _ = zephon_run
     assert sorted(full[0]["losses"]) == [1, 2, 3, 4]
     assert sorted(resumed[0]["losses"]) == [3, 4]
     for step in (3, 4):
@@ -95,7 +110,7 @@ def test_fsdp2_resume_at_2_ranks_is_bit_exact(zephon_run):
 
 
 def test_zephon_resume_at_1_rank_yields_the_same_global_batches(zephon_run):
-    full, _, one = zephon_run
+    full, _, one, _ = zephon_run
     assert sorted(one[0]["losses"]) == [3, 4]
     assert global_digests(one) == global_digests(full)[2:]
 
@@ -307,55 +322,59 @@ def test_async_mode_disabled_commits_in_save_and_async_returns_before(tmp_path):
     manager.close()
 
 
-def _dcp_rounds(rank: int, world: int, assets: str, folder: str) -> tuple[list, list, list | None]:
-    """torchtitan's own DCP manager with the zephon loader: 2 steps, a save, 2 more; then a new
-    loader and manager resume from the save at the same degree and (rank 0, alone) at dp 1."""
-    import torch.distributed as dist
-    from pathlib import Path
+def _dcp_manager(loader, folder: str):
+    """torchtitan's own manager (DCP, synchronous) around the loader and stand-ins."""
+    import torch
     from torchtitan.components.checkpoint import CheckpointManager
 
-    def dcp_manager(loader):
-        import torch
-        config = CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0)
-        return config.build(dataloader=loader, model_parts=[torch.nn.Linear(2, 2)], optimizers=_Stateful(lr=0.5),
-                            lr_schedulers=_Stateful(last_epoch=0), states={"train_state": _Stateful(step=2)},
-                            sd_adapter=None, base_folder=folder)
+    config = CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0)
+    return config.build(dataloader=loader, model_parts=[torch.nn.Linear(2, 2)], optimizers=_Stateful(lr=0.5),
+                        lr_schedulers=_Stateful(last_epoch=0), states={"train_state": _Stateful(step=2)},
+                        sd_adapter=None, base_folder=folder)
 
-    loader = _loader(Path(assets), rank, world)
+
+def _dcp_rounds(rank: int, world: int, folder: str) -> list[list[dict[int, bytes]]]:
+    """The zephon loader under torchtitan's DCP manager: 2 steps, a save, 2 more steps; a
+    new loader and manager resumed from the save at the same degree. Lane digests of the
+    steps after the save, uninterrupted and resumed."""
+    from pathlib import Path
+
+    loader = _loader(Path(os.environ["TT_ASSETS"]), rank, world)
     _steps(loader, 2)
-    manager = dcp_manager(loader)
+    manager = _dcp_manager(loader, folder)
     assert manager.save(2)
     manager.close()
     after = _steps(loader, 2)
-    resumed = _loader(Path(assets), rank, world)
-    manager = dcp_manager(resumed)
-    assert manager.load(step=2)
-    manager.close()
-    again = _steps(resumed, 2)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank != 0:
-        return after, again, None
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    alone = _loader(Path(assets), 0, 1)
-    manager = dcp_manager(alone)
-    assert manager.load(step=2)
-    manager.close()
-    return after, again, _steps(alone, 2)
+    loader.close()
+    return [after, _dcp_resume(rank, world, folder)]
 
 
-def test_zephon_loader_resumes_under_torchtitans_dcp_manager_at_2_and_1_ranks(assets, tmp_path):
+def _dcp_resume(rank: int, world: int, folder: str) -> list[dict[int, bytes]]:
+    from pathlib import Path
+
+    loader = _loader(Path(os.environ["TT_ASSETS"]), rank, world)
+    manager = _dcp_manager(loader, folder)
+    assert manager.load(step=2)
+    manager.close()
+    steps = _steps(loader, 2)
+    loader.close()
+    return steps
+
+
+def test_zephon_loader_resumes_under_torchtitans_dcp_manager_at_2_and_1_ranks(zephon_run):
     """DCP keeps one copy of each key: every lane is saved under its own key, so each rank
     finds the lanes it hosts, at the saving degree and at another one."""
-    ranks = run_workers(_dcp_rounds, 2, str(assets), str(tmp_path), timeout=TIMEOUT)
-    from zephon_state import global_batch_digest
+    per_rank = zephon_run[3]
+    errors = [part for r in per_rank for part in r if isinstance(part, str)]
+    assert not errors, errors[0]
 
-    def combined(per_rank):
-        return [global_batch_digest({k: v for r in per_rank for k, v in r[i].items()}) for i in range(2)]
+    def combined(ranks):
+        return [global_batch_digest({k: v for r in ranks for k, v in r[i].items()}) for i in range(2)]
 
-    after = [r[0] for r in ranks]
-    assert combined(after) == combined([r[1] for r in ranks])
-    assert combined(after) == combined([ranks[0][2]])
+    after = combined([r[0] for r in per_rank])
+    assert len(per_rank[0][0][0]) == 2  # lanes 0-1 on rank 0, 2-3 on rank 1
+    assert combined([r[1] for r in per_rank]) == after
+    assert combined([per_rank[0][2]]) == after
 
 
 def test_dataset_path_folder_reads_its_files_in_name_order(assets, tmp_path):
