@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 from flexckpt import Checkpointer
-from flexckpt.savers import Savers, run_ids, savers
 from flexckpt.tier import LocalTier
-from flexshard.spawn import WorkerError, run_workers
+from flexshard.spawn import run_workers
 
 
 def trainer_state(step: int) -> dict:
@@ -21,6 +20,25 @@ def trainer_state(step: int) -> dict:
 
 def empty_state() -> dict:
     return {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(4, dtype=torch.int64)}, "step": 0, "lr": 0.0}
+
+
+class _NoCollectives:
+    """Inside: every collective of torch.distributed raises."""
+
+    NAMES = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "barrier", "new_group")
+
+    def __enter__(self):
+        self.saved = {n: getattr(dist, n) for n in self.NAMES}
+
+        def refuse(*a, **k):
+            raise AssertionError("a collective at construction")
+
+        for n in self.NAMES:
+            setattr(dist, n, refuse)
+
+    def __exit__(self, *exc):
+        for n, fn in self.saved.items():
+            setattr(dist, n, fn)
 
 
 def _rank0_saves_alone(rank: int, world: int, root: str) -> dict:
@@ -45,11 +63,13 @@ def _rank0_saves_alone(rank: int, world: int, root: str) -> dict:
     out["alone_step"] = alone.load(got)
     out["alone"] = got
     alone.close()
-    together = Checkpointer(root)
+    with _NoCollectives():  # on every rank: ids agreed through the store, in construction order
+        first, together = Checkpointer(root), Checkpointer(root)
+    out["ids"] = [(c.run_id, c.session) for c in (first, together)]
+    first.close()
     got = empty_state()
     out["together_step"] = together.load(got)
     out["together"] = got
-    out["ids"] = (together.run_id, together.session)
     together.close()
     return out
 
@@ -67,45 +87,20 @@ def test_rank0_saves_alone_while_rank1_waits_in_a_barrier_then_every_rank_loads(
             assert torch.equal(got["model"]["w"], want["model"]["w"])
             assert torch.equal(got["model"]["b"], want["model"]["b"])
             assert (got["step"], got["lr"]) == (7, 0.5)
-    assert r0["ids"] == r1["ids"]  # constructed on every rank: agreed through the store
+    assert r0["ids"] == r1["ids"] and len(set(r0["ids"])) == 2  # agreed, and fresh per construction
 
 
-def _no_collective_at_construction(rank: int, world: int, root: str) -> list:
-    def refuse(*a, **k):
-        raise AssertionError("a collective at construction")
-
-    dist.broadcast = dist.all_reduce = dist.all_gather_object = dist.barrier = refuse
-    ids = []
-    for _ in range(3):  # in order: each construction pairs with the same one on the other rank
-        ck = Checkpointer(root, commit_timeout=30)
-        ids.append((ck.run_id, ck.session))
-        ck.close()
-    return ids
-
-
-def test_every_rank_construction_agrees_on_ids_through_the_store_without_collectives(tmp_path):
-    r0, r1 = run_workers(_no_collective_at_construction, 2, str(tmp_path / "ck"), timeout=60)
-    assert r0 == r1
-    assert len(set(r0)) == 3  # a fresh run id and session per construction
-
-
-def _rank1_alone_times_out(rank: int, world: int, root: str) -> str:
-    if rank == 0:
-        return ""
-    with pytest.raises(TimeoutError) as err:
-        Checkpointer(root, commit_timeout=1)
-    return str(err.value)
-
-
-def test_a_rank_waiting_for_the_first_rank_s_ids_times_out_naming_it(tmp_path):
-    _, msg = run_workers(_rank1_alone_times_out, 2, str(tmp_path / "ck"), timeout=60)
-    assert "global rank 0" in msg and "ranks=" in msg, msg
-
-
-def _tier_without_peer(rank: int, world: int, root: str, shm: str) -> str:
+def _missing_ranks_time_out(rank: int, world: int, root: str, shm: str) -> str:
+    """Rank 1 constructs while rank 0 does not, then rank 0 makes a fast tier while rank 1 does not."""
+    msg = ""
+    if rank == 1:
+        with pytest.raises(TimeoutError) as err:
+            Checkpointer(root, commit_timeout=1)
+        msg = str(err.value)
+    dist.barrier()
     if rank == 1:
         time.sleep(4)  # alive, but never constructs: the missing peer
-        return ""
+        return msg
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as err:
         Checkpointer(root, local=LocalTier(dir=os.path.join(shm, "{node}"), timeout=2))
@@ -113,12 +108,15 @@ def _tier_without_peer(rank: int, world: int, root: str, shm: str) -> str:
     return str(err.value)
 
 
-def test_fast_tier_with_a_missing_peer_times_out_naming_it(tmp_path):
-    msg, _ = run_workers(_tier_without_peer, 2, str(tmp_path / "ck"), str(tmp_path / "shm"), timeout=60)
-    assert "global rank(s) [1] did not construct" in msg and "local=" in msg, msg
+def test_a_missing_rank_ends_in_a_timeout_that_names_it(tmp_path):
+    tier, ids = run_workers(_missing_ranks_time_out, 2, str(tmp_path / "ck"), str(tmp_path / "shm"), timeout=60)
+    assert "waited 1 s (commit_timeout) for global rank 0" in ids and "ranks=" in ids, ids
+    assert "local=" in tier and "global rank(s) [1] did not construct" in tier, tier
 
 
 def test_ranks_names_the_saving_ranks_and_refuses_what_it_cannot_do():
+    from flexckpt.savers import Savers, _check_ranks, run_ids, savers
+
     # no torch.distributed: a group of one
     assert savers(None, None, [0], None) == Savers(0, 1, True, True, (), (0,), False)
     assert savers(None, None, None, None) == Savers(0, 1, True, True)
@@ -130,8 +128,6 @@ def test_ranks_names_the_saving_ranks_and_refuses_what_it_cannot_do():
         savers(None, None, 0, None)
     run_id, session = run_ids("job", savers(None, None, [0], None), 1.0)
     assert run_id == "job" and len(session) == 8
-    from flexckpt.savers import _check_ranks
-
     with pytest.raises(ValueError, match=r"names 2 of 4 ranks.*new_group\(\[0, 2\]\)"):
         _check_ranks([2, 0], 4)
     assert _check_ranks([3], 4) == (3,) and _check_ranks([3, 1, 0, 2], 4) == (0, 1, 2, 3)
