@@ -37,7 +37,7 @@ from flexckpt.errors import LoadError
 from flexckpt.handle import SaveHandle
 from flexckpt.load import LoadStats, PendingLoad
 from flexckpt.manifest import GROUP, step_dir
-from flexckpt.savers import run_ids, savers
+from flexckpt.savers import run_ids, who_saves
 from flexckpt.save_pipeline import Attempts, PlanEntry, SaveJob, SavePipeline, stop_threads
 from flexckpt.staging import BufferPool, copies_for
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
@@ -148,7 +148,7 @@ class Checkpointer(SavePipeline, Committer):
         if read_only and local is not None:
             raise ValueError("read_only=True writes nothing, and a fast tier (local=) saves: drop one of them")
         self.group = process_group
-        who = savers(rank, world_size, ranks, process_group)
+        who = who_saves(rank, world_size, ranks, process_group)
         if local is not None and who.subset:
             raise ValueError(f"a fast tier (local=) needs every rank of the group, and ranks={list(who.named)!r} "
                              f"leaves some out: drop local= or ranks=")

@@ -49,7 +49,7 @@ class Savers:
     subset: bool = False  # ranks= leaves some ranks of the group out
 
 
-def savers(rank: int | None, world_size: int | None, ranks: Sequence[int] | None,
+def who_saves(rank: int | None, world_size: int | None, ranks: Sequence[int] | None,
            group: "dist.ProcessGroup | None") -> Savers:
     """The saving world from ``rank=``/``world_size=``, ``ranks=`` or torch.distributed."""
     if (rank is None) != (world_size is None):
