@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from flexckpt import Checkpointer, SaveError
 from flexckpt.tier import LocalTier
+from flexshard import Shard, ShardedTensor
 from flexshard.spawn import run_workers
 
 
@@ -70,6 +71,10 @@ def _rank0_saves_alone(rank: int, world: int, root: str) -> dict:
     got = empty_state()
     out["together_step"] = together.load(got)
     out["together"] = got
+    sharded = empty_state()  # each rank its rows of w, per the layout (3 rows: 2 on rank 0, 1 on rank 1)
+    sharded["model"]["w"] = ShardedTensor.from_global(torch.zeros(3, 4), Shard(0), rank, world)
+    together.load(sharded)
+    out["rows"] = sharded["model"]["w"].local.clone()
     together.close()
     return out
 
@@ -87,6 +92,7 @@ def test_rank0_saves_alone_while_rank1_waits_in_a_barrier_then_every_rank_loads(
             assert torch.equal(got["model"]["w"], want["model"]["w"])
             assert torch.equal(got["model"]["b"], want["model"]["b"])
             assert (got["step"], got["lr"]) == (7, 0.5)
+    assert torch.equal(r0["rows"], want["model"]["w"][:2]) and torch.equal(r1["rows"], want["model"]["w"][2:])
     assert r0["ids"] == r1["ids"] and len(set(r0["ids"])) == 2  # agreed, and fresh per construction
 
 

@@ -77,8 +77,9 @@ class Checkpointer(SavePipeline, Committer):
             Lightning's DDP and other frameworks do, while the other ranks never touch flexckpt
             (construction returns at once, the commit waits for rank 0 only). Made with the
             same argument on a rank not named, the Checkpointer only reads there (``save``
-            raises; ``load`` reads the whole checkpoint on that rank alone, with no
-            collective). One rank or all of them; for another subset pass a
+            raises; ``load`` reads the whole checkpoint on that rank alone, as a world of one,
+            with no collective; to load each rank's part per its layouts, construct one
+            without ``ranks=`` on every rank and load together). One rank or all of them; for another subset pass a
             ``process_group`` of exactly those ranks. Not with ``rank=``/``world_size=``,
             nor with ``local=`` unless it names every rank.
         commit_timeout: seconds the coordinator waits for the other ranks' records (and the
