@@ -1,6 +1,7 @@
 """Who saves: a Checkpointer made on one rank of many (``ranks=[0]``, the Lightning/DDP
 pattern) works without the others; one made on every rank agrees on its ids through the
 store, with no collective; the fast tier still needs every rank and names a missing one."""
+import datetime
 import os
 import time
 
@@ -105,8 +106,9 @@ def _missing_ranks_time_out(rank: int, world: int, root: str, shm: str) -> str:
             Checkpointer(root, commit_timeout=1)
         msg = str(err.value)
     dist.barrier()
-    if rank == 1:
-        time.sleep(6)  # alive, but never constructs: the missing peer
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # alive, but never constructs: the missing peer, until rank 0 is done
+        store.wait(["test/done"], datetime.timedelta(seconds=30))
         return msg
     tier = LocalTier(dir=os.path.join(shm, "{node}"), timeout=2)
     with pytest.raises(ValueError, match=r"local=.*ranks=\[0\] leaves some out"):
@@ -121,6 +123,7 @@ def _missing_ranks_time_out(rank: int, world: int, root: str, shm: str) -> str:
     with pytest.raises(TimeoutError) as err:
         Checkpointer(root, local=tier)
     assert time.monotonic() - t0 < 10
+    store.set("test/done", "1")
     return str(err.value)
 
 
