@@ -48,7 +48,7 @@ from flexckpt.convert.cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError
-from flexckpt.load import read_bytes_values
+from flexckpt.load import read_bytes_values, subset_load
 from flexckpt.manifest import MAX_WORLD, Manifest, step_dir
 from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
@@ -383,7 +383,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
                 for name in m.per_rank:
                     _put(state, name, PerRank(None))
             with Checkpointer(args.src, rank=r, world_size=world, run_id="reshard", read_only=True) as reader:
-                reader.load(state, step=step, strict=False)
+                with subset_load():  # per-rank values at another world size: noted above
+                    reader.load(state, step=step, strict=False)
             for name in m.lanes:
                 if r != 0:
                     _get(state, name).values = {}
