@@ -123,3 +123,19 @@ def test_a_listing_that_fails_is_raised_with_its_cause_not_logged(tmp_path, capl
         with caplog.at_level(logging.INFO, logger="flexckpt"), pytest.raises(LoadError, match="could not list .*denied"):
             ck.load({"w": torch.zeros(2)})
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_failure_marker_whose_message_does_not_fit_is_written_empty_and_still_read(small_disk):
+    """Another process's ranks learn of the failure from the marker alone: on a full disk it
+    is written empty rather than not at all (which left them waiting for commit_timeout)."""
+    from flexckpt import commit
+    from flexckpt.storage import Storage
+
+    disk = small_disk(1 << 20)
+    storage = Storage(str(disk.path / "ckpt"))
+    storage.makedirs("step-000000000003")
+    disk.fill((1 << 20) - disk.used())  # full to the last byte
+    commit.mark_failed(storage, 3, "job.0badf00d.1", "rank 2 failed while writing: OSError: No space left on device")
+    getattr(commit, "_FAILED_HERE", {}).clear()  # as another process sees it: from the store alone
+    got = commit.failure_message(Storage(str(disk.path / "ckpt")), 3, "job.0badf00d.1")
+    assert got == "save of step 3 failed on another rank: (its message did not fit on the disk)", (disk.kind, got)

@@ -438,9 +438,7 @@ def committed_steps(storage: Storage) -> list[int]:
     steps = [s for s in (parse_step_dir(n) for n in storage.list_names("")) if s is not None]
     if storage.local:
         return [s for s in steps if storage.exists(f"{step_dir(s)}/{MANIFEST}")]
-    fs = storage.fs
-    fs.invalidate_cache(storage.root)
-    found = fs.glob(storage.path(f"step-*/{MANIFEST}"))
+    found = storage.glob(f"step-*/{MANIFEST}")
     with_manifest = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
     return sorted(s for s in steps if s in with_manifest)
 

@@ -352,6 +352,12 @@ class Storage:
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     @_watched
+    def glob(self, pattern: str) -> list[str]:
+        """Paths (with the root) matching ``pattern`` under the root, never from a listing cache."""
+        self.fs.invalidate_cache(self.root)
+        return list(self.fs.glob(self.path(pattern)))
+
+    @_watched
     def exists(self, rel: str) -> bool:
         if self.local:
             return os.path.exists(self.path(rel))
