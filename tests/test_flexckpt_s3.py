@@ -71,6 +71,7 @@ def _unusable(s3_endpoint, bucket):
         ("no credentials", f"s3://{bucket}/run", {"client_kwargs": {"endpoint_url": s3_endpoint}, **fresh},
          "no credentials: set AWS_ACCESS_KEY_ID"),
         ("no bucket", f"s3://{bucket}-missing/run", ok, "does not exist"),
+        ("no bucket (the URL is one)", f"s3://{bucket}-missing", ok, "does not exist"),
         ("no endpoint", f"s3://{bucket}/run", {**ok, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
                                              "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}},
          "the endpoint does not answer"),

@@ -157,8 +157,8 @@ class Storage:
         try:
             self._list_root()
         except FileNotFoundError:
-            bucket = self.root.split("/", 1)[0]
-            if bucket != self.root and not self._exists_uncached(bucket):
+            bucket = self.root.split("/", 1)[0]  # a missing prefix is a new run; a missing bucket is not
+            if bucket == self.root or not self._exists_uncached(bucket):
                 raise StorageError(f"{self.url}: the bucket {bucket!r} does not exist (or these credentials cannot "
                                    f"see it): create it, or fix the URL") from None
 
