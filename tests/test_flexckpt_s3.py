@@ -122,6 +122,8 @@ def test_the_cli_takes_storage_options_or_the_aws_variables(s3_options, s3_endpo
     assert err.count("\n") == 1 and url in err and "no credentials" in err, err
     given = json.dumps(opts)
     assert main(["steps", url, "--storage-options", given]) == 0 and "4" in capsys.readouterr().out
+    assert main(["steps", f"s3://{bucket}-missing/cli", "--storage-options", given]) == 2
+    assert f"the bucket '{bucket}-missing' does not exist" in capsys.readouterr().err  # not "no checkpoint"
     assert main(["inspect", url, "--storage-options", "[1]"]) == 2
     assert "--storage-options must be a JSON object" in capsys.readouterr().err
     monkeypatch.setenv("FLEXCKPT_STORAGE_OPTIONS", given)

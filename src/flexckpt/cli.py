@@ -74,6 +74,7 @@ def _count(n: int, noun: str) -> str:
 def _no_checkpoint(storage: Storage) -> CheckpointError:
     """"Nothing here", with a hint when URL is a flextrain run folder (its checkpoints are in ckpt/)."""
     msg = f"no committed checkpoint under {storage.url}"
+    storage.probe()  # an object store's missing bucket is named, not read as "nothing here"
     if storage.local and not os.path.exists(storage.root):  # a typo reads as "no checkpoint" otherwise
         return CheckpointError(f"{msg}: {storage.root} does not exist; check the path (for a flextrain run, "
                                f"RUN_DIR/ckpt)")
