@@ -182,6 +182,8 @@ class Checkpointer(SavePipeline, Committer):
         # object stores stamp files with their own clock: allow for skew
         self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
         self._listed_steps: set[str] = set()  # step folders the live-job check listed (commit thread)
+        if self.is_coordinator:  # after the collectives above: the other ranks fail at their first call
+            self.storage.probe()  # a store that cannot work fails here, in one line (one listing)
         if self.is_coordinator and not self.read_only:  # a reader changes nothing under url
             self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
@@ -401,8 +403,8 @@ class Checkpointer(SavePipeline, Committer):
                 pending.apply()
                 self.last_load_stats = pending.stats
                 return chosen
-            if error is not None:
-                log.error("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)
+            if error is not None and fallback:  # handled, not raised: say what failed (raised: never logged too)
+                log.warning("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)
             if not fallback:
                 if error is not None:
                     raise error
