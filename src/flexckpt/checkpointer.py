@@ -63,7 +63,10 @@ class Checkpointer(SavePipeline, Committer):
     Args:
         url: ``file:///path``, a plain path, ``memory://name`` (one process only) or
             ``s3://bucket/prefix`` (``storage_options`` go to fsspec, e.g. an endpoint).
-        keep_last: keep only the newest N committed checkpoints (None keeps all).
+        keep_last: keep only the newest N committed checkpoints (None keeps all), and
+            the steps in the attribute ``pinned`` besides (a set of steps the caller may
+            replace at any time, e.g. with a trainer's best step; retention reads it at
+            each commit).
         compression: None, ``"zstd"`` or ``"zstd:LEVEL"``, applied per chunk.
         max_in_flight: staging buffers, i.e. saves staged but not yet written; a save
             beyond that waits (bounded memory).
@@ -149,6 +152,7 @@ class Checkpointer(SavePipeline, Committer):
                 f"folder (file://) or an object store (s3://)"
             )
         self.keep_last = keep_last
+        self.pinned: frozenset[int] = frozenset()
         self.compression = parse_compression(compression)
         self.chunk_bytes = chunk_bytes
         self.commit_timeout = float(commit_timeout)

@@ -75,7 +75,7 @@ class Committer:
         try:
             with self._folders_lock:
                 apply_retention(self.storage, self.keep_last, job.step, job.attempt, self._since,
-                                self.commit_timeout, in_flight=self._in_flight())
+                                self.commit_timeout, in_flight=self._in_flight(), pinned=self.pinned)
         except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
             log.exception("retention after step %d failed", job.step)
 

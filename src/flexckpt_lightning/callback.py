@@ -1,0 +1,68 @@
+"""The one line: ``Trainer(callbacks=[FlexCheckpointing()])``.
+
+At ``setup`` it puts :class:`~flexckpt_lightning.checkpoint_io.FlexCheckpointIO` in the
+strategy (inside an ``AsyncCheckpointIO`` the user passed, if any), before Lightning restores
+``ckpt_path``; at ``on_fit_start`` it builds the checkpoint dict once, as Lightning will at
+the first save, and checks it: a value flexckpt cannot represent stops the run there,
+before step 1, naming its key (on every rank alike, so none waits for another).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from flexckpt import Checkpointer
+from flexckpt_lightning.checkpoint_io import FlexCheckpointIO
+from flexckpt_lightning.model_parallel import FlexModelParallelStrategy
+
+
+def check_checkpoint(checkpoint: dict[str, Any]) -> None:
+    """Raise ``UnsupportedState`` naming every key of ``checkpoint`` flexckpt cannot save."""
+    probe = Checkpointer("memory://flexckpt-lightning-check", rank=0, world_size=1, read_only=True)
+    try:
+        probe.check(checkpoint)
+    finally:
+        probe.close()
+
+
+class FlexCheckpointing(Callback):
+    """Lightning checkpoints through flexckpt (see the module docstring).
+
+    Args:
+        async_save, checkpointer_options: as :class:`FlexCheckpointIO` takes them.
+    """
+
+    def __init__(self, *, async_save: bool = True, **checkpointer_options: Any) -> None:
+        self.io = FlexCheckpointIO(async_save=async_save, **checkpointer_options)
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, ModelParallelStrategy):
+            if not isinstance(strategy, FlexModelParallelStrategy):
+                raise TypeError(f"{type(strategy).__name__} saves through DCP, not through a CheckpointIO: use "
+                                f"strategy=FlexModelParallelStrategy(...) from flexckpt_lightning instead")
+            return  # it saves through flexckpt itself
+        current = strategy._checkpoint_io  # None until Lightning fills in its default
+        if current is None or type(current) is TorchCheckpointIO:
+            strategy.checkpoint_io = self.io
+        elif isinstance(current, _WrappingCheckpointIO):  # e.g. AsyncCheckpointIO()
+            inner = current.checkpoint_io
+            if inner is None or type(inner) is TorchCheckpointIO:
+                current._checkpoint_io = self.io
+            elif not isinstance(inner, FlexCheckpointIO):
+                raise _other_io(inner)
+        elif not isinstance(current, FlexCheckpointIO):
+            raise _other_io(current)
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        check_checkpoint(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+
+
+def _other_io(io: CheckpointIO) -> TypeError:
+    return TypeError(f"the Trainer already has a checkpoint plugin, {type(io).__name__}: FlexCheckpointing would "
+                     f"replace it; drop one of them")

@@ -1,0 +1,77 @@
+"""Tiny Lightning runs for tests/test_lightning.py, importable in spawned ranks.
+
+A 2-layer MLP with AdamW and a StepLR schedule on 32 seeded random samples, its
+hyper-parameters the kinds a trainer's dict holds (a dtype, a path, a tuple, None); every
+rank records its training losses. ``fit`` runs one ``Trainer.fit`` and returns them.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from flexckpt_lightning import FlexCheckpointing
+
+SAMPLES = 32
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, width: int = 8, dtype: torch.dtype = torch.float32, out: pathlib.Path = pathlib.Path("/tmp"),
+                 betas: tuple = (0.9, 0.99), note: str | None = None, extra: object = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.05, betas=self.hparams.betas)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
+
+
+def data(batch_size: int) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 4, generator=g)
+    y = x.sum(1, keepdim=True).sin()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
+                      generator=torch.Generator().manual_seed(2))
+
+
+def fit(root: str, *, max_epochs: int, ckpt_path: str | None = None, devices: int = 1, batch_size: int = 4,
+        plugins: list | None = None, async_save: bool = True, model: Tiny | None = None,
+        checkpoint: pl.callbacks.ModelCheckpoint | None = None) -> list[float]:
+    """One ``Trainer.fit`` with flexckpt; checkpoints every 2 steps into ``root/ckpt`` (the
+    newest 2 by step, and last.ckpt). Returns this rank's losses."""
+    pl.seed_everything(0, verbose=False)
+    model = model or Tiny()
+    checkpoint = checkpoint or pl.callbacks.ModelCheckpoint(
+        dirpath=os.path.join(root, "ckpt"), every_n_train_steps=2, save_top_k=2, monitor="step", mode="max",
+        save_last=True)
+    trainer = pl.Trainer(
+        default_root_dir=root, max_epochs=max_epochs, accelerator="cpu", devices=devices,
+        strategy="ddp" if devices > 1 else "auto", plugins=plugins, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[FlexCheckpointing(async_save=async_save), checkpoint])
+    trainer.fit(model, data(batch_size), ckpt_path=ckpt_path)
+    return model.losses
+
+
+def ddp_runs(rank: int, world: int, root: str, port: int) -> dict:
+    """On each of 2 spawned ranks: the uninterrupted 2-epoch run, a run stopped after
+    epoch 1, and its resume from ``last``; Lightning's DDP with processes made outside it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    full = fit(os.path.join(root, "full"), max_epochs=2, devices=world)
+    stopped = fit(os.path.join(root, "cut"), max_epochs=1, devices=world)
+    resumed = fit(os.path.join(root, "cut"), max_epochs=2, devices=world, ckpt_path="last")
+    return {"full": full, "stopped": stopped, "resumed": resumed}

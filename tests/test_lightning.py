@@ -1,0 +1,88 @@
+"""flexckpt in PyTorch Lightning's own Trainer (CPU; a tiny MLP made here, see lightning_runs.py):
+
+- DDP on 2 gloo ranks, stopped after epoch 1 and resumed with ``ckpt_path="last"``: the
+  losses of the uninterrupted run, bit for bit; single device too, under AsyncCheckpointIO;
+- ModelCheckpoint's paths: top-k removal, ``last.ckpt`` saved a second time at the same step,
+  every path a flexckpt folder holding its global step, no file pickled;
+- a hyper-parameter flexckpt cannot represent stops ``fit`` before step 1, naming its key.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e .[lightning])")
+
+import torch  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+
+import lightning_runs as lr  # noqa: E402
+from flexckpt import Checkpointer, UnsupportedState  # noqa: E402
+from flexshard.spawn import run_workers  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def folders(ckpt_dir) -> dict[str, list[int]]:
+    """Each checkpoint path under ``ckpt_dir`` -> the flexckpt steps it holds."""
+    out = {}
+    for name in sorted(os.listdir(ckpt_dir)):
+        path = os.path.join(ckpt_dir, name)
+        assert os.path.isdir(path), f"{path} is a file: Lightning's torch.save wrote it"
+        out[name] = Checkpointer(path, rank=0, world_size=1, read_only=True).steps()
+    return out
+
+
+def test_ddp_two_ranks_stopped_and_resumed_from_last_gives_the_uninterrupted_losses(tmp_path):
+    per_rank = run_workers(lr.ddp_runs, 2, str(tmp_path), free_port(), backend="none", timeout=240)
+    for rank, runs in enumerate(per_rank):
+        assert len(runs["full"]) == 8 and len(runs["stopped"]) == 4, rank  # 2 epochs of 4 steps per rank
+        assert runs["stopped"] == runs["full"][:4], rank
+        assert runs["resumed"] == runs["full"][4:], rank  # exact: same data, same order, same state
+    # steps 2 and 4 (top-2 by step) and last at step 4; epoch 2 then adds 6 and 8, removing 2 and 4
+    assert folders(tmp_path / "cut" / "ckpt") == folders(tmp_path / "full" / "ckpt") == {
+        "epoch=1-step=6.ckpt": [6], "epoch=1-step=8.ckpt": [8], "last.ckpt": [8]}
+
+
+def test_single_device_under_async_checkpoint_io_resumes_exactly(tmp_path):
+    full = lr.fit(str(tmp_path / "full"), max_epochs=2, plugins=[AsyncCheckpointIO()], async_save=False)
+    stopped = lr.fit(str(tmp_path / "cut"), max_epochs=1, plugins=[AsyncCheckpointIO()], async_save=False)
+    assert folders(tmp_path / "cut" / "ckpt") == {
+        "epoch=0-step=6.ckpt": [6], "epoch=0-step=8.ckpt": [8], "last.ckpt": [8]}
+    resumed = lr.fit(str(tmp_path / "cut"), max_epochs=2, ckpt_path=str(tmp_path / "cut" / "ckpt" / "last.ckpt"))
+    assert stopped == full[:8] and resumed == full[8:]
+    assert len(full) == 16
+
+
+def test_checkpoint_dict_comes_back_with_its_types(tmp_path):
+    """The whole Lightning dict, hyper-parameters included (a dtype, a Path, a tuple, None)."""
+    lr.fit(str(tmp_path), max_epochs=1, model=lr.Tiny(dtype=torch.bfloat16, note=None))
+    io = lr.FlexCheckpointing().io
+    ckpt = io.load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    hp = ckpt["hyper_parameters"]
+    assert hp["dtype"] is torch.bfloat16 and hp["betas"] == (0.9, 0.99) and hp["note"] is None
+    assert isinstance(hp["out"], type(lr.Tiny().hparams.out)) and ckpt["global_step"] == 8
+    assert ckpt["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert sorted(ckpt["optimizer_states"][0]["state"]) == [0, 1, 2, 3]  # int keys stay ints
+    model = lr.Tiny()
+    model.load_state_dict(ckpt["state_dict"])
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(ckpt["optimizer_states"][0])
+
+
+class Opaque:
+    """An object with no state_dict: nothing flexckpt can represent."""
+
+
+def test_unrepresentable_hyper_parameter_stops_fit_before_step_one(tmp_path):
+    model = lr.Tiny(extra=Opaque())
+    with pytest.raises(UnsupportedState, match="hyper_parameters.*extra"):
+        lr.fit(str(tmp_path), max_epochs=1, model=model)
+    assert model.losses == []  # no training step ran
+    assert not (tmp_path / "ckpt").exists()
