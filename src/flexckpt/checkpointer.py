@@ -39,6 +39,7 @@ from flexckpt.errors import LoadError
 from flexckpt.handle import SaveHandle
 from flexckpt.load import LoadStats, PendingLoad
 from flexckpt.manifest import GROUP, check_run_id, step_dir
+from flexckpt.rebuild import load_dict
 from flexckpt.save_pipeline import Attempts, PlanEntry, SaveJob, SavePipeline, stop_threads
 from flexckpt.staging import BufferPool, copies_for
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
@@ -295,7 +296,8 @@ class Checkpointer(SavePipeline, Committer):
         handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
         job = SaveJob(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt, keyed=dict(w.keyed),
                       lease=buffer.lease, state_id=id(state),
-                      sums=RawSums() if self.compression.codec == "none" else None)
+                      sums=RawSums() if self.compression.codec == "none" else None,
+                      tree=w.tree if self.is_coordinator else None)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
             self._last_save = job  # a fast save of the same step and state takes its bytes (_share_staged)
@@ -367,11 +369,16 @@ class Checkpointer(SavePipeline, Committer):
         """What the newest committed step (or ``step``) holds: tensor names, dtypes, global
         shapes and saved layouts, plain values, per-lane and per-rank names. Load single
         tensors with ``load({...: tensor}, step, strict=False)``."""
-        chosen = self.latest_step() if step is None else step
-        if chosen is None or chosen not in self.steps():
+        return read_contents(self.storage, self._committed(step))
+
+    def _committed(self, step: int | None) -> int:
+        """``step``, or the newest committed step; LoadError if it is not committed."""
+        steps = self.steps()
+        chosen = (steps[-1] if steps else None) if step is None else step
+        if chosen is None or chosen not in steps:
             raise LoadError(f"step {step if step is not None else '(newest)'} is not a committed checkpoint under "
-                            f"{self.storage.url}; committed: {self.steps()}")
-        return read_contents(self.storage, chosen)
+                            f"{self.storage.url}; committed: {steps}")
+        return chosen
 
     # -- checking --------------------------------------------------------------------------------
     def check(self, state: dict) -> None:
@@ -439,6 +446,28 @@ class Checkpointer(SavePipeline, Committer):
             previous = chosen
             chosen = self._agree_step(None, before=previous)
             log.warning("flexckpt: load of step %d failed; falling back to step %d", previous, chosen)
+
+    def load_dict(self, step: int | None = None, *, device: "str | torch.device" = "cpu",
+                  exclude: tuple = ()) -> dict:
+        """The state saved as the newest committed step (or ``step``), rebuilt without a
+        template: the same dicts (str and int keys, in order), lists, tuples and plain values
+        (see :mod:`flexckpt.plain`), ``bytes``, and every tensor whole on ``device`` (a
+        DTensor too; load into a template with :meth:`load` to get pieces). Tensors that
+        shared storage come back as separate tensors. See :mod:`flexckpt.rebuild`.
+
+        No collective: each rank reads on its own (pass ``step=`` so that ranks loading
+        while a save commits agree). ``exclude`` leaves keys out by key path (a tuple such
+        as ``("data",)`` or ``("opt", "state", 0)``: that key and all below it) or by name
+        pattern as :meth:`load` takes them; an excluded list item is left out of its list.
+        """
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed")
+        gone = excluder(exclude)
+        self.wait()
+        chosen = self._committed(step)
+        manifest = read_manifest(self.storage, chosen)
+        return load_dict(self.storage, manifest, self.rank, self.world_size, torch.device(device), gone,
+                         self.read_threads)
 
     def _agree_step(self, step: int | None, before: int | None) -> int:
         return agree_step(self.rank, self.world_size, self.group, self.steps, self.storage.url, step, before)

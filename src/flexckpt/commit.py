@@ -297,6 +297,7 @@ def build_manifest(
     lanes: dict[str, dict],
     per_rank_keys: list[str],
     keyed: dict[str, tuple[int, int, str]] | None = None,
+    tree: Any = None,
 ) -> Manifest:
     ranks = []
     for r in range(plan.world_size):
@@ -306,6 +307,7 @@ def build_manifest(
     return Manifest(
         step, run_id, plan.world_size, time.time(), fingerprint, {}, tensors, plain, lanes,
         {k: None for k in per_rank_keys}, VERSION, attempt, plan.rules, codec, tuple(ranks), keyed=keyed or {},
+        tree=tree,
     )
 
 

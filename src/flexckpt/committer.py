@@ -62,6 +62,7 @@ class Committer:
                 step=job.step, run_id=self.run_id, attempt=job.attempt, plan=plan, fingerprint=fp,
                 codec=self.compression.codec, entries=entries, plain=job.plain, lanes=lanes,
                 per_rank_keys=e.per_rank_keys, keyed=write_keyed(self.storage, job.step, job.attempt, keyed, self.fsync),
+                tree=job.tree,
             )
             commit(self.storage, manifest, self.fsync)
             now = committed_attempt(self.storage, job.step)

@@ -37,14 +37,18 @@ from flexckpt.errors import ManifestError
 from flexckpt.plan import READ_RULES_VERSIONS, RULES_VERSION, PlanRules, WritePlan
 from flexckpt.stall import bounded
 from flexckpt.structure import TensorSpec
+from flexckpt.tree import check_tree
 from flexckpt.values import MAX_BYTES_VALUE
 from flexshard import Box, FlatRange, Layout, MeshLayout, Part, layout_from_json
 from flexshard.box import whole
 
 FORMAT = "flexckpt"
 RECORD_FORMAT = "flexckpt-record"
-VERSION = 3  # 3: a tensor's layout may be a MeshLayout (pieces are n-D boxes); else as 2
-READ_VERSIONS = (1, 2, 3)
+# 3: a tensor's layout may be a MeshLayout (pieces are n-D boxes); else as 2.
+# 4: as 3, plus the state's container tree (``tree``, see flexckpt.tree) and plain values
+#    with the tags of flexckpt.plain (dtype, device, path, enum, class, dataclass, dict)
+VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 CODECS = ("none", "zstd")
 
@@ -457,6 +461,7 @@ class Manifest:
     ranks: tuple[RankEntry, ...] = ()
     sealed: bool = False  # read back with a verified manifest checksum (False: written without one)
     keyed: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # bytes values: offset, length, xxh3-64
+    tree: Any = None  # version 4: the state's container tree (flexckpt.tree); None: not recorded
 
     def rank_values(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s per-rank values (version 2: read from its table file)."""
@@ -493,6 +498,7 @@ class Manifest:
                 "lanes": self.lanes,
                 "per_rank": sorted(self.per_rank),
                 **({"keyed": {k: list(v) for k, v in self.keyed.items()}} if self.keyed else {}),
+                **({"tree": self.tree} if self.tree is not None and self.version >= 4 else {}),
             })
         doc = {
             "format": FORMAT,
@@ -721,8 +727,11 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
         raise _fail(where, "per_rank must list value names")
     files = TableFiles(plan, attempt, codec, ranks_t)
     keyed = _parse_keyed(doc.get("keyed", {}), where)
+    tree = doc.get("tree") if version >= 4 else None
+    if tree is not None:
+        check_tree(tree, where)
     return Manifest(step, run_id, world, wall, fp, files, tensors, plain, lanes, {k: None for k in keys},
-                    version, attempt, rules, codec, ranks_t, keyed=keyed)
+                    version, attempt, rules, codec, ranks_t, keyed=keyed, tree=tree)
 
 
 _PLANS: dict[tuple, WritePlan] = {}  # the newest few, oldest first

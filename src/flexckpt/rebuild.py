@@ -1,0 +1,93 @@
+"""A saved state rebuilt without a template (``Checkpointer.load_dict``): every tensor read
+whole onto one device, plain, bytes, per-lane and per-rank values decoded, all put back in
+the dicts, lists and tuples of the manifest's container tree (:mod:`flexckpt.tree`).
+
+What comes back: dicts (str and int keys, in the saved order; a dict subclass, an
+``OrderedDict`` or a module's state dict, as a ``dict``), lists, tuples, the plain values of
+:mod:`flexckpt.plain`, ``bytes``, and tensors: plain ``torch.Tensor`` (a ``Parameter``, a
+DTensor or a ShardedTensor comes back as the whole tensor, contiguous, without
+``requires_grad``), each its own storage (tensors that shared storage when saved, tied
+weights, come back as equal, separate tensors). ``ByLane`` and ``PerRank`` values come back
+as those objects (a per-rank value only at the saved world size). A manifest without a tree
+(before version 4, or a fast-tier save) gives nested dicts of str keys.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from flexckpt.errors import ManifestError, StructureMismatch
+from flexckpt.load import PendingLoad, decode_per_rank, read_bytes_values
+from flexckpt.manifest import Manifest
+from flexckpt.plain import decode_plain
+from flexckpt.storage import Storage
+from flexckpt.structure import Walk
+from flexckpt.tree import assemble, name_path, put, walk_tree
+from flexckpt.values import ByLane, PerRank
+
+_CPU = torch.device("cpu")
+
+
+def load_dict(storage: Storage, manifest: Manifest, rank: int, world_size: int, device: torch.device,
+              gone: Callable[[str], bool] | None, threads: int) -> dict:
+    keep = (lambda n: True) if gone is None else (lambda n: not gone(n))
+    values: dict[str, Any] = {}
+    step = manifest.step
+    for name, raw in manifest.plain.items():
+        if keep(name):
+            try:
+                values[name] = decode_plain(raw)
+            except (ValueError, RecursionError) as e:
+                raise ManifestError(f"checkpoint step {step}: plain value {_shown(manifest, name)} cannot be loaded: "
+                                    f"{str(e)[:300]}") from None
+    values.update(read_bytes_values(storage, manifest, [n for n in manifest.keyed if keep(n)]))
+    values.update({n: ByLane(dict(v)) for n, v in manifest.lanes.items() if keep(n)})
+    per_rank = [n for n in manifest.per_rank if keep(n)]
+    if per_rank:
+        if manifest.world_size != world_size:
+            raise StructureMismatch(
+                f"per-rank value {_shown(manifest, per_rank[0])} of checkpoint step {step} belongs to the ranks of "
+                f"world size {manifest.world_size}, and this is world size {world_size}; leave it out with "
+                f"exclude=({_path(manifest, per_rank[0])!r},)")
+        saved = manifest.rank_values(rank)
+        for n in per_rank:
+            if n not in saved:
+                raise ManifestError(f"checkpoint step {step} has no per-rank value {n!r} for rank {rank}")
+            values[n] = PerRank(decode_per_rank(saved[n], n), restored=True)
+    values.update(_read_tensors(storage, manifest, [n for n in manifest.tensors if keep(n)], device, threads))
+    out = assemble(manifest.tree, values, gone) if manifest.tree is not None else {}
+    for name in [n for n in _saved_order(manifest) if n in values]:  # leaves the tree does not hold
+        put(out, name_path(name), values.pop(name), f"checkpoint step {step}: value")
+    return out
+
+
+def _read_tensors(storage: Storage, manifest: Manifest, names: list[str], device: torch.device,
+                  threads: int) -> dict[str, torch.Tensor]:
+    """The tensors ``names``, whole, read as rank 0 of a world of 1 would (each byte range
+    once, verified), onto ``device``."""
+    w = Walk()
+    for name in names:
+        t = manifest.tensors[name]
+        w.key.append((name, t.dtype, t.shape, _CPU))
+        w.tensors.append(torch.empty(t.shape, dtype=t.dtype))
+    pending = PendingLoad(storage, manifest, w, 0, 1, strict=False)
+    pending.read(threads)
+    pending.apply()
+    return {name: t if device == _CPU else t.to(device) for name, t in zip(names, w.tensors)}
+
+
+def _saved_order(manifest: Manifest) -> list[str]:
+    return [*manifest.tensors, *manifest.plain, *manifest.keyed, *manifest.lanes, *manifest.per_rank]
+
+
+def _path(manifest: Manifest, name: str) -> tuple:
+    if manifest.tree is not None:
+        for n, path in walk_tree(manifest.tree):
+            if n == name:
+                return path
+    return name_path(name)
+
+
+def _shown(manifest: Manifest, name: str) -> str:
+    return repr(_path(manifest, name))

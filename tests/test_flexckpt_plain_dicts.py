@@ -1,0 +1,192 @@
+"""Plain dicts round-trip (issue 26, part 2): a trainer's checkpoint dict saved and read back
+without a template (``Checkpointer.load_dict``) comes back with the same structure, keys,
+order and types; values that cannot be represented are refused at save() and check()."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import pathlib
+import struct
+from typing import Any
+
+import pytest
+import torch
+
+from flexckpt import Checkpointer, UnsupportedState
+
+
+class Color(enum.Enum):
+    RED = 1
+    BLUE = "b"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Optim:
+    name: str = "adamw"
+    betas: tuple = (0.9, 0.95)
+
+
+@dataclasses.dataclass
+class HParams:
+    lr: float = 3e-4
+    act: type = torch.nn.GELU
+    dtype: torch.dtype = torch.bfloat16
+    optim: Optim = dataclasses.field(default_factory=Optim)
+    layers: list = dataclasses.field(default_factory=lambda: [1, 2])
+    extra: dict = dataclasses.field(default_factory=lambda: {1: "one", "1": "str one"})
+
+
+def assert_same(got: Any, want: Any, path: tuple = ()) -> None:
+    """Equal, types included, dict key order included; tensors bit for bit (NaN and -0.0
+    included), same dtype, shape and device; floats by their bits."""
+    assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, dict):
+        assert list(got) == list(want) and [type(k) for k in got] == [type(k) for k in want], f"{path}: keys"
+        for k in want:
+            assert_same(got[k], want[k], path + (k,))
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{path}: length"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, path + (i,))
+    elif isinstance(want, torch.Tensor):
+        assert (got.dtype, got.shape, got.device) == (want.dtype, want.shape, want.device), path
+        assert torch.equal(got.reshape(-1).view(torch.uint8) if got.numel() else got,
+                           want.contiguous().reshape(-1).view(torch.uint8) if want.numel() else want), path
+    elif isinstance(want, float):
+        assert struct.pack("<d", got) == struct.pack("<d", want), f"{path}: {got!r} != {want!r}"
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def _round_trip(tmp_path, state: dict, **load: Any) -> dict:
+    with Checkpointer(str(tmp_path / "ck"), rank=0, world_size=1, fsync=False) as ck:
+        ck.save(5, state).result(timeout=30)
+        return ck.load_dict(**load)
+
+
+def trainer_dict() -> dict:
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    return {
+        "epoch": 3, "global_step": 1200, "lr": 0.5, "done": False, "note": None, "name": "run-ü",
+        "state_dict": {"layer.weight": base, "layer.bias": torch.zeros(4, dtype=torch.bfloat16)},
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": base * 2}},
+                              "param_groups": [{"params": [0], "lr": 1e-3, "betas": (0.9, 0.999), "foreach": None}]}],
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 3}}, "state_dict": {}}},
+        "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_k_models": {}, "kth_value": float("inf")}},
+        "int_keys": {1: "int", "1": "str", -2: "neg", "-2": "negstr"},
+        "slashes": {"a/b": 1, "a": {"b": 2}, "%2F": 3, "50%": 4},
+        "tuple": (1, "two", None, (3.5, [4])), "empty": {}, "empty_list": [], "empty_tuple": (),
+        "floats": [float("nan"), float("-inf"), float("inf"), -0.0, 0.0, 1e-310],
+        "mixed_list": [torch.ones(2), 7, {"k": b"bytes"}, ["x", torch.zeros(())]],
+        "blob": b"\x00\xffdata",
+        "tensors": {"zero_d": torch.tensor(7, dtype=torch.int64), "empty": torch.empty(0, 3),
+                    "non_contiguous": base.t(), "sliced": base[:, ::2], "bool": torch.tensor([True, False])},
+        "hparams": {"dtype": torch.float16, "device": torch.device("cuda", 1), "cpu": torch.device("cpu"),
+                    "path": pathlib.Path("/data/run 1"), "pure": pathlib.PurePosixPath("a/b"),
+                    "color": Color.BLUE, "level": Level.LOW, "act": torch.nn.GELU, "cfg": HParams(),
+                    "dtypes": [torch.float32, torch.int8], "big": 2**64 - 1, "small": -(2**63)},
+    }
+
+
+def test_a_trainer_dict_comes_back_without_a_template_with_its_structure_and_types(tmp_path):
+    state = trainer_dict()
+    got = _round_trip(tmp_path, state)
+    want = dict(state)
+    want["tensors"] = {k: v.contiguous() for k, v in state["tensors"].items()}  # strides are not kept
+    assert_same(got, want)
+
+
+def test_int_and_str_keys_of_one_dict_stay_apart(tmp_path):
+    got = _round_trip(tmp_path, {"d": {1: torch.ones(1), "1": torch.zeros(1), 2: "a"}, "e": {"2": "s"}})
+    assert list(got["d"]) == [1, "1", 2] and got["d"][1].item() == 1.0 and got["d"]["1"].item() == 0.0
+    assert list(got["e"]) == ["2"]
+
+
+def test_an_adamw_state_dict_that_comes_back_loads_into_a_fresh_optimizer(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    for _ in range(2):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+    got = _round_trip(tmp_path, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    assert_same(got["optimizer"], opt.state_dict())
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    fresh.load_state_dict(got["model"])
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    opt2.load_state_dict(got["optimizer"])
+    assert_same(opt2.state_dict(), opt.state_dict())
+
+
+def test_tensors_load_onto_the_device_asked_for_and_tied_tensors_come_back_apart(tmp_path):
+    w = torch.arange(6.0)
+    got = _round_trip(tmp_path, {"emb": w, "head": w, "view": w[1:3]}, device="meta")
+    assert {t.device.type for t in got.values()} == {"meta"}
+    got = _round_trip(tmp_path / "2", {"emb": w, "head": w})
+    assert torch.equal(got["emb"], got["head"]) and got["emb"].data_ptr() != got["head"].data_ptr()
+    got["emb"][0] = 100.0
+    assert got["head"][0] == 0.0  # sharing does not survive: documented
+
+
+def test_modules_and_optimizers_in_the_state_come_back_as_their_state_dicts(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = _round_trip(tmp_path, {"model": model, "opt": opt, "step": 1})
+    assert_same(got["model"], dict(model.state_dict()))
+    assert_same(got["opt"], opt.state_dict())
+    assert got["step"] == 1
+
+
+def test_loading_into_a_template_still_works_and_load_returns_the_step(tmp_path):
+    state = {"w": torch.ones(3), "meta": {"epoch": 2, "ids": [1, 2], 4: "four"}, "hp": {"dtype": torch.bfloat16}}
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
+        ck.save(9, state).result(timeout=30)
+        target = {"w": torch.zeros(3), "meta": {"epoch": 0, "ids": [0], 4: ""}, "hp": {"dtype": torch.float32}}
+        assert ck.load(target) == 9
+    assert_same(target, state)
+
+
+def test_exclude_takes_key_paths_and_name_patterns(tmp_path):
+    state = {"a/b": torch.ones(1), "a": {"b": torch.zeros(1), "c": 3}, "l": [1, {"x": 2}, "y"], "data": {"k": b"1"}}
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
+        ck.save(1, state).result(timeout=30)
+        got = ck.load_dict(exclude=(("a/b",), ("l", 1), "data"))
+        assert list(got) == ["a", "l"] and list(got["a"]) == ["b", "c"] and got["l"] == [1, "y"]
+        got = ck.load_dict(exclude=(("a", "b"),))
+        assert list(got) == ["a/b", "a", "l", "data"] and list(got["a"]) == ["c"]
+
+
+@pytest.mark.parametrize("value, words", [
+    ({1, 2}, ["set", "pickle", "use tensors"]),
+    (lambda: 1, ["function", "pickle"]),
+    (object(), ["object"]),
+    (2**64, ["64 bits", "str"]),
+    ("\ud800", ["surrogate"]),
+    ({(1, 2): "tuple key"}, ["tuple", "str"]),
+    ({True: 1}, ["bool", "str"]),
+    (complex(1, 2), ["complex"]),
+])
+def test_a_value_that_cannot_be_represented_is_refused_at_check_and_save_in_one_line(tmp_path, value, words):
+    state = {"ok": torch.ones(1), "hp": {"bad": value}}
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
+        for call in (lambda: ck.check(state), lambda: ck.save(1, state)):
+            with pytest.raises(UnsupportedState) as e:
+                call()
+            msg = str(e.value)
+            assert "\n" not in msg and "hp/bad" in msg, msg
+            assert all(w in msg for w in words), msg
+        assert ck.steps() == []
+
+
+def test_a_local_class_or_enum_is_refused_naming_the_fix(tmp_path):
+    class Local:
+        pass
+
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
+        with pytest.raises(UnsupportedState, match="top level of a module"):
+            ck.check({"cls": Local})
