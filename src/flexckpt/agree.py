@@ -1,6 +1,6 @@
 """What the ranks agree on with a collective, outside the save path: at load, the step
-(rank 0 picks, everyone gets it) and whether any rank failed; at construction, rank 0's
-random ids (see ``Checkpointer._resolve_run_id``). With a process group, on its ranks."""
+(rank 0 picks, everyone gets it) and whether any rank failed. With a process group, on its
+ranks. (At construction the ids go through the store, not a collective: see ``savers``.)"""
 from __future__ import annotations
 
 import logging

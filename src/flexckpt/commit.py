@@ -132,7 +132,8 @@ def wait_for(
                 keys = sorted(pending.values())
                 raise SaveError(
                     f"{what}s {keys[:20]}{' ...' if len(keys) > 20 else ''} missing in {folder} after {timeout:.0f} s "
-                    f"(commit_timeout); is every rank calling save() for this step?"
+                    f"(commit_timeout); is every rank calling save() for this step? (to save from some ranks "
+                    f"only, name them: Checkpointer(url, ranks=[0]))"
                 )
             time.sleep(delay)
             delay = min(delay * 2, max_delay)
