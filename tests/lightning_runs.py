@@ -38,12 +38,14 @@ class Tiny(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
 
 
-def data(batch_size: int) -> DataLoader:
+def data(batch_size: int, shuffle: bool) -> DataLoader:
+    """32 samples; shuffled under DDP (Lightning's DistributedSampler: an order per epoch from
+    seed and epoch), in order on one device (a plain shuffle's order would follow the loader's
+    generator, which a new process starts afresh)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, 4, generator=g)
     y = x.sum(1, keepdim=True).sin()
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
-                      generator=torch.Generator().manual_seed(2))
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
 
 
 def fit(root: str, *, max_epochs: int, ckpt_path: str | None = None, devices: int = 1, batch_size: int = 4,
@@ -61,7 +63,7 @@ def fit(root: str, *, max_epochs: int, ckpt_path: str | None = None, devices: in
         strategy="ddp" if devices > 1 else "auto", plugins=plugins, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
         callbacks=[FlexCheckpointing(async_save=async_save), checkpoint])
-    trainer.fit(model, data(batch_size), ckpt_path=ckpt_path)
+    trainer.fit(model, data(batch_size, shuffle=devices > 1), ckpt_path=ckpt_path)
     return model.losses
 
 

@@ -50,14 +50,20 @@ def test_ddp_two_ranks_stopped_and_resumed_from_last_gives_the_uninterrupted_los
         "epoch=1-step=6.ckpt": [6], "epoch=1-step=8.ckpt": [8], "last.ckpt": [8]}
 
 
-def test_single_device_under_async_checkpoint_io_resumes_exactly(tmp_path):
-    full = lr.fit(str(tmp_path / "full"), max_epochs=2, plugins=[AsyncCheckpointIO()], async_save=False)
-    stopped = lr.fit(str(tmp_path / "cut"), max_epochs=1, plugins=[AsyncCheckpointIO()], async_save=False)
+@pytest.mark.parametrize("async_save", [True, False])
+def test_single_device_stopped_and_resumed_gives_the_uninterrupted_losses(tmp_path, async_save):
+    full = lr.fit(str(tmp_path / "full"), max_epochs=2, async_save=async_save)
+    stopped = lr.fit(str(tmp_path / "cut"), max_epochs=1, async_save=async_save)
     assert folders(tmp_path / "cut" / "ckpt") == {
         "epoch=0-step=6.ckpt": [6], "epoch=0-step=8.ckpt": [8], "last.ckpt": [8]}
-    resumed = lr.fit(str(tmp_path / "cut"), max_epochs=2, ckpt_path=str(tmp_path / "cut" / "ckpt" / "last.ckpt"))
-    assert stopped == full[:8] and resumed == full[8:]
-    assert len(full) == 16
+    resumed = lr.fit(str(tmp_path / "cut"), max_epochs=2, ckpt_path=str(tmp_path / "cut" / "ckpt" / "last.ckpt"),
+                     async_save=async_save)
+    assert len(full) == 16 and stopped == full[:8] and resumed == full[8:]
+
+
+def test_async_checkpoint_io_is_refused_naming_the_race(tmp_path):
+    with pytest.raises(TypeError, match="AsyncCheckpointIO removes top-k checkpoints"):
+        lr.fit(str(tmp_path), max_epochs=1, plugins=[AsyncCheckpointIO()])
 
 
 def test_checkpoint_dict_comes_back_with_its_types(tmp_path):

@@ -113,9 +113,10 @@ class AcceleratorCheckpoint:
     def load(self, step: int | None = None) -> int:
         """Restore the newest committed step (or ``step``) on every process; returns its
         step, or 0 when there is none (a fresh start)."""
-        if step is None and not self.checkpointer.steps():
+        steps = self.checkpointer.steps()
+        if step is None and not steps:
             return 0
-        saved = self.checkpointer.load_dict(step)
+        saved = self.checkpointer.load_dict(steps[-1] if step is None else step, exclude=("rng",))
         acc = self.accelerator
         for kind, objects in (("models", [acc.unwrap_model(m) for m in acc._models]), ("optimizers", acc._optimizers),
                               ("schedulers", acc._schedulers), ("custom", acc._custom_objects)):

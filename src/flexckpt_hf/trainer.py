@@ -135,7 +135,7 @@ class FlexTrainer(Trainer):
             if step not in self.checkpointer.steps():
                 raise LoadError(f"{folder} stands for step {step} of {self.checkpoint_url}, which is not committed "
                                 f"there; committed: {self.checkpointer.steps()}")
-            self._resumed = (folder, self.checkpointer.load_dict(step))
+            self._resumed = (folder, self.checkpointer.load_dict(step, exclude=("rng",)))  # rng: _load_rng_state
         return self._resumed[1]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -189,5 +189,5 @@ class FlexTrainer(Trainer):
         step = folder_step(self.state.best_model_checkpoint)
         if step is None:
             return super()._load_best_model()
-        saved = self.checkpointer.load_dict(step)
+        saved = self.checkpointer.load_dict(step, exclude=("optimizer", "scheduler", "scaler", "rng"))
         self.accelerator.unwrap_model(self.model).load_state_dict(saved["model"])

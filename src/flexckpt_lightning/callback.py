@@ -1,10 +1,16 @@
 """The one line: ``Trainer(callbacks=[FlexCheckpointing()])``.
 
 At ``setup`` it puts :class:`~flexckpt_lightning.checkpoint_io.FlexCheckpointIO` in the
-strategy (inside an ``AsyncCheckpointIO`` the user passed, if any), before Lightning restores
-``ckpt_path``; at ``on_fit_start`` it builds the checkpoint dict once, as Lightning will at
-the first save, and checks it: a value flexckpt cannot represent stops the run there,
-before step 1, naming its key (on every rank alike, so none waits for another).
+strategy, before Lightning restores ``ckpt_path``; at ``on_fit_start`` it builds the
+checkpoint dict once, as Lightning will at the first save, and checks it: a value flexckpt
+cannot represent stops the run there, before step 1, naming its key (on every rank alike,
+so none waits for another).
+
+Saves are asynchronous by flexckpt's own means (``async_save=True``: Lightning's tensors are
+copied out before ``save_checkpoint`` returns). Lightning's ``AsyncCheckpointIO`` is refused:
+it queues saves on a thread but runs ``ModelCheckpoint``'s removals at once, so a top-k
+removal can run before the queued save of the same path, which then writes it back (seen
+here: a removed ``epoch=0-step=4.ckpt`` left behind).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from flexckpt import Checkpointer
@@ -50,12 +56,10 @@ class FlexCheckpointing(Callback):
         current = strategy._checkpoint_io  # None until Lightning fills in its default
         if current is None or type(current) is TorchCheckpointIO:
             strategy.checkpoint_io = self.io
-        elif isinstance(current, _WrappingCheckpointIO):  # e.g. AsyncCheckpointIO()
-            inner = current.checkpoint_io
-            if inner is None or type(inner) is TorchCheckpointIO:
-                current._checkpoint_io = self.io
-            elif not isinstance(inner, FlexCheckpointIO):
-                raise _other_io(inner)
+        elif isinstance(current, AsyncCheckpointIO):
+            raise TypeError("FlexCheckpointing saves asynchronously itself (async_save=True, the default); "
+                            "AsyncCheckpointIO removes top-k checkpoints before its queued saves of them run: drop "
+                            "AsyncCheckpointIO from plugins")
         elif not isinstance(current, FlexCheckpointIO):
             raise _other_io(current)
 
