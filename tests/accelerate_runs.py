@@ -16,23 +16,24 @@ def torchrun_env(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def train(url: str, *, epochs: int = 2, batch_size: int = 2, stop_at: int | None = None) -> dict[int, float]:
-    """Train 2 epochs of 32 samples, saving every 3 steps through AcceleratorCheckpoint and
-    resuming from ``url`` when it holds a step; stop after step ``stop_at``. Returns this
-    process's loss per step."""
+def train(url: str, *, epochs: int = 2, stop_at: int | None = None) -> dict[int, float]:
+    """Train 2 epochs of 32 samples in global batches of 4 (``split_batches``: the loader's
+    batch is split across processes, and a prepared scheduler steps once per step at any
+    count), saving every 3 steps through AcceleratorCheckpoint and resuming from ``url``
+    when it holds a step; stop after step ``stop_at``. Returns the mean loss per step."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
     from flexckpt_accelerate import AcceleratorCheckpoint
 
-    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, split_batches=True))
     set_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, 4, generator=g)
-    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=batch_size, shuffle=True)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4, shuffle=True)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     ckpt = AcceleratorCheckpoint(acc, url, keep_last=2)
     step = ckpt.load()
@@ -74,6 +75,6 @@ def runs(rank: int, world: int, root: str, port: int) -> dict:
 
 
 def resume_alone(rank: int, world: int, root: str, port: int) -> dict[int, float]:
-    """One process resumes the 2-process run's step 9 with the same global batch (4)."""
+    """One process resumes the 2-process run's step 9 (the same global batch, 4)."""
     torchrun_env(rank, world, port)
-    return train(os.path.join(root, "alone"), batch_size=4)
+    return train(os.path.join(root, "alone"))
