@@ -77,3 +77,55 @@ def ddp_runs(rank: int, world: int, root: str, port: int) -> dict:
     stopped = fit(os.path.join(root, "cut"), max_epochs=1, devices=world)
     resumed = fit(os.path.join(root, "cut"), max_epochs=2, devices=world, ckpt_path="last")
     return {"full": full, "stopped": stopped, "resumed": resumed}
+
+
+class Sharded(Tiny):
+    """Tiny, sharded by FSDP2 over the data-parallel mesh in ``configure_model``."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        if not getattr(self, "_sharded", False):
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+            self._sharded = True
+
+
+def model_parallel_fit(root: str, *, max_epochs: int, devices: int, ckpt_path: str | None = None,
+                       model: Sharded | None = None) -> list[float]:
+    from flexckpt_lightning import FlexModelParallelStrategy
+
+    pl.seed_everything(0, verbose=False)
+    model = model or Sharded(dtype=None, out=None)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_last=True)
+    trainer = pl.Trainer(
+        default_root_dir=root, max_epochs=max_epochs, accelerator="cpu", devices=devices,
+        strategy=FlexModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[FlexCheckpointing(), checkpoint])
+    trainer.fit(model, data(4, shuffle=True), ckpt_path=ckpt_path)
+    return model.losses
+
+
+def model_parallel_runs(rank: int, world: int, root: str, port: int, port_alone: int) -> dict:
+    """FSDP2 under FlexModelParallelStrategy on 2 ranks: uninterrupted, stopped after epoch 1,
+    resumed from ``last``; then rank 0 alone (a group of 1) loads the full run's last
+    checkpoint: its parameters, whole, and its global step."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    full = model_parallel_fit(os.path.join(root, "full"), max_epochs=2, devices=world)
+    stopped = model_parallel_fit(os.path.join(root, "cut"), max_epochs=1, devices=world)
+    resumed = model_parallel_fit(os.path.join(root, "cut"), max_epochs=2, devices=world, ckpt_path="last")
+    out = {"full": full, "stopped": stopped, "resumed": resumed}
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        os.environ.update(MASTER_PORT=str(port_alone), WORLD_SIZE="1")
+        model = Sharded(dtype=None, out=None)
+        model_parallel_fit(os.path.join(root, "alone"), max_epochs=2, devices=1, model=model,
+                           ckpt_path=os.path.join(root, "full", "ckpt", "last.ckpt"))  # at the end: no step runs
+        out["alone"] = {k: v.full_tensor() for k, v in model.net.state_dict().items()}
+        out["alone_step"] = model.trainer.global_step
+    return out

@@ -50,6 +50,24 @@ def test_ddp_two_ranks_stopped_and_resumed_from_last_gives_the_uninterrupted_los
         "epoch=1-step=6.ckpt": [6], "epoch=1-step=8.ckpt": [8], "last.ckpt": [8]}
 
 
+def test_model_parallel_fsdp2_resumes_exactly_and_loads_at_another_world_size(tmp_path):
+    """Lightning's ModelParallelStrategy runs on CPU/gloo here: the real strategy, FSDP2 DTensors."""
+    per_rank = run_workers(lr.model_parallel_runs, 2, str(tmp_path), free_port(), free_port(), backend="none",
+                           timeout=240)
+    for rank, runs in enumerate(per_rank):
+        assert len(runs["full"]) == 8 and runs["stopped"] == runs["full"][:4], rank
+        assert runs["resumed"] == runs["full"][4:], rank
+    # each rank wrote its own shards: no gather
+    step_dir = tmp_path / "full" / "ckpt" / "last.ckpt" / "step-000000000008"
+    (attempt,) = [p for p in step_dir.iterdir() if p.is_dir()]
+    assert sorted(p.name for p in attempt.glob("*.data")) == ["r00000.data", "r00001.data"]
+    # 2 ranks -> 1 rank: the whole parameters the 2 ranks saved, at their global step
+    saved = Checkpointer(str(step_dir.parent), rank=0, world_size=1, read_only=True).load_dict()
+    assert per_rank[0]["alone_step"] == 8
+    for name, value in per_rank[0]["alone"].items():
+        assert torch.equal(value, saved["state_dict"][f"net.{name}"]), name
+
+
 @pytest.mark.parametrize("async_save", [True, False])
 def test_single_device_stopped_and_resumed_gives_the_uninterrupted_losses(tmp_path, async_save):
     full = lr.fit(str(tmp_path / "full"), max_epochs=2, async_save=async_save)

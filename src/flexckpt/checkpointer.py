@@ -42,7 +42,7 @@ from flexckpt.savers import run_ids, savers
 from flexckpt.save_pipeline import Attempts, PlanEntry, SaveJob, SavePipeline, stop_threads
 from flexckpt.staging import BufferPool, copies_for
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
-from flexckpt.structure import excluder, walk
+from flexckpt.structure import check_state, excluder, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
 from flexckpt.writer import RawSums
@@ -361,7 +361,7 @@ class Checkpointer(SavePipeline, Committer):
         fix), all in one error. Call it at the start of training, before the first step:
         it walks the state exactly as ``save`` does (the same code decides), writes
         nothing and makes no collective."""
-        walk(state, self.rank, self.world_size)
+        check_state(state, self.rank, self.world_size)
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, state: dict, step: int | None = None, *, strict: bool = True, fallback: bool = False,

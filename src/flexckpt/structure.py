@@ -215,6 +215,13 @@ def walk(state: Any, rank: int, world_size: int) -> Walk:
     return out
 
 
+def check_state(state: dict, rank: int = 0, world_size: int = 1) -> None:
+    """``Checkpointer.check`` without a Checkpointer (a framework's hook that checks before
+    it knows where checkpoints go): raise ``UnsupportedState`` naming every leaf of
+    ``state`` that rank ``rank`` of ``world_size`` could not save. No I/O, no collective."""
+    walk(state, rank, world_size)
+
+
 # what a leaf's conversion raises when the leaf cannot be checkpointed: collected, not fatal
 _REFUSALS = (TypeError, ValueError, NotImplementedError)
 

@@ -22,18 +22,19 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from flexckpt import Checkpointer
+from flexckpt.structure import check_state
 from flexckpt_lightning.checkpoint_io import FlexCheckpointIO
 from flexckpt_lightning.model_parallel import FlexModelParallelStrategy
 
 
-def check_checkpoint(checkpoint: dict[str, Any]) -> None:
-    """Raise ``UnsupportedState`` naming every key of ``checkpoint`` flexckpt cannot save."""
-    probe = Checkpointer("memory://flexckpt-lightning-check", rank=0, world_size=1, read_only=True)
-    try:
-        probe.check(checkpoint)
-    finally:
-        probe.close()
+def check_checkpoint(checkpoint: dict[str, Any], strategy: Any = None) -> None:
+    """Raise ``UnsupportedState`` naming every key of ``checkpoint`` flexckpt cannot save:
+    as this rank saves it under :class:`FlexModelParallelStrategy`, else as one process
+    saves the whole of it (FlexCheckpointIO)."""
+    if isinstance(strategy, FlexModelParallelStrategy):
+        check_state(checkpoint, strategy.global_rank, strategy.world_size)
+    else:
+        check_state(checkpoint)
 
 
 class FlexCheckpointing(Callback):
@@ -64,7 +65,7 @@ class FlexCheckpointing(Callback):
             raise _other_io(current)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        check_checkpoint(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+        check_checkpoint(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), trainer.strategy)
 
 
 def _other_io(io: CheckpointIO) -> TypeError:

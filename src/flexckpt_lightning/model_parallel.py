@@ -71,13 +71,16 @@ class FlexModelParallelStrategy(ModelParallelStrategy):
         }
         reader = Checkpointer(url, read_only=True, **self.checkpoint_options)
         try:
-            step = reader.load(sharded, strict=self.lightning_module.strict_loading)
-            rest = reader.load_dict(step)  # loops, callbacks, hyper-parameters
+            steps = reader.steps()
+            if not steps:
+                raise LoadError(f"{url} holds no committed checkpoint")
+            # the rest whole (loops, callbacks, hyper-parameters), then everything in place: the
+            # sharded state into this run's DTensors, at any number of ranks
+            rest = reader.load_dict(steps[-1], exclude=SHARDED)
+            reader.load({**rest, **sharded}, steps[-1], strict=self.lightning_module.strict_loading)
         finally:
             reader.close()
         set_model_state_dict(self.model, sharded["state_dict"])
         for optimizer, state in zip(optimizers, sharded["optimizer_states"]):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state)
-        for key in SHARDED:
-            rest.pop(key, None)
         return rest
