@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, comp
 
 from flexckpt import Checkpointer, LoadError
 from flexckpt.rng import load_rng_state, rng_state
+
+log = logging.getLogger("flexckpt.hf")
 
 POINTER = "flexckpt.json"
 _FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -183,7 +186,9 @@ class FlexTrainer(Trainer):
         saved = self._saved(checkpoint)
         if saved is None:
             return super()._load_rng_state(checkpoint)
-        load_rng_state(self.checkpointer, folder_step(checkpoint))
+        step = folder_step(checkpoint)
+        if not load_rng_state(self.checkpointer, step):
+            log.warning("flexckpt: step %d holds no RNG states of this number of processes: they stay as seeded", step)
 
     def _load_best_model(self) -> None:
         step = folder_step(self.state.best_model_checkpoint)
