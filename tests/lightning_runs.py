@@ -48,37 +48,6 @@ def data(batch_size: int, shuffle: bool) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
 
 
-def fit(root: str, *, max_epochs: int, ckpt_path: str | None = None, devices: int = 1, batch_size: int = 4,
-        plugins: list | None = None, async_save: bool = True, model: Tiny | None = None,
-        checkpoint: pl.callbacks.ModelCheckpoint | None = None) -> list[float]:
-    """One ``Trainer.fit`` with flexckpt; checkpoints every 2 steps into ``root/ckpt`` (the
-    newest 2 by step, and last.ckpt). Returns this rank's losses."""
-    pl.seed_everything(0, verbose=False)
-    model = model or Tiny()
-    checkpoint = checkpoint or pl.callbacks.ModelCheckpoint(
-        dirpath=os.path.join(root, "ckpt"), every_n_train_steps=2, save_top_k=2, monitor="step", mode="max",
-        save_last=True)
-    trainer = pl.Trainer(
-        default_root_dir=root, max_epochs=max_epochs, accelerator="cpu", devices=devices,
-        strategy="ddp" if devices > 1 else "auto", plugins=plugins, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[FlexCheckpointing(async_save=async_save), checkpoint])
-    trainer.fit(model, data(batch_size, shuffle=devices > 1), ckpt_path=ckpt_path)
-    return model.losses
-
-
-def ddp_runs(rank: int, world: int, root: str, port: int) -> dict:
-    """On each of 2 spawned ranks: the uninterrupted 2-epoch run, a run stopped after
-    epoch 1, and its resume from ``last``; Lightning's DDP with processes made outside it."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), RANK=str(rank))
-    torch.set_num_threads(1)
-    full = fit(os.path.join(root, "full"), max_epochs=2, devices=world)
-    stopped = fit(os.path.join(root, "cut"), max_epochs=1, devices=world)
-    resumed = fit(os.path.join(root, "cut"), max_epochs=2, devices=world, ckpt_path="last")
-    return {"full": full, "stopped": stopped, "resumed": resumed}
-
-
 class Sharded(Tiny):
     """Tiny, sharded by FSDP2 over the data-parallel mesh in ``configure_model``."""
 
@@ -90,42 +59,58 @@ class Sharded(Tiny):
             self._sharded = True
 
 
-def model_parallel_fit(root: str, *, max_epochs: int, devices: int, ckpt_path: str | None = None,
-                       model: Sharded | None = None) -> list[float]:
+def fit(root: str, *, max_epochs: int, ckpt_path: str | None = None, devices: int = 1, batch_size: int = 4,
+        plugins: list | None = None, async_save: bool = True, model: Tiny | None = None,
+        sharded: bool = False) -> list[float]:
+    """One ``Trainer.fit`` with flexckpt; checkpoints every 2 steps into ``root/ckpt`` (the
+    newest 2 by step, and last.ckpt). ``sharded``: FSDP2 under FlexModelParallelStrategy.
+    Returns this rank's losses."""
     from flexckpt_lightning import FlexModelParallelStrategy
 
     pl.seed_everything(0, verbose=False)
-    model = model or Sharded(dtype=None, out=None)
-    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_last=True)
+    model = model or (Sharded(dtype=None, out=None) if sharded else Tiny())
+    checkpoint = pl.callbacks.ModelCheckpoint(
+        dirpath=os.path.join(root, "ckpt"), every_n_train_steps=2, save_top_k=2, monitor="step", mode="max",
+        save_last=True)
+    strategy = (FlexModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if sharded
+                else "ddp" if devices > 1 else "auto")
     trainer = pl.Trainer(
-        default_root_dir=root, max_epochs=max_epochs, accelerator="cpu", devices=devices,
-        strategy=FlexModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1), logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[FlexCheckpointing(), checkpoint])
-    trainer.fit(model, data(4, shuffle=True), ckpt_path=ckpt_path)
+        default_root_dir=root, max_epochs=max_epochs, accelerator="cpu", devices=devices, strategy=strategy,
+        plugins=plugins, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[FlexCheckpointing(async_save=async_save), checkpoint])
+    trainer.fit(model, data(batch_size, shuffle=devices > 1), ckpt_path=ckpt_path)
     return model.losses
 
 
-def model_parallel_runs(rank: int, world: int, root: str, port: int, port_alone: int) -> dict:
-    """FSDP2 under FlexModelParallelStrategy on 2 ranks: uninterrupted, stopped after epoch 1,
-    resumed from ``last``; then rank 0 alone (a group of 1) loads the full run's last
-    checkpoint: its parameters, whole, and its global step."""
+def both_strategies(rank: int, world: int, root: str, port: int, port_alone: int) -> dict:
+    """DDP's then FlexModelParallelStrategy's runs (see stop_and_resume), in the same 2 processes."""
+    return {"ddp": stop_and_resume(rank, world, os.path.join(root, "ddp"), port),
+            "fsdp2": stop_and_resume(rank, world, os.path.join(root, "fsdp2"), port, True, port_alone)}
+
+
+def stop_and_resume(rank: int, world: int, root: str, port: int, sharded: bool = False,
+                    port_alone: int = 0) -> dict:
+    """On each of 2 spawned ranks (Lightning with processes made outside it, as torchrun
+    does): the uninterrupted 2-epoch run, a run stopped after epoch 1, its resume from
+    ``last``. ``sharded``: then rank 0 alone (a group of 1) loads the full run's last
+    checkpoint and returns its parameters, whole, and its global step."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), RANK=str(rank))
     torch.set_num_threads(1)
-    full = model_parallel_fit(os.path.join(root, "full"), max_epochs=2, devices=world)
-    stopped = model_parallel_fit(os.path.join(root, "cut"), max_epochs=1, devices=world)
-    resumed = model_parallel_fit(os.path.join(root, "cut"), max_epochs=2, devices=world, ckpt_path="last")
-    out = {"full": full, "stopped": stopped, "resumed": resumed}
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        os.environ.update(MASTER_PORT=str(port_alone), WORLD_SIZE="1")
-        model = Sharded(dtype=None, out=None)
-        model_parallel_fit(os.path.join(root, "alone"), max_epochs=2, devices=1, model=model,
-                           ckpt_path=os.path.join(root, "full", "ckpt", "last.ckpt"))  # at the end: no step runs
-        out["alone"] = {k: v.full_tensor() for k, v in model.net.state_dict().items()}
-        out["alone_step"] = model.trainer.global_step
+    out = {"full": fit(os.path.join(root, "full"), max_epochs=2, devices=world, sharded=sharded),
+           "stopped": fit(os.path.join(root, "cut"), max_epochs=1, devices=world, sharded=sharded),
+           "resumed": fit(os.path.join(root, "cut"), max_epochs=2, devices=world, ckpt_path="last",
+                          sharded=sharded)}
+    if sharded:
+        dist.barrier()
+        dist.destroy_process_group()
+        if rank == 0:
+            os.environ.update(MASTER_PORT=str(port_alone), WORLD_SIZE="1")
+            model = Sharded(dtype=None, out=None)
+            fit(os.path.join(root, "alone"), max_epochs=2, devices=1, model=model, sharded=True,
+                ckpt_path=os.path.join(root, "full", "ckpt", "last.ckpt"))  # at the end already: no step runs
+            out["alone"] = {k: v.full_tensor() for k, v in model.net.state_dict().items()}
+            out["alone_step"] = model.trainer.global_step
     return out

@@ -1,6 +1,6 @@
 """flexckpt in the transformers Trainer (5.x), CPU, a tiny GPT-2 made here (nothing downloaded):
 
-- a run stopped at step 6 (mid-epoch) and resumed with ``resume_from_checkpoint=True`` logs the
+- a run stopped after step 5 (mid-epoch; its last save step 4) and resumed with ``resume_from_checkpoint=True`` logs the
   uninterrupted run's losses and ends with its step, epoch, scheduler and weights;
 - ``checkpoint-N`` folders follow the committed steps; ``save_total_limit`` is ``keep_last``
   and the best step (``load_best_model_at_end``) survives it; nothing is pickled.
@@ -76,8 +76,14 @@ def test_trainer_stopped_mid_epoch_and_resumed_matches_the_uninterrupted_run(tmp
     assert (resumed.state.global_step, resumed.state.epoch) == (full.state.global_step, full.state.epoch) == (12, 2.0)
     assert resumed.lr_scheduler.state_dict() == full.lr_scheduler.state_dict()
     assert resumed.state.best_global_step == full.state.best_global_step == 6
-    for a, b in zip(resumed.model.state_dict().values(), full.model.state_dict().values()):
-        assert torch.equal(a, b)  # the best step's weights, loaded at the end of both
+    last = [t.checkpointer.load_dict(12) for t in (full, resumed)]
+    assert [(d["trainer_state"]["global_step"], d["trainer_state"]["epoch"]) for d in last] == [(12, 2.0)] * 2
+    assert last[0]["scheduler"] == last[1]["scheduler"] and last[0]["scheduler"]["last_epoch"] == 12
+    for name, value in last[0]["model"].items():
+        assert torch.equal(value, last[1]["model"][name]), name  # the same weights at the last step
+    best = full.checkpointer.load_dict(6)["model"]
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, best[name]), name  # load_best_model_at_end: step 6's weights
 
     # keep_last=2 keeps 10 and 12, and the best step, 6, besides; the folders follow
     assert full.checkpointer.steps() == resumed.checkpointer.steps() == [6, 10, 12]

@@ -39,9 +39,19 @@ def folders(ckpt_dir) -> dict[str, list[int]]:
     return out
 
 
-def test_ddp_two_ranks_stopped_and_resumed_from_last_gives_the_uninterrupted_losses(tmp_path):
-    per_rank = run_workers(lr.ddp_runs, 2, str(tmp_path), free_port(), backend="none", timeout=240)
-    for rank, runs in enumerate(per_rank):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """DDP's and FlexModelParallelStrategy's runs on one pair of spawned ranks (Lightning is
+    imported once per rank): (the root folder, each rank's results)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    per_rank = run_workers(lr.both_strategies, 2, str(root), free_port(), free_port(), backend="none", timeout=300)
+    return root, per_rank
+
+
+def test_ddp_two_ranks_stopped_and_resumed_from_last_gives_the_uninterrupted_losses(two_ranks):
+    root, results = two_ranks
+    tmp_path = root / "ddp"
+    for rank, runs in enumerate(r["ddp"] for r in results):
         assert len(runs["full"]) == 8 and len(runs["stopped"]) == 4, rank  # 2 epochs of 4 steps per rank
         assert runs["stopped"] == runs["full"][:4], rank
         assert runs["resumed"] == runs["full"][4:], rank  # exact: same data, same order, same state
@@ -50,10 +60,11 @@ def test_ddp_two_ranks_stopped_and_resumed_from_last_gives_the_uninterrupted_los
         "epoch=1-step=6.ckpt": [6], "epoch=1-step=8.ckpt": [8], "last.ckpt": [8]}
 
 
-def test_model_parallel_fsdp2_resumes_exactly_and_loads_at_another_world_size(tmp_path):
+def test_model_parallel_fsdp2_resumes_exactly_and_loads_at_another_world_size(two_ranks):
     """Lightning's ModelParallelStrategy runs on CPU/gloo here: the real strategy, FSDP2 DTensors."""
-    per_rank = run_workers(lr.model_parallel_runs, 2, str(tmp_path), free_port(), free_port(), backend="none",
-                           timeout=240)
+    root, results = two_ranks
+    tmp_path = root / "fsdp2"
+    per_rank = [r["fsdp2"] for r in results]
     for rank, runs in enumerate(per_rank):
         assert len(runs["full"]) == 8 and runs["stopped"] == runs["full"][:4], rank
         assert runs["resumed"] == runs["full"][4:], rank
