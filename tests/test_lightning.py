@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 import lightning_runs as lr  # noqa: E402
-from flexckpt import Checkpointer, UnsupportedState  # noqa: E402
+from flexckpt import Checkpointer, LoadError, UnsupportedState  # noqa: E402
 from flexshard.spawn import run_workers  # noqa: E402
 
 
@@ -109,6 +109,13 @@ def test_checkpoint_dict_comes_back_with_its_types(tmp_path):
     model.load_state_dict(ckpt["state_dict"])
     opt = torch.optim.AdamW(model.parameters())
     opt.load_state_dict(ckpt["optimizer_states"][0])
+
+
+def test_a_torch_save_file_is_refused_not_unpickled(tmp_path):
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {}}, path)
+    with pytest.raises(LoadError, match="never unpickles"):
+        lr.FlexCheckpointing().io.load_checkpoint(path)
 
 
 class Opaque:

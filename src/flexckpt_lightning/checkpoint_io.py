@@ -110,7 +110,7 @@ class FlexCheckpointIO(CheckpointIO):
         if os.path.islink(url):  # ModelCheckpoint(save_last="link"): the link goes, not what it names
             os.remove(url)
             return
-        fs = get_filesystem(url)
+        fs = get_filesystem(url, **(self.options.get("storage_options") or {}))
         if fs.exists(url):
             fs.rm(url, recursive=True)
             log.debug("removed checkpoint %s", url)
