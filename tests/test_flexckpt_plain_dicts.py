@@ -43,7 +43,7 @@ class HParams:
 
 def assert_same(got: Any, want: Any, path: tuple = ()) -> None:
     """Equal, types included, dict key order included; tensors bit for bit (NaN and -0.0
-    included), same dtype, shape and device; floats by their bits."""
+    included), same dtype, shape and device; floats by their bits (-0.0 included), NaN as NaN."""
     assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
     if isinstance(want, dict):
         assert list(got) == list(want) and [type(k) for k in got] == [type(k) for k in want], f"{path}: keys"
@@ -57,6 +57,8 @@ def assert_same(got: Any, want: Any, path: tuple = ()) -> None:
         assert (got.dtype, got.shape, got.device) == (want.dtype, want.shape, want.device), path
         assert torch.equal(got.reshape(-1).view(torch.uint8) if got.numel() else got,
                            want.contiguous().reshape(-1).view(torch.uint8) if want.numel() else want), path
+    elif isinstance(want, float) and math.isnan(want):
+        assert math.isnan(got), path  # NaN comes back as NaN; its sign and payload bits are not kept
     elif isinstance(want, float):
         assert struct.pack("<d", got) == struct.pack("<d", want), f"{path}: {got!r} != {want!r}"
     else:
@@ -190,3 +192,139 @@ def test_a_local_class_or_enum_is_refused_naming_the_fix(tmp_path):
     with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
         with pytest.raises(UnsupportedState, match="top level of a module"):
             ck.check({"cls": Local})
+
+
+def test_contents_names_each_leaf_by_its_key_path(tmp_path):
+    state = {"a/b": torch.ones(2), "a": {"b": torch.zeros(3), 1: "int", "1": "str"}, "l": [b"x", {"k": 2.5}],
+             "50%": torch.tensor(1)}
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
+        ck.save(1, state).result(timeout=30)
+        c = ck.contents()
+        assert list(c.tensors) == [("a/b",), ("a", "b"), ("50%",)]
+        assert c.tensors[("a", "b")].shape == (3,) and c.tensors[("a/b",)].shape == (2,)
+        assert c.plain == {("a", 1): "int", ("a", "1"): "str", ("l", 1, "k"): 2.5}
+        assert c.keyed == [("l", 0)]
+        text = repr(c)
+        assert "%" not in text.replace("50%", ""), text  # no escaped names
+        assert sorted(c.by_name().tensors) == ["50%25", "a%2Fb", "a/b"]  # the internal names, asked for
+        # a key path excludes exactly what it names, on load() as on load_dict()
+        target = {"a/b": torch.full((2,), 7.0), "a": {"b": torch.full((3,), 7.0), 1: "", "1": ""}, "l": [b"", {"k": 0.0}],
+                  "50%": torch.tensor(0)}
+        ck.load(target, exclude=(("a/b",), ("50%",)))
+        assert target["a/b"].tolist() == [7.0, 7.0] and target["a"]["b"].tolist() == [0.0] * 3
+        assert target["a"][1] == "int" and target["a"]["1"] == "str" and target["50%"].item() == 0
+
+
+def test_a_version_1_checkpoint_comes_back_as_nested_dicts_of_str_keys(tmp_path):
+    import shutil
+
+    from flexckpt import ByLane, PerRank
+    from test_flexckpt_format import DATA, fixture
+
+    shutil.copytree(DATA / "v1" / "plain", tmp_path / "ck")
+    with Checkpointer(str(tmp_path / "ck"), rank=1, world_size=2, run_id="reader", read_only=True) as ck:
+        got = ck.load_dict()
+        assert sorted(got) == ["lanes", "rng", "step", "t"] and got["step"] == 3
+        want = fixture.global_tensors()
+        assert sorted(got["t"]) == sorted(want) and all(torch.equal(got["t"][n], want[n]) for n in want)
+        assert got["lanes"] == ByLane({"0": {"doc": 10}, "1": {"doc": 11}})
+        assert got["rng"] == PerRank({"seed": 101}) and got["rng"].restored
+    with Checkpointer(str(tmp_path / "ck"), rank=0, world_size=1, run_id="reader", read_only=True) as ck:
+        with pytest.raises(Exception, match=r"per-rank value \('rng',\).*world size 2.*exclude=\(\('rng',\),\)"):
+            ck.load_dict()
+        assert sorted(ck.load_dict(exclude=(("rng",),))) == ["lanes", "step", "t"]
+
+
+# -- DTensors: whole CPU tensors without a template, pieces with one ----------------------------
+def _dtensor_round_trip(rank: int, world: int, url: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(15, dtype=torch.float32).reshape(5, 3)
+    state = {"model": {"w": distribute_tensor(full, mesh, [Shard(0)])}, "step": 7, "ids": [rank * 0, 1]}
+    with Checkpointer(url) as ck:
+        ck.save(1, state).result(timeout=60)
+        dist.barrier()
+        got = ck.load_dict()
+        target = {"model": {"w": distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)])}, "step": 0, "ids": []}
+        ck.load(target)
+        t = target["model"]["w"]
+        return {"got": got, "template_is_dtensor": isinstance(t, DTensor), "local": t.to_local().clone(),
+                "want_local": state["model"]["w"].to_local().clone()}
+
+
+def test_dtensors_come_back_as_whole_cpu_tensors_without_a_template_and_as_pieces_with_one(tmp_path):
+    from flexshard.spawn import run_workers
+
+    results = run_workers(_dtensor_round_trip, 2, str(tmp_path / "dt"), timeout=120)
+    full = torch.arange(15, dtype=torch.float32).reshape(5, 3)
+    for r in results:
+        assert_same(r["got"], {"model": {"w": full}, "step": 7, "ids": [0, 1]})
+        assert r["template_is_dtensor"] and torch.equal(r["local"], r["want_local"])
+
+
+# -- property: random nested plain structures round-trip exactly --------------------------------
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8), st.binary(max_size=8),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.device("cpu"), torch.device("cuda", 3), Color.RED,
+                     Level.LOW, torch.nn.GELU, pathlib.Path("/a/b"), HParams()]),
+    st.builds(lambda n, d: torch.arange(n, dtype=torch.int64).to(d), st.integers(0, 5),
+              st.sampled_from([torch.int64, torch.float32, torch.bfloat16, torch.bool])),
+)
+_key = st.one_of(st.text(min_size=1, max_size=6), st.integers(-3, 3))
+_state = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.lists(inner, max_size=3).map(tuple),
+                            st.dictionaries(_key, inner, max_size=4)),
+    max_leaves=20,
+)
+
+
+@hypothesis.settings(max_examples=25, deadline=None, database=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(st.dictionaries(_key, _state, max_size=5))
+def test_random_nested_plain_structures_round_trip_exactly(tmp_path_factory, state):
+    root = tmp_path_factory.mktemp("prop")
+    with Checkpointer(str(root), rank=0, world_size=1, fsync=False, stage_delay=0) as ck:
+        ck.save(1, state).result(timeout=30)
+        assert_same(ck.load_dict(), state)
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"$dataclass": "subprocess:Popen", "fields": {}}, "is not a dataclass"),
+    ({"$enum": "subprocess:Popen", "name": "x"}, "has no enum member"),
+    ({"$dtype": "load"}, "unexpected object"),
+    ({"$class": "os:system"}, "does not define"),
+    ({"$class": "flexckpt_no_such_module:Thing"}, "is not imported; import it before loading"),
+    ({"$device": "spu:0"}, "not a device this torch knows"),
+    ({"$path": "/x", "type": "os"}, "unexpected object"),
+    ({"$tuple": [1], "extra": 2}, "unexpected object"),
+])
+def test_a_hostile_plain_value_in_a_manifest_is_refused_without_importing_or_calling_anything(tmp_path, raw, words):
+    import glob
+    import sys
+
+    import orjson
+
+    from flexckpt import ManifestError
+    from flexckpt.manifest import SEAL_FIELD, seal
+
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
+        ck.save(1, {"hp": {"v": 1}, "w": torch.ones(1)}).result(timeout=30)
+        (path,) = glob.glob(f"{tmp_path}/step-*/manifest.json")
+        doc = orjson.loads(open(path, "rb").read())
+        doc.pop(SEAL_FIELD)
+        doc["plain"]["hp/v"] = raw
+        with open(path, "wb") as f:
+            f.write(seal(orjson.dumps(doc)))
+        with pytest.raises(ManifestError, match=r"plain value \('hp', 'v'\) cannot be"):
+            ck.load_dict()
+        with pytest.raises(ManifestError, match=words):
+            ck.contents()
+        assert "flexckpt_no_such_module" not in sys.modules

@@ -701,8 +701,8 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
         fields.append((name, dtype, shape, layout))
     try:
         plan = _write_plan(fields, world, rules)
-    except ValueError as e:
-        raise _fail(where, str(e)) from None
+    except (ValueError, OverflowError) as e:  # OverflowError: sizes past int64 (a block of 2**62)
+        raise _fail(where, str(e) or type(e).__name__) from None
     raw_ranks = _get(doc, "ranks", list, where)
     if len(raw_ranks) != world:
         raise _fail(where, f"ranks lists {len(raw_ranks)} entries for a world of {world}")

@@ -168,7 +168,10 @@ def decode_plain(value: Any, depth: int = 0) -> Any:
         if isinstance(dtype, torch.dtype):
             return dtype
     if tag == "$device" and fields == {"$device"} and isinstance(body, str) and _DEVICE.match(body):
-        return torch.device(body)
+        try:
+            return torch.device(body)
+        except RuntimeError:  # a device type this torch does not know
+            raise ValueError(f"device {body!r} is not a device this torch knows") from None
     if tag == "$path" and fields == {"$path", "type"} and isinstance(body, str) and value["type"] in _PATHS:
         return _PATHS[value["type"]](body)
     if tag == "$enum" and fields == {"$enum", "name"} and isinstance(value["name"], str):
@@ -210,7 +213,11 @@ def _dataclass(cls: type, raw: dict, depth: int) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     if sorted(raw) != sorted(names):
         raise ValueError(f"dataclass {cls.__qualname__} has fields {names}, the checkpoint holds {sorted(raw)[:20]}")
-    obj = object.__new__(cls)  # neither __init__ nor __post_init__ runs: the fields as saved
-    for name in names:
-        object.__setattr__(obj, name, decode_plain(raw[name], depth + 1))
+    values = {name: decode_plain(raw[name], depth + 1) for name in names}
+    try:
+        obj = object.__new__(cls)  # neither __init__ nor __post_init__ runs: the fields as saved
+        for name, value in values.items():
+            object.__setattr__(obj, name, value)
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"dataclass {cls.__qualname__} cannot be rebuilt field by field: {e}") from None
     return obj

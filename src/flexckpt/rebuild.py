@@ -19,7 +19,8 @@ import torch
 
 from flexckpt.errors import ManifestError, StructureMismatch
 from flexckpt.load import PendingLoad, decode_per_rank, read_bytes_values
-from flexckpt.manifest import Manifest
+from flexckpt.dtypes import itemsize
+from flexckpt.manifest import MAX_ZSTD_RATIO, Manifest, step_dir
 from flexckpt.plain import decode_plain
 from flexckpt.storage import Storage
 from flexckpt.structure import Walk
@@ -65,7 +66,13 @@ def load_dict(storage: Storage, manifest: Manifest, rank: int, world_size: int, 
 def _read_tensors(storage: Storage, manifest: Manifest, names: list[str], device: torch.device,
                   threads: int) -> dict[str, torch.Tensor]:
     """The tensors ``names``, whole, read as rank 0 of a world of 1 would (each byte range
-    once, verified), onto ``device``."""
+    once, verified), onto ``device``. Allocated only once the data files are found to be
+    able to hold them (a manifest is untrusted: its shapes may claim terabytes)."""
+    want = sum(manifest.tensors[n].numel * itemsize(manifest.tensors[n].dtype) for n in names)
+    held = _backed_bytes(storage, manifest)
+    if want > held:
+        raise ManifestError(f"checkpoint step {manifest.step}: its tensors claim {want} bytes, and its data files "
+                            f"can hold at most {held}; the checkpoint is damaged")
     w = Walk()
     for name in names:
         t = manifest.tensors[name]
@@ -75,6 +82,21 @@ def _read_tensors(storage: Storage, manifest: Manifest, names: list[str], device
     pending.read(threads)
     pending.apply()
     return {name: t if device == _CPU else t.to(device) for name, t in zip(names, w.tensors)}
+
+
+def _backed_bytes(storage: Storage, manifest: Manifest) -> int:
+    """The most raw bytes the data files hold, as their sizes on storage vouch."""
+    if manifest.version >= 2:
+        for rank, entry in enumerate(manifest.ranks):
+            if entry.stored_nbytes:
+                manifest.files.table(rank)  # type: ignore[attr-defined]  # checks the data file's size too
+        stored, packed = manifest.stored_bytes, manifest.codec != "none"
+    else:
+        folder = step_dir(manifest.step)
+        stored = sum(min(storage.size(f"{folder}/{name}"), sum(c.length for c in f.chunks))
+                     for name, f in manifest.files.items())
+        packed = any(c.codec != "none" for f in manifest.files.values() for c in f.chunks)
+    return stored * (MAX_ZSTD_RATIO if packed else 1)
 
 
 def _saved_order(manifest: Manifest) -> list[str]:
