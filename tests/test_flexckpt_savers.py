@@ -1,6 +1,7 @@
 """Who saves: a Checkpointer made on one rank of many (``ranks=[0]``, the Lightning/DDP
 pattern) works without the others; one made on every rank agrees on its ids through the
 store, with no collective; the fast tier still needs every rank and names a missing one."""
+import datetime
 import os
 import time
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flexckpt import Checkpointer
+from flexckpt import Checkpointer, SaveError
 from flexckpt.tier import LocalTier
+from flexshard import Shard, ShardedTensor
 from flexshard.spawn import run_workers
 
 
@@ -70,6 +72,10 @@ def _rank0_saves_alone(rank: int, world: int, root: str) -> dict:
     got = empty_state()
     out["together_step"] = together.load(got)
     out["together"] = got
+    sharded = empty_state()  # each rank its rows of w, per the layout (3 rows: 2 on rank 0, 1 on rank 1)
+    sharded["model"]["w"] = ShardedTensor.from_global(torch.zeros(3, 4), Shard(0), rank, world)
+    together.load(sharded)
+    out["rows"] = sharded["model"]["w"].local.clone()
     together.close()
     return out
 
@@ -87,24 +93,37 @@ def test_rank0_saves_alone_while_rank1_waits_in_a_barrier_then_every_rank_loads(
             assert torch.equal(got["model"]["w"], want["model"]["w"])
             assert torch.equal(got["model"]["b"], want["model"]["b"])
             assert (got["step"], got["lr"]) == (7, 0.5)
+    assert torch.equal(r0["rows"], want["model"]["w"][:2]) and torch.equal(r1["rows"], want["model"]["w"][2:])
     assert r0["ids"] == r1["ids"] and len(set(r0["ids"])) == 2  # agreed, and fresh per construction
 
 
 def _missing_ranks_time_out(rank: int, world: int, root: str, shm: str) -> str:
-    """Rank 1 constructs while rank 0 does not, then rank 0 makes a fast tier while rank 1 does not."""
+    """Rank 1 constructs while rank 0 does not; then rank 0 constructs and saves while rank 1 does
+    not (without ranks=: the commit times out suggesting it), and makes a fast tier."""
     msg = ""
     if rank == 1:
         with pytest.raises(TimeoutError) as err:
             Checkpointer(root, commit_timeout=1)
         msg = str(err.value)
     dist.barrier()
-    if rank == 1:
-        time.sleep(4)  # alive, but never constructs: the missing peer
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # alive, but never constructs: the missing peer, until rank 0 is done
+        store.wait(["test/done"], datetime.timedelta(seconds=30))
         return msg
+    tier = LocalTier(dir=os.path.join(shm, "{node}"), timeout=2)
+    with pytest.raises(ValueError, match=r"local=.*ranks=\[0\] leaves some out"):
+        Checkpointer(root, ranks=[0], local=tier)
+    t0 = time.monotonic()
+    alone = Checkpointer(root, commit_timeout=1)  # without ranks=: returns at once all the same
+    assert time.monotonic() - t0 < 2.0  # noisy 2-core host
+    with pytest.raises(SaveError, match=r"missing .* is every rank calling save\(\).*ranks=\[0\]"):
+        alone.save(1, trainer_state(1)).result(timeout=30)  # the commit waits for rank 1's record
+    alone.close()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as err:
-        Checkpointer(root, local=LocalTier(dir=os.path.join(shm, "{node}"), timeout=2))
+        Checkpointer(root, local=tier)
     assert time.monotonic() - t0 < 10
+    store.set("test/done", "1")
     return str(err.value)
 
 
@@ -115,18 +134,18 @@ def test_a_missing_rank_ends_in_a_timeout_that_names_it(tmp_path):
 
 
 def test_ranks_names_the_saving_ranks_and_refuses_what_it_cannot_do():
-    from flexckpt.savers import Savers, _check_ranks, run_ids, savers
+    from flexckpt.savers import Savers, _check_ranks, run_ids, who_saves
 
     # no torch.distributed: a group of one
-    assert savers(None, None, [0], None) == Savers(0, 1, True, True, (), (0,), False)
-    assert savers(None, None, None, None) == Savers(0, 1, True, True)
+    assert who_saves(None, None, [0], None) == Savers(0, 1, True, True, (), (0,), False)
+    assert who_saves(None, None, None, None) == Savers(0, 1, True, True)
     with pytest.raises(ValueError, match=r"ranks= must name distinct ranks in \[0, 1\).*\[1\]"):
-        savers(None, None, [1], None)
+        who_saves(None, None, [1], None)
     with pytest.raises(ValueError, match="not both"):
-        savers(0, 1, [0], None)
+        who_saves(0, 1, [0], None)
     with pytest.raises(ValueError, match="a list of group ranks"):
-        savers(None, None, 0, None)
-    run_id, session = run_ids("job", savers(None, None, [0], None), 1.0)
+        who_saves(None, None, 0, None)
+    run_id, session = run_ids("job", who_saves(None, None, [0], None), 1.0)
     assert run_id == "job" and len(session) == 8
     with pytest.raises(ValueError, match=r"names 2 of 4 ranks.*new_group\(\[0, 2\]\)"):
         _check_ranks([2, 0], 4)

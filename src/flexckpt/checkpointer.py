@@ -38,7 +38,7 @@ from flexckpt.handle import SaveHandle
 from flexckpt.load import LoadStats, PendingLoad
 from flexckpt.manifest import GROUP, step_dir
 from flexckpt.rebuild import load_dict
-from flexckpt.savers import run_ids, savers
+from flexckpt.savers import run_ids, who_saves
 from flexckpt.save_pipeline import Attempts, PlanEntry, SaveJob, SavePipeline, stop_threads
 from flexckpt.staging import BufferPool, copies_for
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
@@ -81,8 +81,9 @@ class Checkpointer(SavePipeline, Committer):
             Lightning's DDP and other frameworks do, while the other ranks never touch flexckpt
             (construction returns at once, the commit waits for rank 0 only). Made with the
             same argument on a rank not named, the Checkpointer only reads there (``save``
-            raises; ``load`` reads the whole checkpoint on that rank alone, with no
-            collective). One rank or all of them; for another subset pass a
+            raises; ``load`` reads the whole checkpoint on that rank alone, as a world of one,
+            with no collective; to load each rank's part per its layouts, construct one
+            without ``ranks=`` on every rank and load together). One rank or all of them; for another subset pass a
             ``process_group`` of exactly those ranks. Not with ``rank=``/``world_size=``,
             nor with ``local=`` unless it names every rank.
         commit_timeout: seconds the coordinator waits for the other ranks' records (and the
@@ -152,7 +153,7 @@ class Checkpointer(SavePipeline, Committer):
         if read_only and local is not None:
             raise ValueError("read_only=True writes nothing, and a fast tier (local=) saves: drop one of them")
         self.group = process_group
-        who = savers(rank, world_size, ranks, process_group)
+        who = who_saves(rank, world_size, ranks, process_group)
         if local is not None and who.subset:
             raise ValueError(f"a fast tier (local=) needs every rank of the group, and ranks={list(who.named)!r} "
                              f"leaves some out: drop local= or ranks=")

@@ -49,8 +49,8 @@ class Savers:
     subset: bool = False  # ranks= leaves some ranks of the group out
 
 
-def savers(rank: int | None, world_size: int | None, ranks: Sequence[int] | None,
-           group: "dist.ProcessGroup | None") -> Savers:
+def who_saves(rank: int | None, world_size: int | None, ranks: Sequence[int] | None,
+              group: "dist.ProcessGroup | None") -> Savers:
     """The saving world from ``rank=``/``world_size=``, ``ranks=`` or torch.distributed."""
     if (rank is None) != (world_size is None):
         raise ValueError("pass both rank= and world_size=, or neither (to use torch.distributed's)")
