@@ -12,6 +12,7 @@ import os
 import pytest
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate (pip install -e .[hf])")
 
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
