@@ -1,10 +1,15 @@
 """flexckpt in PyTorch Lightning's own Trainer (CPU; a tiny MLP made here, see lightning_runs.py):
 
 - DDP on 2 gloo ranks, stopped after epoch 1 and resumed with ``ckpt_path="last"``: the
-  losses of the uninterrupted run, bit for bit; single device too, under AsyncCheckpointIO;
+  losses of the uninterrupted run, bit for bit; single device too, sync and async; FSDP2
+  under FlexModelParallelStrategy (Lightning's ModelParallelStrategy runs on CPU/gloo), also
+  loaded at 1 rank from 2;
 - ModelCheckpoint's paths: top-k removal, ``last.ckpt`` saved a second time at the same step,
-  every path a flexckpt folder holding its global step, no file pickled;
-- a hyper-parameter flexckpt cannot represent stops ``fit`` before step 1, naming its key.
+  every path a flexckpt folder holding its global step, no file pickled; a ``save_last="link"``
+  link removed alone; a removal right after an async save waits for it;
+- the whole dict comes back with its types; a torch.save file is refused, never unpickled;
+- a hyper-parameter flexckpt cannot represent stops ``fit`` before step 1, naming its key;
+  AsyncCheckpointIO is refused, naming the race.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 import lightning_runs as lr  # noqa: E402
+from flexckpt_lightning import FlexCheckpointIO  # noqa: E402
 from flexckpt import Checkpointer, LoadError, UnsupportedState  # noqa: E402
 from flexshard.spawn import run_workers  # noqa: E402
 
@@ -109,6 +115,24 @@ def test_checkpoint_dict_comes_back_with_its_types(tmp_path):
     model.load_state_dict(ckpt["state_dict"])
     opt = torch.optim.AdamW(model.parameters())
     opt.load_state_dict(ckpt["optimizer_states"][0])
+
+
+def test_a_path_is_a_url_holding_its_global_step_and_removal_waits_for_its_save(tmp_path):
+    io = FlexCheckpointIO()  # async: save_checkpoint returns once staged
+    path = tmp_path / "epoch=0-step=3.ckpt"
+    io.save_checkpoint({"global_step": 3, "w": torch.arange(4.0), "loops": {"n": [1, (2, None)]}}, path)
+    io.save_checkpoint({"global_step": 5, "w": torch.ones(4), "loops": {"n": []}}, path)  # the same path again
+    assert io.load_checkpoint(path)["loops"] == {"n": []}
+    assert Checkpointer(str(path), rank=0, world_size=1, read_only=True).steps() == [5]  # keep_last=1
+    link = tmp_path / "last.ckpt"  # ModelCheckpoint(save_last="link")
+    link.symlink_to(path.name)
+    assert io.load_checkpoint(link)["global_step"] == 5
+    io.remove_checkpoint(link)
+    assert not link.exists() and path.is_dir()  # the link went, not what it named
+    io.save_checkpoint({"global_step": 7, "w": torch.zeros(4)}, path)
+    io.remove_checkpoint(path)  # right after an async save: waits for it, then removes the folder
+    assert not path.exists()
+    io.teardown()
 
 
 def test_a_torch_save_file_is_refused_not_unpickled(tmp_path):
