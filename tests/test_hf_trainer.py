@@ -3,11 +3,14 @@
 - a run stopped after step 5 (mid-epoch; its last save step 4) and resumed with ``resume_from_checkpoint=True`` logs the
   uninterrupted run's losses and ends with its step, epoch, scheduler and weights;
 - ``checkpoint-N`` folders follow the committed steps; ``save_total_limit`` is ``keep_last``
-  and the best step (``load_best_model_at_end``) survives it; nothing is pickled.
+  and the best step (``load_best_model_at_end``) survives it; nothing is pickled;
+- opt-in (``python3 dev.py test-trainers``): the same on 2 processes (torchrun's environment,
+  gloo), every process saving.
 """
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -19,6 +22,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from flexckpt_hf import FlexTrainer, folder_step  # noqa: E402
+from flexshard.spawn import run_workers  # noqa: E402
+
+TWO_PROCESSES = pytest.mark.skipif(os.environ.get("FLEXCKPT_TRAINERS_MATRIX") != "1",
+                                   reason="the 2-process Trainer run: python3 dev.py test-trainers")
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
@@ -91,4 +98,29 @@ def test_trainer_stopped_mid_epoch_and_resumed_matches_the_uninterrupted_run(tmp
     assert sorted(n for n in os.listdir(tmp_path / "full") if n.startswith("checkpoint-")) == [
         "checkpoint-10", "checkpoint-12", "checkpoint-6"]
     assert folder_step(str(tmp_path / "full" / "checkpoint-10")) == 10
+    assert pickled_files(tmp_path) == []
+
+
+def two_process_runs(rank: int, world: int, root: str, port: int) -> tuple:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    full = trainer(os.path.join(root, "full"))
+    full.train()
+    cut = trainer(os.path.join(root, "cut"), stop_at=3)  # 3 steps an epoch at 2 x 2 rows: saved at 2
+    cut.train()
+    resumed = trainer(os.path.join(root, "cut"))
+    resumed.train(resume_from_checkpoint=True)
+    return losses(full), losses(resumed), resumed.state.global_step, resumed.lr_scheduler.state_dict()
+
+
+@TWO_PROCESSES
+def test_two_processes_stopped_and_resumed_match_the_uninterrupted_run(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    per_rank = run_workers(two_process_runs, 2, str(tmp_path), port, backend="none", timeout=400)
+    for full, resumed, step, scheduler in per_rank:
+        assert len(full) == 6 and resumed == full and step == 6
+    assert per_rank[0][3] == per_rank[1][3]
     assert pickled_files(tmp_path) == []

@@ -1,6 +1,6 @@
 """flexckpt inside PyTorch Lightning (2.6): checkpoints with no pickle, one line.
 
-    from flexckpt_lightning import FlexCheckpointing
+    from flexckpt_lightning import FlexCheckpointing, FlexModelParallelStrategy
 
     trainer = Trainer(callbacks=[FlexCheckpointing()])            # single device, DDP
     trainer = Trainer(strategy=FlexModelParallelStrategy(...), callbacks=[FlexCheckpointing()])  # FSDP2 / TP
