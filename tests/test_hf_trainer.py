@@ -98,6 +98,11 @@ def test_trainer_stopped_mid_epoch_and_resumed_matches_the_uninterrupted_run(tmp
     assert sorted(n for n in os.listdir(tmp_path / "full") if n.startswith("checkpoint-")) == [
         "checkpoint-10", "checkpoint-12", "checkpoint-6"]
     assert folder_step(str(tmp_path / "full" / "checkpoint-10")) == 10
+    # another run resumes from this run's folder: read from the URL the folder names
+    other = trainer(str(tmp_path / "other"))
+    other.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-10"))
+    assert {s: v for s, v in losses(other).items() if s > 10} == {s: v for s, v in losses(full).items() if s > 10}
+    assert other.checkpointer.steps() == [12] and other.state.global_step == 12
     assert pickled_files(tmp_path) == []
 
 

@@ -40,14 +40,21 @@ POINTER = "flexckpt.json"
 _FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
-def folder_step(folder: str) -> int | None:
-    """The flexckpt step a ``checkpoint-N`` folder stands for, or None for a folder the
-    Trainer wrote itself (no ``flexckpt.json``)."""
+def folder_pointer(folder: str) -> tuple[str, int] | None:
+    """The flexckpt URL and step a ``checkpoint-N`` folder stands for, or None for a folder
+    the Trainer wrote itself (no ``flexckpt.json``)."""
     try:
         with open(os.path.join(folder, POINTER), encoding="utf-8") as f:
-            return int(json.load(f)["step"])
+            pointer = json.load(f)
     except FileNotFoundError:
         return None
+    return str(pointer["url"]), int(pointer["step"])
+
+
+def folder_step(folder: str) -> int | None:
+    """The flexckpt step a ``checkpoint-N`` folder stands for (see :func:`folder_pointer`)."""
+    pointer = folder_pointer(folder)
+    return None if pointer is None else pointer[1]
 
 
 class FlexTrainer(Trainer):
@@ -70,7 +77,7 @@ class FlexTrainer(Trainer):
         self.checkpoint_url = checkpoint_url or os.path.join(self.args.output_dir, "flexckpt")
         self._checkpoint_options = options
         self._checkpointer: Checkpointer | None = None
-        self._resumed: tuple[str, dict] | None = None  # (checkpoint folder, its step's dict)
+        self._resumed: tuple[str, Checkpointer, dict] | None = None  # (folder, its reader, its step's dict)
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -128,18 +135,20 @@ class FlexTrainer(Trainer):
 
     # -- resuming ----------------------------------------------------------------------------
     def _saved(self, folder: str | None) -> dict | None:
-        """The step ``folder`` stands for, loaded once per resume (None: not a flexckpt folder)."""
-        if folder is None:
-            return None
-        step = folder_step(folder)
-        if step is None:
+        """The step ``folder`` stands for, loaded once per resume (None: not a flexckpt folder);
+        a folder of another run is read from that run's URL."""
+        pointer = None if folder is None else folder_pointer(folder)
+        if pointer is None:
             return None
         if self._resumed is None or self._resumed[0] != folder:
-            if step not in self.checkpointer.steps():
-                raise LoadError(f"{folder} stands for step {step} of {self.checkpoint_url}, which is not committed "
-                                f"there; committed: {self.checkpointer.steps()}")
-            self._resumed = (folder, self.checkpointer.load_dict(step, exclude=("rng",)))  # rng: _load_rng_state
-        return self._resumed[1]
+            url, step = pointer
+            reader = (self.checkpointer if url == self.checkpoint_url
+                      else Checkpointer(url, read_only=True, **self._checkpoint_options))
+            if step not in reader.steps():
+                raise LoadError(f"{folder} stands for step {step} of {url}, which is not committed there; "
+                                f"committed: {reader.steps()}")
+            self._resumed = (folder, reader, reader.load_dict(step, exclude=("rng",)))  # rng: _load_rng_state
+        return self._resumed[2]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         saved = self._saved(resume_from_checkpoint)
@@ -187,7 +196,7 @@ class FlexTrainer(Trainer):
         if saved is None:
             return super()._load_rng_state(checkpoint)
         step = folder_step(checkpoint)
-        if not load_rng_state(self.checkpointer, step):
+        if not load_rng_state(self._resumed[1], step):
             log.warning("flexckpt: step %d holds no RNG states of this number of processes: they stay as seeded", step)
 
     def _load_best_model(self) -> None:
