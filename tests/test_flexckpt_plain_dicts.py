@@ -328,3 +328,24 @@ def test_a_hostile_plain_value_in_a_manifest_is_refused_without_importing_or_cal
         with pytest.raises(ManifestError, match=words):
             ck.contents()
         assert "flexckpt_no_such_module" not in sys.modules
+
+
+def test_a_tree_leaf_the_manifest_does_not_save_is_a_damaged_manifest_not_a_missing_key(tmp_path):
+    import glob
+
+    import orjson
+
+    from flexckpt import ManifestError
+    from flexckpt.manifest import SEAL_FIELD, seal
+
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
+        ck.save(1, {"w": torch.ones(1), "n": 2}).result(timeout=30)
+        (path,) = glob.glob(f"{tmp_path}/step-*/manifest.json")
+        doc = orjson.loads(open(path, "rb").read())
+        doc.pop(SEAL_FIELD)
+        assert doc["tree"] == ["d", ["w", "n"], [0, 0]]
+        doc["tree"] = ["d", ["w", "n", "gone"], [0, 0, 0]]
+        with open(path, "wb") as f:
+            f.write(seal(orjson.dumps(doc)))
+        with pytest.raises(ManifestError, match=r"container tree holds \('gone',\), which the manifest does not save"):
+            ck.load_dict()

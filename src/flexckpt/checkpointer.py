@@ -341,9 +341,11 @@ class Checkpointer(SavePipeline, Committer):
         return steps[-1] if steps else None
 
     def contents(self, step: int | None = None) -> Contents:
-        """What the newest committed step (or ``step``) holds: tensor names, dtypes, global
-        shapes and saved layouts, plain values, per-lane and per-rank names. Load single
-        tensors with ``load({...: tensor}, step, strict=False)``."""
+        """What the newest committed step (or ``step``) holds, each leaf by its key path (a
+        tuple of str and int keys, see :mod:`flexckpt.contents`): tensors' dtypes, global
+        shapes and saved layouts, plain values, per-lane, per-rank and bytes values. Load
+        single tensors with ``load({...: tensor}, step, strict=False)``, or everything
+        without a template with :meth:`load_dict`."""
         return read_contents(self.storage, self._committed(step))
 
     def _committed(self, step: int | None) -> int:
@@ -380,7 +382,8 @@ class Checkpointer(SavePipeline, Committer):
 
         ``exclude`` takes leaves out of the load by name pattern (``fnmatch``; a pattern
         that matches a container takes all below it): ``exclude=("data/*",)`` or
-        ``("data",)``. They keep what the state holds, and the checkpoint need not have
+        ``("data",)``, or by key path, ``exclude=(("data",),)`` (see :mod:`flexckpt.contents`).
+        They keep what the state holds, and the checkpoint need not have
         them; a stateful object whose own name is excluded is not loaded at all. Without
         it, a key the state holds and the checkpoint lacks stops the load naming the key,
         whatever its kind: a tensor, a plain, per-lane or ``bytes`` value, or a per-rank

@@ -1,7 +1,7 @@
 """The manifest: one JSON document per committed checkpoint, written last. Its presence
 is the commit. Also the per-rank records the coordinator builds it from.
 
-Version 2 (written now) holds O(tensors + ranks): each tensor's dtype, shape and layout,
+Version 2 holds O(tensors + ranks): each tensor's dtype, shape and layout,
 the plan rules, and per rank one line (its chunk table's checksum and length, its data
 file's stored length). Pieces, offsets and chunk boundaries are recomputed from those
 (:mod:`flexckpt.plan`); chunk checksums and stored lengths live in each rank's table file
@@ -12,7 +12,9 @@ piece and chunk) still loads.
 
 A manifest read back is untrusted input: every name, path, dtype, shape, offset and
 length is validated here, before anything is allocated or read, and no file name may
-leave the checkpoint's folder.
+leave the checkpoint's folder. Version 3 adds mesh layouts; version 4 (written now) the
+state's container tree (``tree``, checked by :func:`flexckpt.tree.check_tree`) and tagged
+plain values (:mod:`flexckpt.plain`).
 """
 from __future__ import annotations
 

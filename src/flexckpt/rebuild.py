@@ -35,6 +35,12 @@ def load_dict(storage: Storage, manifest: Manifest, rank: int, world_size: int, 
     keep = (lambda n: True) if gone is None else (lambda n: not gone(n))
     values: dict[str, Any] = {}
     step = manifest.step
+    if manifest.tree is not None:
+        saved = set(_saved_order(manifest))
+        lost = next((path for name, path in walk_tree(manifest.tree) if name not in saved), None)
+        if lost is not None:
+            raise ManifestError(f"checkpoint step {step}: its container tree holds {lost!r}, which the manifest does "
+                                f"not save; the manifest is damaged")
     for name, raw in manifest.plain.items():
         if keep(name):
             try:

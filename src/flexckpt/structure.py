@@ -148,14 +148,13 @@ def escape_key(key: Any) -> str:
 def child_name(d: Any, key: Any) -> str:
     """The name part of ``d[key]`` (``d`` a dict): its escaped key, and for an int key
     whose str form ``d`` also holds as a key, with its first character escaped as well."""
-    s = escape_key(key)
-    if type(key) is not str:
-        key = int(key)
-        if not MIN_INT <= key <= MAX_INT:
-            raise ValueError(f"int key {key} does not fit in 64 bits; use str keys")
-        if s in d:  # {1: a, "1": b}: told apart ("%31" and "1"); names of other dicts unchanged
-            s = f"%{ord(s[0]):02X}{s[1:]}"
-    return s
+    if type(key) is not int:
+        return escape_key(key)
+    if not MIN_INT <= key <= MAX_INT:
+        raise ValueError(f"int key {key} does not fit in 64 bits; use str keys")
+    s = str(key)
+    # {1: a, "1": b}: told apart ("%31" and "1"); the names of every other dict unchanged
+    return f"%{ord(s[0]):02X}{s[1:]}" if s in d else s
 
 
 Excluder = Callable[[str], bool]  # name -> whether load(..., exclude=...) leaves it out
