@@ -27,7 +27,7 @@ def test_an_unknown_task_is_refused_before_the_set_up(dev, capsys):
     assert dev.main(["tset"]) == 2
     assert capsys.readouterr().out.startswith(
         "unknown task 'tset'; expected demo, demo-checkpoint, test, test-torchtitan, test-tierkill, test-kill, "
-        "test-nodeloss, test-flextrain, bench or shell\n")
+        "test-nodeloss, test-flextrain, test-trainers, bench or shell\n")
 
 
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "restor"]])
