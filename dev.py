@@ -10,6 +10,7 @@ it is up to date. Needs nothing but Python 3.10+.
     python3 dev.py test-kill [--random N] # SIGKILL during saves: every chosen storage call + N random times (100)
     python3 dev.py test-nodeloss   # flextrain, 12 lanes, 4 nodes: loses a node, resumes on 3 and 2 ranks (fast tier)
     python3 dev.py test-flextrain  # flextrain's launch matrix: the resume tests, SIGTERM to 2-rank torchrun, node loss
+    python3 dev.py test-trainers   # the trainer integrations' opt-in runs: the HF Trainer on 2 processes (~1 min)
     python3 dev.py bench NAME ...  # a benchmark from bench/ (see bench/README.md)
     python3 dev.py shell CMD ...   # run CMD inside the environment
 """
@@ -28,7 +29,7 @@ VENV = ROOT / ".venv"
 TORCH = "torch==2.13.0"
 EXTRAS = "test,bench"
 TASKS = ("demo", "demo-checkpoint", "test", "test-torchtitan", "test-tierkill", "test-kill", "test-nodeloss",
-         "test-flextrain", "bench", "shell")
+         "test-flextrain", "test-trainers", "bench", "shell")
 
 
 def _venv_python() -> Path:
@@ -98,6 +99,9 @@ def main(argv: list[str]) -> int:
         env.update(FLEXTRAIN_MATRIX="1", FLEXTRAIN_NODELOSS="1")
         cmd = [py, "-m", "pytest", *(str(ROOT / "tests" / f"test_flextrain_{f}.py") for f in ("resume", "nodeloss")),
                "-q", *rest]
+    elif task == "test-trainers":
+        env["FLEXCKPT_TRAINERS_MATRIX"] = "1"
+        cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_hf_trainer.py"), "-q", *rest]
     elif task == "bench":
         cmd = [py, str(ROOT / "bench" / f"{rest[0]}.py"), *rest[1:]]
     elif task == "shell":

@@ -1,6 +1,8 @@
-"""The manifest fuzzer (issue 11): mutate real small checkpoints (format versions 1 and 2,
-and version 2's chunk tables, data files and values files: per-rank and bytes values) and drive every reader over them: parse, the
-``flexckpt plan`` path, a load at another world size, ``verify``, ``inspect`` and ``steps``.
+"""The manifest fuzzer (issue 11): mutate real small checkpoints (format version 1, and the
+version written now with its container tree, chunk tables, data files and values files:
+per-rank and bytes values) and drive every reader over them: parse, the ``flexckpt plan``
+path, a load at another world size, a load without a template (``load_dict``), ``verify``,
+``inspect`` and ``steps``.
 Every outcome must be success or one of flexckpt's own errors, under a memory cap
 (RLIMIT_AS) and a time bound per case.
 
@@ -67,10 +69,15 @@ def _v2_state(rank: int, world: int) -> dict:
     return {
         "t": {n: ShardedTensor.from_global(_global(n), lay, rank, world) for n, (_, _, lay) in V2_TENSORS.items()},
         "meta": {"step": STEP, "pair": [1, "x"], "lr": 0.5},
+        "hp": HP,  # the container tree and tagged plain values of format version 4
         "lanes": ByLane({str(rank): {"doc": 10 + rank, "off": [rank, 7]}}),
         "rng": PerRank(torch.arange(4, dtype=torch.int32) + rank),
         "dl": {f"dp_rank_{rank}": _blob(rank), "shared": _blob(9)},  # bytes values, by key
     }
+
+
+HP = {7: (None, -0.0), "7": [], "dt": torch.bfloat16, "dev": torch.device("cpu"), "cls": torch.nn.GELU,
+      "nested": [{"k": ()}, (torch.ones(2), b"b")], "empty": {}}
 
 
 def _blob(i: int) -> bytes:
@@ -131,7 +138,9 @@ INTERESTING = [
     "zstd", "none", "float32", "bfloat16", "nope", [], [1], ["x"], [[1, 2]], [0, 1, 2, 3], {}, {"kind": "shard", "dim": 0},
     {"kind": "replicate"}, {"kind": "owned", "owner": 5}, {"kind": "hybrid_shard", "group_size": 3, "block_size": None},
     {"$tuple": "x"}, {"$float": "nan"}, {"$tensor": {"dtype": "float32", "shape": [2**40], "data": ""}},
-    "DEEP",
+    "DEEP", {"$class": "os:system"}, {"$dtype": "load"}, {"$dataclass": "subprocess:Popen", "fields": {}},
+    {"$enum": "torch:float32", "name": "x"}, {"$path": "/x", "type": "os"}, ["d", [1, 1], [0, 0]], ["l", [0]],
+    ["t", [["d", ["x"], [0]]]], ["d", [True], [0]], ["q", []],
 ]
 DEEP = b"[" * 1010 + b"1" + b"]" * 1010
 
@@ -388,12 +397,30 @@ def drive(root: Path, name: str, kind: str, world: int, rank: int, counts: dict,
                 counts["unmutated_exact"] += 1
         except CheckpointError:
             counts["load_errors"] += 1
+        if kind == "none" or number % 3 == 0:  # a third of the cases (time), and every unmutated one
+            _drive_load_dict(ck, name, kind, world, counts)
     rc = _cli("verify", str(root))
     counts["verified_ok" if rc == 0 else "verify_damaged"] += 1
     assert rc in (0, 1, 2), rc
     if number % 4 == 0:
         for cmd in ("steps", "inspect"):
             assert _cli(cmd, str(root)) in (0, 1, 2)
+
+
+def _drive_load_dict(ck: Checkpointer, name: str, kind: str, world: int, counts: dict) -> None:
+    """A load without a template: the container tree and the tagged plain values."""
+    try:
+        got = ck.load_dict(step=STEP, exclude=() if world == 2 or name.startswith("v1") else (("rng",),))
+        counts["dict_loaded"] = counts.get("dict_loaded", 0) + 1
+        if kind == "none" and name.startswith("v2"):
+            nested = got["hp"].pop("nested")
+            if (got["hp"] != {k: v for k, v in HP.items() if k != "nested"} or nested[0] != {"k": ()}
+                    or not torch.equal(nested[1][0], torch.ones(2)) or nested[1][1] != b"b"
+                    or any(not torch.equal(got["t"][n], _global(n)) for n in V2_TENSORS)):
+                raise AssertionError(f"{name}: unmutated state loads differently without a template")
+            counts["dict_exact"] = counts.get("dict_exact", 0) + 1
+    except CheckpointError:
+        counts["dict_errors"] = counts.get("dict_errors", 0) + 1
 
 
 def _address_space() -> int:

@@ -27,7 +27,7 @@ def test_an_unknown_task_is_refused_before_the_set_up(dev, capsys):
     assert dev.main(["tset"]) == 2
     assert capsys.readouterr().out.startswith(
         "unknown task 'tset'; expected demo, demo-checkpoint, test, test-torchtitan, test-tierkill, test-kill, "
-        "test-nodeloss, test-flextrain, bench or shell\n")
+        "test-nodeloss, test-flextrain, test-trainers, bench or shell\n")
 
 
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "restor"]])
@@ -46,12 +46,13 @@ def test_a_missing_or_unknown_benchmark_lists_the_benchmarks(dev, capsys, argv):
     ("test-nodeloss", ["test_flextrain_nodeloss.py"], ["FLEXTRAIN_NODELOSS"]),
     ("test-flextrain", ["test_flextrain_resume.py", "test_flextrain_nodeloss.py"],
      ["FLEXTRAIN_MATRIX", "FLEXTRAIN_NODELOSS"]),
+    ("test-trainers", ["test_hf_trainer.py"], ["FLEXCKPT_TRAINERS_MATRIX"]),
 ])
 def test_an_opt_in_task_sets_what_its_tests_read_and_runs_their_files(dev, monkeypatch, task, files, variables):
     ran = []
     monkeypatch.setattr(dev, "ensure_env", lambda: Path("py"))
     monkeypatch.setattr(dev.subprocess, "call", lambda cmd, cwd, env: ran.append((cmd, env)) or 0)
-    for name in ("FLEXTRAIN_MATRIX", "FLEXTRAIN_NODELOSS"):
+    for name in ("FLEXTRAIN_MATRIX", "FLEXTRAIN_NODELOSS", "FLEXCKPT_TRAINERS_MATRIX"):
         monkeypatch.delenv(name, raising=False)
     assert dev.main([task]) == 0
     (cmd, env), = ran

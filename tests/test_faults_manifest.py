@@ -24,10 +24,12 @@ from flexckpt.commit import read_manifest
 from flexckpt.errors import MissingFile, TooLarge, TruncatedFile
 from flexckpt.manifest import MAX_MANIFEST_BYTES, SEAL_FIELD, seal, unseal
 from flexckpt.storage import Storage
+from flexshard import HybridShard, ShardedTensor
 
 DATA = Path(__file__).resolve().parent / "data" / "v1"
 HERE = Path(__file__).resolve().parent
 DEEP = b"[" * 1010 + b"1" + b"]" * 1010
+DEEP_TREE = b'["l",[' * 150 + b"0" + b"]]" * 150  # containers 150 levels deep (deeper than orjson writes)
 # with test_zephon_faults.py's cursor fuzzer (2,000) and compressed-source fuzzer (300): 10,300 cases a run
 FUZZ_CASES = 8000
 FUZZ_PROCESSES = 2 if (os.cpu_count() or 1) >= 2 else 1  # the suite runs one test at a time: use a second core
@@ -46,6 +48,17 @@ def _v2(tmp_path):
     return root
 
 
+def _v2_hybrid(tmp_path):
+    root = tmp_path / "v2h"
+    cks = [Checkpointer(str(root), rank=r, world_size=2, run_id="bad", chunk_bytes=256) for r in range(2)]
+    handles = [ck.save(3, {"e": ShardedTensor.from_global(torch.ones(40, 2), HybridShard(1), r, 2), "c": torch.ones(())})
+               for r, ck in enumerate(cks)]
+    for h, ck in zip(handles, cks):
+        h.result(timeout=30)
+        ck.close()
+    return root
+
+
 def _v2_bytes(tmp_path):
     root = tmp_path / "v2b"
     with Checkpointer(str(root), run_id="bad", chunk_bytes=256) as ck:
@@ -58,7 +71,7 @@ def _edit(root, edit):
     doc = orjson.loads(Path(path).read_bytes())
     sealed = doc.pop(SEAL_FIELD, None) is not None
     edit(doc)
-    data = orjson.dumps(doc).replace(b'"DEEP"', DEEP)
+    data = orjson.dumps(doc).replace(b'"DEEP"', DEEP).replace(b'"DEEPTREE"', DEEP_TREE)
     # the checksum recomputed, as an attacker would: the validator below must still catch it
     Path(path).write_bytes(seal(data) if sealed else data)
 
@@ -98,6 +111,17 @@ CASES = {
                                        r"tensor 'w' dimension must be an int in \[0, \d+\], got True"),
     "an owner true (v2)": (_v2, _set(("tensors", "w", "layout"), {"kind": "owned", "owner": True}),
                            r"tensor 'w': layout field 'owner' must be an int, got True"),
+    # found by the fuzzer once its state had a hybrid-sharded tensor: OverflowError from planning
+    "hybrid block of 2**62 (v2)": (_v2_hybrid, _set(("tensors", "e", "layout", "block_size"), 2**62),
+                                   r"invalid checkpoint manifest .*: Python int too large"),
+    # the container tree of version 4: shapes, tags, keys, depth and counts checked before use
+    "tree 1,010 lists deep": (_v2, _set(("tree",), "DEEP"), r"container tree is malformed: its root must be a dict"),
+    "tree key 1,010 lists deep": (_v2, _set(("tree", 1, 0), "DEEP"), r"dict key list is repeated, or not"),
+    "tree key true": (_v2, _set(("tree", 1, 0), True), r"dict key bool is repeated, or not"),
+    "tree key repeated": (_v2, _set(("tree", 1), ["w", "w", "k"]), r"dict key 'w' is repeated"),
+    "tree keys without kids": (_v2, _set(("tree", 2), [0]), r"a dict node has 3 keys and 1 values"),
+    "tree tag unknown": (_v2, _set(("tree", 2, 2), ["set", [0]]), r"a container node must be .* \(tag 'set'\)"),
+    "tree 150 lists deep": (_v2, _set(("tree", 2, 2), "DEEPTREE"), r"containers nested deeper than 100 levels"),
 }
 
 
@@ -207,6 +231,7 @@ def test_fuzzed_manifests_tables_and_data_give_success_or_flexckpts_errors_withi
     # past parsing into planning and reading, or the fuzzer tests only the parser
     assert counts["parsed"] >= 0.25 * FUZZ_CASES and counts["planned"] >= 0.25 * FUZZ_CASES, counts
     assert counts["loaded"] >= 0.05 * FUZZ_CASES and counts["unmutated_exact"] >= 1, counts
+    assert counts["dict_loaded"] >= 0.02 * FUZZ_CASES and counts["dict_exact"] >= 1, counts
     assert set(counts["by_kind"]) >= {"json", "bytes", "table", "data", "data-missing", "values", "none"}, counts
 
 

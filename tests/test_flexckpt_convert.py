@@ -86,7 +86,7 @@ def test_import_dcp_and_export_dcp_round_trip_bit_identical_into_fsdp2_at_two_an
         assert _same({k: v for k, v in saved.items() if k != "/step"}, {**r["exported"]}) == []
     # the import is an ordinary checkpoint: one tensor per batch ("--budget-mib 0"), Owned by its batch's rank
     with Checkpointer(f"{root}/imported") as ck:
-        c = ck.contents()
+        c = ck.contents().by_name()
     assert c.step == 3 and c.world_size == len(c.tensors) == sum(isinstance(v, torch.Tensor) for v in saved.values())
     assert c.plain["optim/param_groups/0/betas"] == (0.9, 0.999) and c.plain["step"] == 3
 

@@ -306,7 +306,7 @@ def test_fsdp2_adamw_state_saved_at_two_loads_at_one_two_four_and_resumes_bit_id
 
     with Checkpointer(f"{st_url}-dt") as a, Checkpointer(f"{st_url}-st") as b:
         assert a.contents().tensors == b.contents().tensors
-        assert a.contents().tensors["w"].layout == Shard(0)
+        assert a.contents().tensors[("w",)].layout == Shard(0)
 
     for world in (1, 4):
         for r in launched[world]["load"]:
@@ -363,7 +363,7 @@ def test_hsdp_dtensors_on_a_two_by_two_mesh_saved_at_four_load_at_one(launched):
     assert all(r["calls"] == {} for r in launched[4]["hsdp save"])
     assert launched[1]["hsdp load"] == [[]]
     with Checkpointer(launched["urls"][2]) as ck:
-        assert ck.contents().tensors["a"].layout == flexshard.HybridShard(2)
+        assert ck.contents().tensors[("a",)].layout == flexshard.HybridShard(2)
 
 
 def _leaf_cache(rank: int, world: int) -> list:

@@ -106,7 +106,7 @@ def test_version_2_round_trips_every_layout_at_the_same_and_another_world(tmp_pa
     for cp in cps:
         cp.close()
     doc = orjson.loads((tmp_path / step_dir(4) / MANIFEST).read_bytes())
-    assert doc["version"] == 3 and doc["codec"] == (compression or "none") and len(doc["ranks"]) == world
+    assert doc["version"] == 4 and doc["codec"] == (compression or "none") and len(doc["ranks"]) == world
     assert all(set(t) == {"dtype", "shape", "layout"} for t in doc["tensors"].values())  # no pieces, no chunks
     assert doc["per_rank"] == ["rng"] and b"pad" not in (tmp_path / step_dir(4) / MANIFEST).read_bytes()
     # per-rank values: in a file of the rank's own, not in the manifest or the chunk tables others read

@@ -297,7 +297,7 @@ def test_reshard_matrix_is_bit_exact_and_reads_only_what_each_rank_holds(tmp_pat
     url = str(tmp_path / source)
     save_on_mesh(url, mesh, layouts)
     with Checkpointer(url) as ck:
-        saved = ck.contents().tensors
+        saved = ck.contents().by_name().tensors
     assert saved["model/wo"].layout == MeshLayout(mesh, layouts["wo"]) and saved["model/qkv"].layout.to_json() == {"kind": "replicate"}
     for target, (tmesh, tlayouts) in TARGETS.items():
         if target == source:
@@ -395,7 +395,7 @@ def test_plan_and_reshard_take_a_target_mesh_and_placements(tmp_path, capsys):
     # a tensor saved on a mesh keeps its placements on the new mesh; rewrite for (fsdp 1, tp 2) at W=2
     assert main(["reshard", src, dst, "--world", "2", "--mesh", "fsdp=1,tp=2"]) == 0
     with Checkpointer(dst) as ck:
-        tensors = ck.contents().tensors
+        tensors = ck.contents().by_name().tensors
     assert tensors["model/wo"].layout == MeshLayout((1, 2), ("S0", "S1"))
     rows = load_on_mesh(dst, (1, 2), TARGETS["fsdp1_tp2"][1])
     assert all(_bits_equal(local, want) for _, _, local, want, _ in rows)
@@ -448,7 +448,7 @@ def test_experts_on_their_own_efsdp_ep_mesh_reshard_to_another_expert_degree():
     with tempfile.TemporaryDirectory() as url:
         save_on_mesh(url, (4,), saved, shapes)
         with Checkpointer(url) as ck:
-            layouts = {n: t.layout for n, t in ck.contents().tensors.items()}
+            layouts = {n: t.layout for n, t in ck.contents().by_name().tensors.items()}
         assert layouts["model/experts.w1"] == MeshLayout((2, 2), ("SS0:2", "S0"))
         for target in ({"experts.w1": ((1, 4), ("S0", "S0")), "experts.w2": ((1, 4), ("S1", "S0")), "dense": ("S0",)},
                        {"experts.w1": ((4, 1), ("S0", "S0")), "experts.w2": ((4, 1), ("S1", "S0")), "dense": ("R",)}):

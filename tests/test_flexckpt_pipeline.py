@@ -149,7 +149,7 @@ def test_two_stages_of_two_ranks_reload_at_one_and_four_stages_bit_exact_with_ze
     assert [("structure" in d) for d in _records(url, 1)] == [True] * 3
     assert [("structure" in d) for d in _records(url, 2)] == [False] * 3
     with Checkpointer(url) as ck:
-        tensors = ck.contents(step=1).tensors
+        tensors = ck.contents(step=1).by_name().tensors
     assert sorted(tensors) == sorted(f"model/layers.{i}.{k}" for i in range(LAYERS) for k in ("w", "norm"))
     assert tensors["model/layers.3.w"].layout == MeshLayout((2,), ("S0",), offset=2)
     assert _load(url, 2, 1, 0) == 2 * 2 * LAYERS  # one stage of two ranks
@@ -165,7 +165,7 @@ def test_experts_on_efsdp_ep_meshes_of_each_stage_reload_at_other_pipeline_and_e
     during, _ = _save(url, 8, 2, 2, counts)
     assert during == {}
     with Checkpointer(url) as ck:
-        tensors = ck.contents().tensors
+        tensors = ck.contents().by_name().tensors
     assert tensors["model/layers.2.experts.w1"].layout == MeshLayout((2, 2), ("SS0:2", "S0"), offset=4)
     assert tensors["model/layers.2.experts.w2"].layout == MeshLayout((2, 2), ("S1", "S0"), offset=4)
     assert _load(url, 4, 1, 4) == 4 * 4 * LAYERS
@@ -332,4 +332,4 @@ def test_a_stage_structure_is_sent_again_until_a_save_carrying_it_commits(tmp_pa
     assert [("structure" in d) for d in _records(url, 2)] == [True] * 3  # step 1 never committed: sent again
     assert [("structure" in d) for d in _records(url, 3)] == [False] * 3
     with Checkpointer(url) as ck:
-        assert sorted(ck.contents(step=2).tensors) == ["model/layers.0.w", "model/layers.1.w"]
+        assert sorted(ck.contents(step=2).by_name().tensors) == ["model/layers.0.w", "model/layers.1.w"]

@@ -226,7 +226,7 @@ def test_fsdp_tp_and_expert_state_saves_with_no_collective_and_reshards_to_fsdp_
             assert _same(saved, ours) == [], (target, rank)
             assert _same(dcps, ours) == [], (target, rank)
     with Checkpointer(url) as ck:
-        layouts = {n: t.layout for n, t in ck.contents().tensors.items()}
+        layouts = {n: t.layout for n, t in ck.contents().by_name().tensors.items()}
     assert layouts["model/wo.weight"] == MeshLayout((2, 2), ("S0", "S1"))
     assert layouts["model/wq.weight"] == MeshLayout((2, 2), ("SS0:2", "S0"))
     assert layouts["moe/model/routed.w1"] == MeshLayout((2, 2), ("SS0:2", "S0"))

@@ -184,7 +184,7 @@ def test_a_model_only_last_save_is_an_export_and_is_not_resumed(tmp_path):
     assert manager.save(2) and manager.save(3, last_step=True)
     manager.close()
     other, model2, train2 = _manager(tmp_path)
-    contents = other.ckpt.contents(3)
+    contents = other.ckpt.contents(3).by_name()
     assert {info.dtype for info in contents.tensors.values()} == {torch.bfloat16}
     assert not any(name.startswith("train_state/") for name in contents.plain)
     with pytest.raises(LoadError, match=r"^step 3 under .* is a model-only export \(last_save_model_only=True\)"):
@@ -225,7 +225,7 @@ def test_torchtitan_loader_state_is_bytes_by_key_and_resumes_only_at_its_dp_degr
 
     resumed = _titan_loader(dp_rank=1, dp_world_size=2)
     reader, _, train2 = _manager(tmp_path, dataloader=resumed)
-    contents = reader.ckpt.contents(1)
+    contents = reader.ckpt.contents(1).by_name()
     assert contents.keyed == ["dataloader/dp_rank_1"] and contents.plain["dataloader/world_size"] == 2
     assert reader.load() and train2.values["step"] == 1
     assert resumed.state_dict() == saved  # the same bytes: the pickled position, restored as saved

@@ -99,7 +99,7 @@ def two_d_rows(root: Path, full: list[list[dict]], resumed: list[list[dict]], re
              "restored (dp 2 = dp 2)"]]
 
     with Checkpointer(str(root / "flex-2d" / "checkpoint")) as ckpt:
-        contents = ckpt.contents(2)
+        contents = ckpt.contents(2).by_name()
     keyed, world = contents.keyed, contents.world_size
     once = keyed == ["dataloader/dp_rank_0", "dataloader/dp_rank_1"] and world == 4
     same = ok(flex_res) and all(flex[s] == dcp[s] for s in steps)

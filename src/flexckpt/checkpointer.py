@@ -37,11 +37,12 @@ from flexckpt.errors import LoadError
 from flexckpt.handle import SaveHandle
 from flexckpt.load import LoadStats, PendingLoad
 from flexckpt.manifest import GROUP, step_dir
+from flexckpt.rebuild import load_dict
 from flexckpt.savers import run_ids, who_saves
 from flexckpt.save_pipeline import Attempts, PlanEntry, SaveJob, SavePipeline, stop_threads
 from flexckpt.staging import BufferPool, copies_for
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
-from flexckpt.structure import excluder, walk
+from flexckpt.structure import check_state, excluder, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
 from flexckpt.writer import RawSums
@@ -62,7 +63,10 @@ class Checkpointer(SavePipeline, Committer):
     Args:
         url: ``file:///path``, a plain path, ``memory://name`` (one process only) or
             ``s3://bucket/prefix`` (``storage_options`` go to fsspec, e.g. an endpoint).
-        keep_last: keep only the newest N committed checkpoints (None keeps all).
+        keep_last: keep only the newest N committed checkpoints (None keeps all), and
+            the steps in the attribute ``pinned`` besides (a set of steps the caller may
+            replace at any time, e.g. with a trainer's best step; retention reads it at
+            each commit).
         compression: None, ``"zstd"`` or ``"zstd:LEVEL"``, applied per chunk.
         max_in_flight: staging buffers, i.e. saves staged but not yet written; a save
             beyond that waits (bounded memory).
@@ -163,6 +167,7 @@ class Checkpointer(SavePipeline, Committer):
                 f"folder (file://) or an object store (s3://)"
             )
         self.keep_last = keep_last
+        self.pinned: frozenset[int] = frozenset()
         self.compression = parse_compression(compression)
         self.chunk_bytes = chunk_bytes
         self.commit_timeout = float(commit_timeout)
@@ -268,7 +273,8 @@ class Checkpointer(SavePipeline, Committer):
         handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
         job = SaveJob(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt, keyed=dict(w.keyed),
                       lease=buffer.lease, state_id=id(state),
-                      sums=RawSums() if self.compression.codec == "none" else None)
+                      sums=RawSums() if self.compression.codec == "none" else None,
+                      tree=w.tree if self.is_coordinator else None)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
             self._last_save = job  # a fast save of the same step and state takes its bytes (_share_staged)
@@ -337,14 +343,21 @@ class Checkpointer(SavePipeline, Committer):
         return steps[-1] if steps else None
 
     def contents(self, step: int | None = None) -> Contents:
-        """What the newest committed step (or ``step``) holds: tensor names, dtypes, global
-        shapes and saved layouts, plain values, per-lane and per-rank names. Load single
-        tensors with ``load({...: tensor}, step, strict=False)``."""
-        chosen = self.latest_step() if step is None else step
-        if chosen is None or chosen not in self.steps():
+        """What the newest committed step (or ``step``) holds, each leaf by its key path (a
+        tuple of str and int keys, see :mod:`flexckpt.contents`): tensors' dtypes, global
+        shapes and saved layouts, plain values, per-lane, per-rank and bytes values. Load
+        single tensors with ``load({...: tensor}, step, strict=False)``, or everything
+        without a template with :meth:`load_dict`."""
+        return read_contents(self.storage, self._committed(step))
+
+    def _committed(self, step: int | None) -> int:
+        """``step``, or the newest committed step; LoadError if it is not committed."""
+        steps = self.steps()
+        chosen = (steps[-1] if steps else None) if step is None else step
+        if chosen is None or chosen not in steps:
             raise LoadError(f"step {step if step is not None else '(newest)'} is not a committed checkpoint under "
-                            f"{self.storage.url}; committed: {self.steps()}")
-        return read_contents(self.storage, chosen)
+                            f"{self.storage.url}; committed: {steps}")
+        return chosen
 
     # -- checking --------------------------------------------------------------------------------
     def check(self, state: dict) -> None:
@@ -353,7 +366,7 @@ class Checkpointer(SavePipeline, Committer):
         fix), all in one error. Call it at the start of training, before the first step:
         it walks the state exactly as ``save`` does (the same code decides), writes
         nothing and makes no collective."""
-        walk(state, self.rank, self.world_size)
+        check_state(state, self.rank, self.world_size)
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, state: dict, step: int | None = None, *, strict: bool = True, fallback: bool = False,
@@ -371,7 +384,8 @@ class Checkpointer(SavePipeline, Committer):
 
         ``exclude`` takes leaves out of the load by name pattern (``fnmatch``; a pattern
         that matches a container takes all below it): ``exclude=("data/*",)`` or
-        ``("data",)``. They keep what the state holds, and the checkpoint need not have
+        ``("data",)``, or by key path, ``exclude=(("data",),)`` (see :mod:`flexckpt.contents`).
+        They keep what the state holds, and the checkpoint need not have
         them; a stateful object whose own name is excluded is not loaded at all. Without
         it, a key the state holds and the checkpoint lacks stops the load naming the key,
         whatever its kind: a tensor, a plain, per-lane or ``bytes`` value, or a per-rank
@@ -412,6 +426,28 @@ class Checkpointer(SavePipeline, Committer):
             previous = chosen
             chosen = self._agree_step(None, before=previous)
             log.warning("flexckpt: load of step %d failed; falling back to step %d", previous, chosen)
+
+    def load_dict(self, step: int | None = None, *, device: "str | torch.device" = "cpu",
+                  exclude: tuple = ()) -> dict:
+        """The state saved as the newest committed step (or ``step``), rebuilt without a
+        template: the same dicts (str and int keys, in order), lists, tuples and plain values
+        (see :mod:`flexckpt.plain`), ``bytes``, and every tensor whole on ``device`` (a
+        DTensor too; load into a template with :meth:`load` to get pieces). Tensors that
+        shared storage come back as separate tensors. See :mod:`flexckpt.rebuild`.
+
+        No collective: each rank reads on its own (pass ``step=`` so that ranks loading
+        while a save commits agree). ``exclude`` leaves keys out by key path (a tuple such
+        as ``("data",)`` or ``("opt", "state", 0)``: that key and all below it) or by name
+        pattern as :meth:`load` takes them; an excluded list item is left out of its list.
+        """
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed")
+        gone = excluder(exclude)
+        self.wait()
+        chosen = self._committed(step)
+        manifest = read_manifest(self.storage, chosen)
+        return load_dict(self.storage, manifest, self.rank, self.world_size, torch.device(device), gone,
+                         self.read_threads)
 
     def _agree_step(self, step: int | None, before: int | None) -> int:
         return agree_step(self.rank, self.world_size, self.group, self.steps, self.storage.url, step, before)

@@ -300,6 +300,7 @@ def build_manifest(
     lanes: dict[str, dict],
     per_rank_keys: list[str],
     keyed: dict[str, tuple[int, int, str]] | None = None,
+    tree: Any = None,
 ) -> Manifest:
     ranks = []
     for r in range(plan.world_size):
@@ -309,6 +310,7 @@ def build_manifest(
     return Manifest(
         step, run_id, plan.world_size, time.time(), fingerprint, {}, tensors, plain, lanes,
         {k: None for k in per_rank_keys}, VERSION, attempt, plan.rules, codec, tuple(ranks), keyed=keyed or {},
+        tree=tree,
     )
 
 
@@ -458,10 +460,11 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
 
 def apply_retention(
     storage: Storage, keep_last: int | None, newest: int, attempt: str, since: float, stale_after: float,
-    in_flight: Collection[tuple[int, str]] = (),
+    in_flight: Collection[tuple[int, str]] = (), pinned: Collection[int] = (),
 ) -> None:
     """After the commit of step ``newest`` by ``attempt``: delete committed checkpoints
-    beyond the newest ``keep_last`` (manifest first, then data), never the step just
+    beyond the newest ``keep_last`` (manifest first, then data), never a ``pinned`` step
+    (a trainer's best one), never the step just
     committed and never another job launch's step committed after ``since`` (when this job
     started: a live job's); then the leftovers of uncommitted saves in older steps (see
     :func:`remove_leftovers`), and the just-committed step's attempt folders that its
@@ -470,7 +473,7 @@ def apply_retention(
     is left alone whole: it goes, if it must, at a later commit."""
     busy = {s for s, _ in in_flight}
     steps = committed_steps(storage)
-    doomed = [s for s in (steps[:-keep_last] if keep_last else []) if s != newest]
+    doomed = [s for s in (steps[:-keep_last] if keep_last else []) if s != newest and s not in pinned]
     for s in doomed:
         if s in busy:
             log.info("retention: kept step %d, a save of it is in flight; it goes at a later commit", s)

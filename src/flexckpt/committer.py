@@ -62,6 +62,7 @@ class Committer:
                 step=job.step, run_id=self.run_id, attempt=job.attempt, plan=plan, fingerprint=fp,
                 codec=self.compression.codec, entries=entries, plain=job.plain, lanes=lanes,
                 per_rank_keys=e.per_rank_keys, keyed=write_keyed(self.storage, job.step, job.attempt, keyed, self.fsync),
+                tree=job.tree,
             )
             commit(self.storage, manifest, self.fsync)
             now = committed_attempt(self.storage, job.step)
@@ -75,7 +76,7 @@ class Committer:
         try:
             with self._folders_lock:
                 apply_retention(self.storage, self.keep_last, job.step, job.attempt, self._since,
-                                self.commit_timeout, in_flight=self._in_flight())
+                                self.commit_timeout, in_flight=self._in_flight(), pinned=self.pinned)
         except Exception:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
             log.exception("retention after step %d failed", job.step)
 

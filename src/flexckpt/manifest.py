@@ -1,7 +1,7 @@
 """The manifest: one JSON document per committed checkpoint, written last. Its presence
 is the commit. Also the per-rank records the coordinator builds it from.
 
-Version 2 (written now) holds O(tensors + ranks): each tensor's dtype, shape and layout,
+Version 2 holds O(tensors + ranks): each tensor's dtype, shape and layout,
 the plan rules, and per rank one line (its chunk table's checksum and length, its data
 file's stored length). Pieces, offsets and chunk boundaries are recomputed from those
 (:mod:`flexckpt.plan`); chunk checksums and stored lengths live in each rank's table file
@@ -12,7 +12,9 @@ piece and chunk) still loads.
 
 A manifest read back is untrusted input: every name, path, dtype, shape, offset and
 length is validated here, before anything is allocated or read, and no file name may
-leave the checkpoint's folder.
+leave the checkpoint's folder. Version 3 adds mesh layouts; version 4 (written now) the
+state's container tree (``tree``, checked by :func:`flexckpt.tree.check_tree`) and tagged
+plain values (:mod:`flexckpt.plain`).
 """
 from __future__ import annotations
 
@@ -37,14 +39,18 @@ from flexckpt.errors import ManifestError
 from flexckpt.plan import READ_RULES_VERSIONS, RULES_VERSION, PlanRules, WritePlan
 from flexckpt.stall import bounded
 from flexckpt.structure import TensorSpec
+from flexckpt.tree import check_tree
 from flexckpt.values import MAX_BYTES_VALUE
 from flexshard import Box, FlatRange, Layout, MeshLayout, Part, layout_from_json
 from flexshard.box import whole
 
 FORMAT = "flexckpt"
 RECORD_FORMAT = "flexckpt-record"
-VERSION = 3  # 3: a tensor's layout may be a MeshLayout (pieces are n-D boxes); else as 2
-READ_VERSIONS = (1, 2, 3)
+# 3: a tensor's layout may be a MeshLayout (pieces are n-D boxes); else as 2.
+# 4: as 3, plus the state's container tree (``tree``, see flexckpt.tree) and plain values
+#    with the tags of flexckpt.plain (dtype, device, path, enum, class, dataclass, dict)
+VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 CODECS = ("none", "zstd")
 
@@ -457,6 +463,7 @@ class Manifest:
     ranks: tuple[RankEntry, ...] = ()
     sealed: bool = False  # read back with a verified manifest checksum (False: written without one)
     keyed: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # bytes values: offset, length, xxh3-64
+    tree: Any = None  # version 4: the state's container tree (flexckpt.tree); None: not recorded
 
     def rank_values(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s per-rank values (version 2: read from its table file)."""
@@ -493,6 +500,7 @@ class Manifest:
                 "lanes": self.lanes,
                 "per_rank": sorted(self.per_rank),
                 **({"keyed": {k: list(v) for k, v in self.keyed.items()}} if self.keyed else {}),
+                **({"tree": self.tree} if self.tree is not None and self.version >= 4 else {}),
             })
         doc = {
             "format": FORMAT,
@@ -695,8 +703,8 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
         fields.append((name, dtype, shape, layout))
     try:
         plan = _write_plan(fields, world, rules)
-    except ValueError as e:
-        raise _fail(where, str(e)) from None
+    except (ValueError, OverflowError) as e:  # OverflowError: sizes past int64 (a block of 2**62)
+        raise _fail(where, str(e) or type(e).__name__) from None
     raw_ranks = _get(doc, "ranks", list, where)
     if len(raw_ranks) != world:
         raise _fail(where, f"ranks lists {len(raw_ranks)} entries for a world of {world}")
@@ -721,8 +729,11 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
         raise _fail(where, "per_rank must list value names")
     files = TableFiles(plan, attempt, codec, ranks_t)
     keyed = _parse_keyed(doc.get("keyed", {}), where)
+    tree = doc.get("tree") if version >= 4 else None
+    if tree is not None:
+        check_tree(tree, where)
     return Manifest(step, run_id, world, wall, fp, files, tensors, plain, lanes, {k: None for k in keys},
-                    version, attempt, rules, codec, ranks_t, keyed=keyed)
+                    version, attempt, rules, codec, ranks_t, keyed=keyed, tree=tree)
 
 
 _PLANS: dict[tuple, WritePlan] = {}  # the newest few, oldest first

@@ -39,7 +39,7 @@ from flexckpt.manifest import (
 )
 from flexckpt.plan import RankPlan, WritePlan, make_write_plan, part_of_world
 from flexckpt.staging import StagingBuffer, staging_device
-from flexckpt.structure import Walk, encode_plain, fingerprint
+from flexckpt.structure import Walk, fingerprint
 from flexckpt.tier.inventory import makedirs
 from flexckpt.writer import RawSums, encode_per_rank, table_bytes, values_bytes, write_data_file
 from flexshard import part_of
@@ -86,6 +86,7 @@ class SaveJob:
     sums: RawSums | None = None  # its chunk checksums, shared with a fast save of its bytes (uncompressed only)
     chunks: list = field(default_factory=list)
     line: list = field(default_factory=list)  # [fingerprint, table checksum, table bytes, stored bytes]
+    tree: Any = None  # the coordinator's: the state's container tree, for the manifest (flexckpt.tree)
 
 
 class Attempts:
@@ -146,7 +147,7 @@ class SavePipeline:
         (the pipeline moves on after the call)."""
         srcs = [w.tensors[i] if part is None else w.tensors[i].reshape(-1)[part[0] : part[1]]
                 for i, part in zip(entry.order, entry.parts)]
-        plain = {k: encode_plain(v) for k, v in w.plain.items()} if self.is_coordinator else {}
+        plain = dict(w.plain_json) if self.is_coordinator else {}  # encoded by the walk
         lanes = {k: orjson.dumps(v.values) for k, v in w.lanes.items()}
         per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
         return srcs, plain, lanes, per_rank

@@ -221,7 +221,7 @@ class FlexCheckpointManager(BaseCheckpointManager):
             return self._initial_load()
         chosen = steps[-1] if step == -1 else step
         contents = self.ckpt.contents(chosen)
-        model_only = not any(name.startswith(TRAIN_STATE + "/") for name in contents.plain)
+        model_only = not any(path[0] == TRAIN_STATE for path in contents.plain)
         begin = time.monotonic()
         if model_only and chosen != 0:
             raise LoadError(
@@ -239,12 +239,12 @@ class FlexCheckpointManager(BaseCheckpointManager):
         log.info("flexckpt: loaded step %d from %s in %.2f s", got, self.url, time.monotonic() - begin)
         return True
 
-    def _check_loader_degree(self, saved_plain: dict[str, Any]) -> None:
+    def _check_loader_degree(self, saved_plain: dict[tuple, Any]) -> None:
         """torchtitan's own loader state is per data-parallel rank: it resumes only at the dp
         degree that saved it (its ``world_size`` value). Refused here in one line, before
         torchtitan's own assertion and before the missing-key rule (a larger degree)."""
         loader = self.states[DATALOADER]
-        saved = saved_plain.get(f"{DATALOADER}/world_size")
+        saved = saved_plain.get((DATALOADER, "world_size"))
         degree = getattr(loader, "dp_world_size", None)
         if self.zephon or saved is None or degree is None or saved == degree:
             return

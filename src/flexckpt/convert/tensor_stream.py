@@ -55,7 +55,7 @@ def open_source(url: str, step: int | None) -> tuple[Checkpointer, Contents]:
                 hint = f"; for a flextrain run folder pass {run_ckpt}" if probe.steps() else ""
             raise CheckpointError(f"no committed flexckpt checkpoint under {url}{hint}")
         try:
-            return ck, ck.contents(steps[-1] if step is None else step)
+            return ck, ck.contents(steps[-1] if step is None else step).by_name()  # selected by name pattern
         except CheckpointError as e:
             if step is not None or len(steps) < 2:
                 raise

@@ -1,0 +1,13 @@
+"""flexckpt inside the transformers ``Trainer`` (5.x): one line, no pickle.
+
+    from flexckpt_hf import FlexTrainer
+
+    trainer = FlexTrainer(model=model, args=args, train_dataset=ds)   # in place of Trainer(...)
+    trainer.train(resume_from_checkpoint=True)
+
+Package boundary: this package is the only one that imports transformers
+(transformers -> flexckpt_hf -> flexckpt; never back). See docs/integrations/transformers.md.
+"""
+from flexckpt_hf.trainer import FlexTrainer, folder_step
+
+__all__ = ["FlexTrainer", "folder_step"]
