@@ -52,6 +52,7 @@ from flexckpt.errors import SaveError
 from flexckpt.handle import SaveHandle
 from flexckpt.plan import part_of_world
 from flexckpt.save_pipeline import Attempts
+from flexckpt.savers import await_peers
 from flexckpt.stages import union_structure
 from flexckpt.staging import StagingBuffer, copies_for
 from flexckpt.storage import Storage
@@ -155,13 +156,15 @@ class FastTier:
                     f"or process_group="
                 )
             ranks = None if ckpt.group is None else dist.get_process_group_ranks(ckpt.group)
+            self.global_ranks = list(range(self.world)) if ranks is None else list(ranks)
+            self.store = dist.PrefixStore(f"{PREFIX}{name}/{self.session}", dist.distributed_c10d._get_default_store())
+            await_peers(self.store, self.global_ranks[self.rank], self.global_ranks, self.timeout,
+                        "a fast tier (local=, LocalTier.timeout)")
             # created here, on the training thread, in the same order on every rank
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
-            self.global_ranks = list(range(self.world)) if ranks is None else list(ranks)
             gathered: list = [None] * self.world
             dist.all_gather_object(gathered, self.node, group=self.group)
             names = [str(n) for n in gathered]
-            self.store = dist.PrefixStore(f"{PREFIX}{name}/{self.session}", dist.distributed_c10d._get_default_store())
         else:
             self.global_ranks = [0]
         self.nodes = nodes_of(names)
