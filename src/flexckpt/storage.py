@@ -63,7 +63,10 @@ class Storage:
         if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
             raise ValueError(f"stall_timeout must be None or a positive number of seconds, got {stall_timeout!r}")
         self.stall_timeout = None if stall_timeout is None else float(stall_timeout)
-        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as exc:  # fsspec's backend for the scheme is not installed
+            raise ImportError(f"checkpoint location {url!r}: {exc} (s3://: pip install 'flexckpt[s3]')") from exc
         self.url = url
         self.fs = fs
         self.root = root.rstrip("/") or "/"

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-CORPUS = REPO / "data" / "corpus"
+CORPUS = Path(__file__).resolve().parent / "corpus"  # the bundled corpora: package data, in the wheel too
 
 
 class ConfigError(ValueError):
