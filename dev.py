@@ -115,7 +115,8 @@ def test_wheel(run=subprocess.run) -> int:
             print(out.stdout[-3000:], out.stderr[-3000:], f"test-wheel: {name} failed (exit {out.returncode}, "
                   f"last line {last!r}, expected {expect!r}); the venv is kept in {tmp}", sep="\n")
             return 1
-        print(f"  {last}", flush=True)
+        if last:
+            print(f"  {last}", flush=True)
     for name, seconds in timings:
         print(f"{seconds:8.1f} s  {name}")
     print(f"{sum(s for _, s in timings):8.1f} s  in all: the wheel works outside the repository")
