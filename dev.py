@@ -101,8 +101,9 @@ def test_wheel(run=subprocess.run) -> int:
                                               str(example)], "resumed at 10, saved step 20"),
     ]
     print(f"testing the wheel of flexckpt {version} in {tmp}", flush=True)
+    start = time.monotonic()
     venv.create(env_dir, with_pip=True)
-    timings = []
+    timings = [("create the venv", time.monotonic() - start)]
     for name, cmd, expect in steps:
         if cmd[-1] == "WHEEL":
             cmd[-1] = str(next(dist.glob("flexckpt-*.whl"))) + "[torchtitan]" * titan
