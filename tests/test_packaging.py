@@ -86,3 +86,16 @@ def test_an_s3_url_without_the_s3_extra_names_it(monkeypatch):
         Storage("s3://bucket/run")
     with pytest.raises(ConfigError, match=r"^source 's3://bucket/a.jsonl': .*s3fs.*'flexckpt\[s3\]'\)$"):
         expand("s3://bucket/a.jsonl", IoOptions())
+
+
+def test_the_pins_dev_py_installs_satisfy_every_bound_in_pyproject():
+    from packaging.requirements import Requirement
+
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    project = PYPROJECT["project"]
+    for text in [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]:
+        req = Requirement(text)
+        pin = pins.get(req.name)
+        if pin is not None and req.specifier:
+            assert req.specifier.contains(pin, prereleases=True), f"constraints.txt pins {req.name}=={pin}, outside {text!r}"
