@@ -11,6 +11,7 @@ it is up to date. Needs nothing but Python 3.10+.
     python3 dev.py test-nodeloss   # flextrain, 12 lanes, 4 nodes: loses a node, resumes on 3 and 2 ranks (fast tier)
     python3 dev.py test-flextrain  # flextrain's launch matrix: the resume tests, SIGTERM to 2-rank torchrun, node loss
     python3 dev.py test-trainers   # the trainer integrations' opt-in runs: the HF Trainer on 2 processes (~1 min)
+    python3 dev.py test-wheel      # build the wheel, install it in a fresh venv (CPU torch first), use it outside the repo
     python3 dev.py bench NAME ...  # a benchmark from bench/ (see bench/README.md)
     python3 dev.py shell CMD ...   # run CMD inside the environment
 """
@@ -18,8 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import venv
 from pathlib import Path
 
@@ -29,7 +34,7 @@ VENV = ROOT / ".venv"
 TORCH = "torch==2.13.0"
 EXTRAS = "test,bench"
 TASKS = ("demo", "demo-checkpoint", "test", "test-torchtitan", "test-tierkill", "test-kill", "test-nodeloss",
-         "test-flextrain", "test-trainers", "bench", "shell")
+         "test-flextrain", "test-trainers", "test-wheel", "bench", "shell")
 
 
 def _venv_python() -> Path:
@@ -65,6 +70,62 @@ def ensure_env() -> Path:
     return py
 
 
+def test_wheel(run=subprocess.run) -> int:
+    """Use the project as a user would: build the wheel, install it in a fresh venv (the CPU
+    torch first, then the wheel with its [torchtitan] extra, without constraints.txt), and
+    outside the repository train three steps of flextrain's tiny preset on the bundled
+    corpora, print the version, import flexckpt_torchtitan (Python >= 3.11, as torchtitan) and
+    run the README's FSDP2 example at world 2, then again at world 1, which resumes it. Needs
+    nothing from .venv."""
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    tmp = Path(tempfile.mkdtemp(prefix="flexckpt-wheel-"))
+    env_dir, dist, outside = tmp / "venv", tmp / "dist", tmp / "outside"
+    outside.mkdir()
+    bin_dir = env_dir / ("Scripts" if os.name == "nt" else "bin")
+    py = str(bin_dir / ("python.exe" if os.name == "nt" else "python"))
+    example = outside / "fsdp2_quickstart.py"  # the README's, checkpointing into tmp
+    example.write_text((ROOT / "demos" / "fsdp2_quickstart.py").read_text().replace(
+        "file:///tmp/flexckpt-quickstart", (tmp / "checkpoints").as_uri()))
+    titan = sys.version_info >= (3, 11)
+    steps = [  # (what, command, what its last line of output must hold)
+        ("build the wheel", [py, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT), "-w", str(dist)], ""),
+        ("install the CPU torch", [py, "-m", "pip", "install", "-q", TORCH], ""),
+        ("install the wheel" + " [torchtitan]" * titan, [py, "-m", "pip", "install", "-q", "WHEEL"], ""),
+        ("flextrain train --preset tiny", [str(bin_dir / "flextrain"), "train", "--preset", "tiny",
+                                           "--run-dir", "X", "--set", "steps=3"], "flextrain: 3 steps on 1 rank"),
+        ("__version__", [py, "-c", "import flexckpt, flexshard, zephon_state; print(flexckpt.__version__)"], version),
+        *[("import flexckpt_torchtitan", [py, "-c", "import flexckpt_torchtitan; print('imported')"], "imported")]
+        * titan,
+        ("FSDP2 example at world 2", [py, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(example)],
+         "saved step 10"),
+        ("FSDP2 example resumed at world 1", [py, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                                              str(example)], "resumed at 10, saved step 20"),
+    ]
+    print(f"testing the wheel of flexckpt {version} in {tmp}", flush=True)
+    start = time.monotonic()
+    venv.create(env_dir, with_pip=True)
+    timings = [("create the venv", time.monotonic() - start)]
+    for name, cmd, expect in steps:
+        if cmd[-1] == "WHEEL":
+            cmd[-1] = str(next(dist.glob("flexckpt-*.whl"))) + "[torchtitan]" * titan
+        start = time.monotonic()
+        print(f"+ {name}: {' '.join(cmd)}", flush=True)
+        out = run(cmd, cwd=outside, capture_output=True, text=True)
+        timings.append((name, time.monotonic() - start))
+        last = (out.stdout.strip().splitlines() or [""])[-1]
+        if out.returncode != 0 or expect not in last:
+            print(out.stdout[-3000:], out.stderr[-3000:], f"test-wheel: {name} failed (exit {out.returncode}, "
+                  f"last line {last!r}, expected {expect!r}); the venv is kept in {tmp}", sep="\n")
+            return 1
+        if last:
+            print(f"  {last}", flush=True)
+    for name, seconds in timings:
+        print(f"{seconds:8.1f} s  {name}")
+    print(f"{sum(s for _, s in timings):8.1f} s  in all: the wheel works outside the repository")
+    shutil.rmtree(tmp)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(__doc__)
@@ -78,6 +139,8 @@ def main(argv: list[str]) -> int:
         got = f"no benchmark {rest[0]!r}; " if rest else ""
         print(f"{got}usage: python3 dev.py bench NAME [args], NAME one of {', '.join(names)}; see bench/README.md")
         return 2
+    if task == "test-wheel":  # its own fresh venv, not .venv
+        return test_wheel()
     py = str(ensure_env())
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if task == "demo":

@@ -25,7 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from zephon_state import JsonLines, Pipeline, load_tokenizer  # noqa: E402
 from zephon_state.storage import IoOptions  # noqa: E402
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
+CORPUS = Path(__file__).resolve().parents[1] / "src" / "flextrain" / "corpus"
 CHUNK_BYTES = 1 << 16
 
 

@@ -3,6 +3,9 @@ up (which installs torch on first use), with the names that work."""
 from __future__ import annotations
 
 import importlib.util
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,7 @@ def test_an_unknown_task_is_refused_before_the_set_up(dev, capsys):
     assert dev.main(["tset"]) == 2
     assert capsys.readouterr().out.startswith(
         "unknown task 'tset'; expected demo, demo-checkpoint, test, test-torchtitan, test-tierkill, test-kill, "
-        "test-nodeloss, test-flextrain, test-trainers, bench or shell\n")
+        "test-nodeloss, test-flextrain, test-trainers, test-wheel, bench or shell\n")
 
 
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "restor"]])
@@ -70,3 +73,80 @@ def test_the_kill_task_runs_every_chosen_point_and_100_random_times(dev, monkeyp
     assert dev.main(["test-kill"]) == 0 and dev.main(["test-kill", "--random", "7"]) == 0
     assert [cmd[1:] for cmd in ran] == [[str(ROOT / "tests" / "kill_trials.py"), "--chosen", "--random", "100"],
                                          [str(ROOT / "tests" / "kill_trials.py"), "--chosen", "--random", "7"]]
+
+
+class FakeRun:
+    """Answers test-wheel's commands as a working wheel would, except where told to fail."""
+
+    def __init__(self, version, fail=None):
+        self.version, self.fail, self.calls, self.example = version, fail, [], None
+
+    def __call__(self, cmd, cwd, capture_output, text):
+        self.calls.append((cmd, Path(cwd)))
+        if "wheel" in cmd and "-w" in cmd:  # the build leaves a wheel where the install looks
+            dist = Path(cmd[cmd.index("-w") + 1])
+            dist.mkdir(parents=True, exist_ok=True)
+            (dist / f"flexckpt-{self.version}-py3-none-any.whl").touch()
+        script = " ".join(cmd)
+        if cmd[-1].endswith("fsdp2_quickstart.py"):
+            self.example = Path(cmd[-1]).read_text()
+        out = next((line for key, line in [
+            ("__version__", self.version), ("import flexckpt_torchtitan", "imported"),
+            ("--nproc-per-node 1", "rank 0 of 1: resumed at 10, saved step 20"),
+            ("--nproc-per-node 2", "rank 0 of 2: resumed at 0, saved step 10"),
+            ("flextrain train", "flextrain: 3 steps on 1 rank, ...")] if key in script), "")
+        if self.fail and self.fail in script:
+            return subprocess.CompletedProcess(cmd, 1, "", "boom")
+        return subprocess.CompletedProcess(cmd, 0, out + "\n", "")
+
+
+@pytest.fixture
+def wheel_dev(dev, monkeypatch, tmp_path):
+    monkeypatch.setattr(dev.venv, "create", lambda path, with_pip: None)  # no real venv: seconds, not minutes
+    monkeypatch.setattr(dev.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    version = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    return dev, version
+
+
+def test_the_wheel_task_sets_up_no_dev_venv(dev, monkeypatch):
+    ran = []
+    monkeypatch.setattr(dev, "test_wheel", lambda: ran.append("test_wheel") or 0)
+    assert dev.main(["test-wheel"]) == 0 and ran == ["test_wheel"]  # the fixture's ensure_env was not called
+
+
+def test_the_wheel_task_installs_the_cpu_torch_first_then_the_wheel_and_runs_outside_the_repository(
+        wheel_dev, tmp_path, capsys):
+    dev, version = wheel_dev
+    run = FakeRun(version)
+    assert dev.test_wheel(run) == 0
+    cmds = [" ".join(cmd) for cmd, _ in run.calls]
+    build, torch_first, wheel = cmds[:3]
+    assert build.endswith(f"-m pip wheel -q --no-deps {ROOT} -w {tmp_path / 'dist'}")
+    assert torch_first.endswith("-m pip install -q torch==2.13.0")
+    assert wheel.endswith(f"-m pip install -q {tmp_path / 'dist'}/flexckpt-{version}-py3-none-any.whl"
+                          + "[torchtitan]" * (sys.version_info >= (3, 11)))
+    assert cmds[3].endswith("bin/flextrain train --preset tiny --run-dir X --set steps=3")
+    assert {cwd for _, cwd in run.calls} == {tmp_path / "outside"} and ROOT not in tmp_path.parents
+    assert cmds[-2].endswith(f"-m torch.distributed.run --nproc-per-node 2 {tmp_path / 'outside' / 'fsdp2_quickstart.py'}")
+    assert cmds[-1].endswith(f"-m torch.distributed.run --nproc-per-node 1 {tmp_path / 'outside' / 'fsdp2_quickstart.py'}")
+    readme_example = (ROOT / "demos" / "fsdp2_quickstart.py").read_text()  # checkpointing in tmp instead
+    assert "file:///tmp/flexckpt-quickstart" in readme_example
+    assert run.example == readme_example.replace("file:///tmp/flexckpt-quickstart", (tmp_path / "checkpoints").as_uri())
+    assert "in all: the wheel works outside the repository" in capsys.readouterr().out
+    assert not tmp_path.exists()  # removed after a success
+
+
+@pytest.mark.parametrize("fail,expect", [("--preset tiny", "flextrain train --preset tiny failed (exit 1"),
+                                         ("print(flexckpt.__version__)", "__version__ failed (exit 1")])
+def test_the_wheel_task_fails_on_the_first_step_that_fails(wheel_dev, capsys, fail, expect):
+    dev, version = wheel_dev
+    run = FakeRun(version, fail)
+    assert dev.test_wheel(run) == 1
+    assert expect in capsys.readouterr().out
+    assert fail in " ".join(run.calls[-1][0])  # nothing ran after it
+
+
+def test_the_wheel_task_fails_when_the_installed_version_is_not_pyprojects(wheel_dev, capsys):
+    dev, version = wheel_dev
+    assert dev.test_wheel(FakeRun("0.0.0")) == 1
+    assert f"__version__ failed (exit 0, last line '0.0.0', expected '{version}')" in capsys.readouterr().out

@@ -7,7 +7,7 @@ import torch
 
 from zephon_state import Pipeline
 
-source = str(Path(__file__).resolve().parents[1] / "data" / "corpus" / "kjv.jsonl.zst")
+source = str(Path(__file__).resolve().parents[1] / "src" / "flextrain" / "corpus" / "kjv.jsonl.zst")
 
 
 def test_the_issue_example_runs_as_written(tmp_path, monkeypatch):

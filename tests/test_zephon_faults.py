@@ -17,7 +17,7 @@ import zstandard
 
 from zephon_state import ConfigError, InMemory, IoOptions, JsonLines, Mix, Pipeline, SourceError, StateError, TextFiles
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
+CORPUS = Path(__file__).resolve().parents[1] / "src" / "flextrain" / "corpus"
 PROSE, CODE = str(CORPUS / "kjv.jsonl.zst"), str(CORPUS / "python_stdlib.jsonl.zst")
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from zephon_state import ConfigError, Mix, Pipeline, global_batch_digest, lane_digest
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
+CORPUS = Path(__file__).resolve().parents[1] / "src" / "flextrain" / "corpus"
 PROSE, CODE = str(CORPUS / "kjv.jsonl.zst"), str(CORPUS / "python_stdlib.jsonl.zst")
 
 

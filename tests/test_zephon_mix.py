@@ -10,7 +10,7 @@ import pytest
 from zephon_state import ConfigError, InMemory, Mix, Pipeline
 from zephon_state.mix import allotment, exact_shares
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
+CORPUS = Path(__file__).resolve().parents[1] / "src" / "flextrain" / "corpus"
 PROSE, CODE = str(CORPUS / "kjv.jsonl.zst"), str(CORPUS / "python_stdlib.jsonl.zst")
 
 

@@ -11,7 +11,7 @@ import zstandard
 from zephon_state import BadRecordError, InMemory, IoOptions, JsonLines, TextFiles
 from zephon_state.source import as_source
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
+CORPUS = Path(__file__).resolve().parents[1] / "src" / "flextrain" / "corpus"
 RECORDS = [{"id": i, "text": f"document number {i}"} for i in range(5)]
 
 

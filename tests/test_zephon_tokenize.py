@@ -145,7 +145,7 @@ def test_parts_cut_at_spaces_between_letters_tokenize_like_the_whole_document_on
 
     gpt2 = load_tokenizer("gpt2")
     assert gpt2.cuts
-    corpus = Path(__file__).resolve().parents[1] / "data" / "corpus"
+    corpus = Path(__file__).resolve().parents[1] / "src" / "flextrain" / "corpus"
     cuts_seen = 0
     for name in ("kjv", "python_stdlib"):
         texts = list(JsonLines(str(corpus / f"{name}.jsonl.zst")).load("text", IoOptions(), "raise").texts)[::20]

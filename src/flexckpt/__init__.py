@@ -9,6 +9,10 @@
 
 Package boundary: flexckpt uses flexshard's layouts; it never imports the trainer.
 """
+import importlib.metadata
+
+__version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
+
 from flexckpt.checkpointer import Checkpointer, SaveHandle
 from flexckpt.errors import (
     CheckpointError,
@@ -26,6 +30,7 @@ from flexckpt.errors import (
 from flexckpt.values import ByLane, PerRank
 
 __all__ = [
+    "__version__",
     "ByLane",
     "CheckpointError",
     "Checkpointer",

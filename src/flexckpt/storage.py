@@ -133,7 +133,10 @@ class Storage:
         self.stall_timeout = None if stall_timeout is None else float(stall_timeout)
         if storage_options is None and "://" in url and not url.startswith(("file://", "memory://")):
             storage_options = default_storage_options()
-        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as exc:  # fsspec's backend for the scheme is not installed
+            raise ImportError(f"checkpoint location {url!r}: {exc} (s3://: pip install 'flexckpt[s3]')") from exc
         self.url = url
         self.fs = fs
         self.root = root.rstrip("/") or "/"

@@ -14,7 +14,11 @@ Package boundary: this package is the only one that imports torchtitan
 (torchtitan -> flexckpt_torchtitan -> flexckpt, zephon_state; never back). Importing it
 needs torchtitan installed (Python >= 3.11).
 """
+import importlib.metadata
+
+__version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
+
 from flexckpt_torchtitan.checkpoint import FlexCheckpointManager
 from flexckpt_torchtitan.data import ZephonDataLoader
 
-__all__ = ["FlexCheckpointManager", "ZephonDataLoader"]
+__all__ = ["__version__", "FlexCheckpointManager", "ZephonDataLoader"]

@@ -8,6 +8,10 @@ all-gather, owner broadcast) and ``ShardedOptimizer`` (Muon on ``Owned`` matrice
 ``BlockShard`` pieces, or the FSDP-only ``Shard(0)`` baseline). Package boundary:
 ``trainer -> flexshard -> torch``; flexshard never imports flexckpt or zephon_state.
 """
+import importlib.metadata
+
+__version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
+
 from flexshard.layout import (
     BlockShard,
     HybridShard,
@@ -35,6 +39,7 @@ from flexshard.sharded import ShardedTensor
 from flexshard.world import current_world
 
 __all__ = [
+    "__version__",
     "AdamWConfig",
     "BlockShard",
     "Box",

@@ -6,6 +6,10 @@ checkpoints with flexckpt, and resumes at any world size with the same global ba
 
 Package boundary: flextrain -> flexckpt, flexshard, zephon_state -> torch; never the reverse.
 """
+import importlib.metadata
+
+__version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
+
 from flextrain.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, load_config
 
-__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "TrainConfig", "load_config"]
+__all__ = ["__version__", "DataConfig", "ModelConfig", "OptimConfig", "TrainConfig", "load_config"]

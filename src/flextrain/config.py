@@ -11,13 +11,17 @@ import dataclasses
 import hashlib
 import json
 import math
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-CORPUS = REPO / "data" / "corpus"
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
+
+CORPUS = Path(__file__).resolve().parent / "corpus"  # the bundled corpora: package data, in the wheel too
 
 
 class ConfigError(ValueError):

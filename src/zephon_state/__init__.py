@@ -3,6 +3,10 @@
 Dependencies point one way: zephon_state -> torch, numpy, orjson, fsspec, tokenizers. It knows
 nothing of checkpoint files; it hands the checkpointer plain state (``Pipeline.state_dict``).
 """
+import importlib.metadata
+
+__version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
+
 from .batch import Batch, block_causal_mask
 from .config import BatchConfig, DataParallel, Options, PackConfig, ShuffleConfig, TokenizeConfig
 from .cursor import LaneCursor, SourceState
@@ -26,6 +30,7 @@ from .tokenize import load_tokenizer
 from .topology import Topology
 
 __all__ = [
+    "__version__",
     "BadRecordError", "Batch", "BatchConfig", "CacheOptions", "ConfigError", "DataParallel",
     "FingerprintMismatch", "HoldoutConfig", "IGNORE", "InMemory", "IoOptions", "JsonLines",
     "LaneCursor", "Mix", "Options", "PAD_DOCUMENT", "PackConfig", "Pipeline", "PipelineConfig", "SourceState",

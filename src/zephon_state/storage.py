@@ -72,6 +72,13 @@ class IoOptions:
 
 
 def _filesystem(url: str, io: IoOptions) -> tuple[fsspec.AbstractFileSystem, str]:
+    try:
+        return _open_filesystem(url, io)
+    except ImportError as exc:  # fsspec's backend for the scheme is not installed
+        raise ConfigError(f"source {url!r}: {exc} (s3://: pip install 'flexckpt[s3]')") from exc
+
+
+def _open_filesystem(url: str, io: IoOptions) -> tuple[fsspec.AbstractFileSystem, str]:
     protocol = get_protocol(url)
     if io.cache.enabled and protocol not in _LOCAL_PROTOCOLS:
         fs = fsspec.filesystem(
