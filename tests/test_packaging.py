@@ -33,8 +33,9 @@ def _package_data(package: str) -> set[str]:
             for f in (ROOT / "src" / package).glob(pattern) if f.is_file()}
 
 
-def test_the_five_packages_are_found():
-    assert PACKAGES == ["flexckpt", "flexckpt_torchtitan", "flexshard", "flextrain", "zephon_state"]
+def test_the_packages_are_found():
+    assert PACKAGES == ["flexckpt", "flexckpt_accelerate", "flexckpt_hf", "flexckpt_lightning", "flexckpt_torchtitan",
+                        "flexshard", "flextrain", "zephon_state"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

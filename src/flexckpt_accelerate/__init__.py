@@ -9,6 +9,10 @@
 Package boundary: this package is the only one that imports accelerate
 (accelerate -> flexckpt_accelerate -> flexckpt; never back). See docs/integrations/accelerate.md.
 """
+import importlib.metadata
+
+__version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
+
 from flexckpt_accelerate.state import AcceleratorCheckpoint
 
-__all__ = ["AcceleratorCheckpoint"]
+__all__ = ["__version__", "AcceleratorCheckpoint"]

@@ -8,6 +8,10 @@
 Package boundary: this package is the only one that imports transformers
 (transformers -> flexckpt_hf -> flexckpt; never back). See docs/integrations/transformers.md.
 """
+import importlib.metadata
+
+__version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
+
 from flexckpt_hf.trainer import FlexTrainer, folder_step
 
-__all__ = ["FlexTrainer", "folder_step"]
+__all__ = ["__version__", "FlexTrainer", "folder_step"]

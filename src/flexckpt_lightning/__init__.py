@@ -8,8 +8,12 @@
 Package boundary: this package is the only one that imports Lightning
 (lightning -> flexckpt_lightning -> flexckpt; never back). See docs/integrations/lightning.md.
 """
+import importlib.metadata
+
+__version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
+
 from flexckpt_lightning.callback import FlexCheckpointing, check_checkpoint
 from flexckpt_lightning.checkpoint_io import FlexCheckpointIO
 from flexckpt_lightning.model_parallel import FlexModelParallelStrategy
 
-__all__ = ["FlexCheckpointIO", "FlexCheckpointing", "FlexModelParallelStrategy", "check_checkpoint"]
+__all__ = ["__version__", "FlexCheckpointIO", "FlexCheckpointing", "FlexModelParallelStrategy", "check_checkpoint"]
