@@ -399,6 +399,13 @@ class Checkpointer(SavePipeline, Committer):
         it, a key the state holds and the checkpoint lacks stops the load naming the key,
         whatever its kind: a tensor, a plain, per-lane or ``bytes`` value, or a per-rank
         value at another world size (``strict=False`` skips all such keys at once).
+
+        With a fast tier (``local=``), ``load(state)`` restores from the tier when it holds
+        the newest step (``exclude`` too). ``load(state, step=N)`` and ``strict=False`` read
+        the store only, even where the tier holds a newer step, and once loaded they set
+        every tier step aside (the run goes on from the store's step: a tier step must never
+        outrank what it saves next). To take leaves out of a restore from the tier, use
+        ``exclude``, not ``strict=False``.
         """
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
@@ -425,6 +432,8 @@ class Checkpointer(SavePipeline, Committer):
                 assert pending is not None
                 pending.apply()
                 self.last_load_stats = pending.stats
+                if self.tier is not None and (step is not None or not strict):
+                    self.tier.abandon()  # the run goes on from the store's step: no tier step may outrank it
                 return chosen
             if error is not None:
                 log.error("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)

@@ -32,6 +32,7 @@ import queue
 import shutil
 import threading
 import time
+import uuid
 import datetime
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,7 @@ from flexckpt.tier.inventory import (
     MAX_DONE_BYTES, makedirs, remove_bundle,
     remove_paths, scan, set_aside, set_aside_before,
 )
+from flexckpt.tier.owner import folder_id, hold, release, remove_if_unowned
 from flexckpt.tier.placement import node_name, nodes_of, partners, sources
 from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_rank
 from flexckpt.tier.transport import Files, Header, Inbox, Incoming, announce, digest, send, send_range
@@ -113,6 +115,34 @@ class _FastJob:
             self.release = None
 
 
+RUN_FOLDER = "fast-tier.json"  # in the run's persistent folder: its identity and its launches with a fast tier
+
+
+def this_launch(storage: Storage) -> tuple[str, int, bool]:
+    """``(id, launch, written)``: the run folder ``storage``'s identity and this launch's
+    number among those with a fast tier, from its ``fast-tier.json``, counted up there
+    (``written``); without one (a new folder, or one removed and made again: the tiers of
+    the earlier folder are not this one's), a new random id and launch 1, written with
+    the first fast save (a refused start leaves the folder as it was)."""
+    try:
+        raw = storage.read_bytes(RUN_FOLDER, limit=1 << 16)
+    except FileNotFoundError:
+        return uuid.uuid4().hex, 1, False
+    try:
+        doc = orjson.loads(raw)
+        run, launch = str(doc["id"]), int(doc["launches"]) + 1
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{storage.path(RUN_FOLDER)} is not a fast tier's record of its run folder ({exc}); remove "
+                         f"it to start the fast tier afresh (its steps of this run folder are then not restored)") from None
+    write_run_folder(storage, run, launch)
+    return run, launch, True
+
+
+def write_run_folder(storage: Storage, run: str, launches: int) -> None:
+    storage.makedirs("")
+    storage.put_atomic(RUN_FOLDER, orjson.dumps({"id": run, "launches": launches}), fsync=False)
+
+
 def _lineage_of(files: list[str]) -> str | None:
     """The lineage a tier folder's first readable marker names, or None."""
     for f in files:
@@ -131,20 +161,15 @@ class FastTier:
         self.rank, self.world = ckpt.rank, ckpt.world_size
         self.run_id, self.session = ckpt.run_id, ckpt.session
         self.lineage = config.resolved_lineage(ckpt.storage.url)
-        name = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}".encode()).hexdigest()[:16]
         self.node = node_name()
         self.dir = config.dir.replace("{node}", self.node)  # "{node}": one folder a node on one machine (tests)
         os.makedirs(self.dir, exist_ok=True)
-        self.root = os.path.join(os.path.abspath(self.dir), name)
-        self._remove_stale_tiers(name)
-        os.makedirs(self.root, exist_ok=True)
-        self._sweepers: list[threading.Thread] = []
-        self._sweep(set_aside_before(self.root))
-        self.storage = Storage(self.root, None, None)
         self.group = None
         self.store = None
         self.timeout = float(config.timeout)
-        names = [self.node]
+        self._run_store = ckpt.storage
+        run = this_launch(ckpt.storage) if self.rank == 0 else None
+        gathered = [(self.node, run)]
         if self.world > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("a fast tier with more than one rank needs torch.distributed initialized")
@@ -158,12 +183,25 @@ class FastTier:
             # created here, on the training thread, in the same order on every rank
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
             self.global_ranks = list(range(self.world)) if ranks is None else list(ranks)
-            gathered: list = [None] * self.world
-            dist.all_gather_object(gathered, self.node, group=self.group)
-            names = [str(n) for n in gathered]
-            self.store = dist.PrefixStore(f"{PREFIX}{name}/{self.session}", dist.distributed_c10d._get_default_store())
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, (self.node, run), group=self.group)
         else:
             self.global_ranks = [0]
+        names = [str(g[0]) for g in gathered]
+        # the run folder's identity (made with its first fast save) and this launch's number: a
+        # tier outlives no removal of its run folder, and launches never tie
+        self.folder_run_id, self.launch, self._run_written = gathered[0][1]
+        name = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}\0{self.folder_run_id}".encode()).hexdigest()[:16]
+        self.root = os.path.join(os.path.abspath(self.dir), name)
+        hold(self.root)  # for this tier's life: no other job sweeps it while this process lives
+        self._held = True
+        self._remove_stale_tiers(name)
+        self.folder_id = folder_id(self.root)
+        self._sweepers: list[threading.Thread] = []
+        self._sweep(set_aside_before(self.root))
+        self.storage = Storage(self.root, None, None)
+        if self.world > 1:
+            self.store = dist.PrefixStore(f"{PREFIX}{name}/{self.session}", dist.distributed_c10d._get_default_store())
         self.nodes = nodes_of(names)
         self.node_names = names
         self.partners = partners(self.rank, self.nodes, config.replicas)
@@ -172,11 +210,17 @@ class FastTier:
             log.warning("flexckpt fast tier: %s on node %r; no copy on another node is possible",
                         "the only rank is" if self.world == 1 else f"all {self.world} ranks are", self.node)
         if config.state_bytes is not None:
-            self._check_space(int(config.state_bytes))
+            try:
+                self._check_space(int(config.state_bytes))
+            except BaseException:
+                self._let_go()
+                raise
         self.skipped = 0
         self.saved = 0
         self.replicated = 0
         self.replication_failures = 0
+        self.failed = 0  # fast saves that failed (their files removed)
+        self.failing = 0  # of them, in a row up to now (0 once one succeeds)
         self.last_recovery: Recovery | None = None
         self._busy = threading.Event()
         self._jobs: queue.Queue = queue.Queue()
@@ -190,6 +234,9 @@ class FastTier:
         self._structure_for: int | None = None
         self._structure: tuple[str, dict] = ("", {})
         self._prune_lock = threading.Lock()
+        # bumped on every rank at abandon(): a partner's copy sent before it is of the abandoned branch
+        self._branch = 0
+        self._branch_lock = threading.Lock()
         self._bundles: dict[int, list] = {}  # saved rank -> bundles this process wrote, oldest first
         self._inherited: list = []  # the restored step's bundles on this node (its leader removes them)
         self._closed = False
@@ -203,9 +250,9 @@ class FastTier:
 
     # -- hygiene ------------------------------------------------------------------------------
     def _remove_stale_tiers(self, mine: str) -> None:
-        """Other runs' tiers in the same folder, untouched for ``stale_after`` seconds. The
-        lineages (run ids) of the other tiers found are kept in ``other_lineages`` for the
-        recovery's message."""
+        """Other runs' tiers in the same folder that no live process holds (``owner``),
+        untouched for ``stale_after`` seconds. The lineages (run ids) of the other tiers
+        found are kept in ``other_lineages`` for the recovery's message."""
         self.other_lineages: list[str] = []
         for entry in os.scandir(self.dir):
             if not entry.name.startswith(PREFIX) or entry.name == mine or not entry.is_dir():
@@ -214,9 +261,7 @@ class FastTier:
             lineage = _lineage_of(files)
             if lineage is not None and lineage != self.lineage and lineage not in self.other_lineages:
                 self.other_lineages.append(lineage)
-            newest = max([entry.stat().st_mtime] + [os.stat(f).st_mtime for f in files] or [0])
-            if time.time() - newest >= self.config.stale_after:
-                shutil.rmtree(entry.path, ignore_errors=True)
+            if remove_if_unowned(entry.path, self.config.stale_after):
                 log.info("flexckpt fast tier: removed another run's tier %s", entry.path)
 
     def _check_space(self, state_bytes: int) -> None:
@@ -260,6 +305,14 @@ class FastTier:
                     ckpt._pool.release(shared.buffer)
                 raise
             self._space_checked = True
+        if not self._run_written and self.rank == 0:  # before any of this launch's bundles can exist
+            try:
+                write_run_folder(self._run_store, self.folder_run_id, self.launch)
+            except BaseException:
+                if shared is not None:
+                    ckpt._pool.release(shared.buffer)
+                raise
+            self._run_written = True
         lanes = {k: orjson.Fragment(v) for k, v in lanes.items()}
         attempt = self._attempts.next(step)
         handle = SaveHandle(step, None, attempt, fence_of=None if shared is None else shared.handle)
@@ -280,7 +333,16 @@ class FastTier:
             try:
                 self._save_one(job)
             except BaseException as exc:  # noqa: BLE001 - reported on the handle
-                log.error("flexckpt fast tier rank %d: save of step %d failed: %s", self.rank, job.step, exc, exc_info=exc)
+                self._discard(job)
+                self.failed += 1
+                self.failing += 1
+                job.handle.timings["failed_in_a_row"] = float(self.failing)
+                log.error("flexckpt fast tier rank %d: save of step %d failed (its files removed): %s", self.rank,
+                          job.step, exc, exc_info=exc)
+                if self.failing > 1:
+                    held = sorted({b[0] for bs in self._bundles.values() for b in bs} | {b[0] for b in self._inherited})
+                    log.warning("flexckpt fast tier rank %d: %d fast saves in a row failed; the tier is not protecting "
+                                "the run (it holds step(s) %s of this rank's saves)", self.rank, self.failing, held)
                 self._busy.clear()
                 job.handle._fail(exc)
             finally:
@@ -334,7 +396,7 @@ class FastTier:
         doc = {
             "lineage": self.lineage, "fingerprint": self._saved_structure(e)[0], "saved_fingerprint": e.fingerprint,
             "step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world,
-            "run_id": self.run_id, "line": line, "lanes": job.lanes, "plain": job.plain,
+            "run_id": self.run_id, "launch": self.launch, "branch": self._branch, "line": line, "lanes": job.lanes, "plain": job.plain,
             "per_rank_keys": e.per_rank_keys, **self._saved_structure(e)[1],
             **({"keyed": keyed_entries(self.rank, job.keyed)} if job.keyed else {}),
             "files": {rel: memoryview(b).nbytes for rel, b in files.items()}, "chunks": len(chunks),
@@ -364,8 +426,22 @@ class FastTier:
                     log.error("flexckpt fast tier rank %d: copy of step %d to rank %d failed: %s", self.rank, job.step, p, exc)
         h.timings["replicate_s"] = time.perf_counter() - t2
         h.timings["bytes"] = float(e.rank_plan.nbytes)
+        if self.failing:
+            log.warning("flexckpt fast tier rank %d: step %d saved after %d failed fast save(s): the tier protects the "
+                        "run again", self.rank, job.step, self.failing)
+            self.failing = 0
+        h.timings["failed_in_a_row"] = 0.0
         self._busy.clear()
         h._done.set()
+
+    def _discard(self, job: _FastJob) -> None:
+        """What a failed fast save wrote of this rank's files (a full tmpfs must not keep it
+        full): its marker first, then its files, then its folders if empty."""
+        names = [f(job.attempt, self.rank) for f in (data_name, table_name, values_name)]
+        try:
+            remove_bundle(self.storage, job.step, done_name(job.attempt, self.rank, self.world), names)
+        except Exception as exc:  # noqa: BLE001 - the failure is reported already; a close() removes the rest
+            log.warning("flexckpt fast tier rank %d: removing the failed save of step %d: %s", self.rank, job.step, exc)
 
     def _copier(self, e: Any) -> Any:
         """The staging copy for ``e``'s pieces, marked ready here on the training thread:
@@ -405,16 +481,25 @@ class FastTier:
                              f"step {doc['step']} of rank {doc['rank']}")
         files = list(zip(lengths, parts))
         check_copy(doc, files)
-        self._write_bundle(doc, files)
+        with self._branch_lock:
+            if doc.get("branch", 0) != self._branch:
+                log.info("flexckpt fast tier rank %d: dropped rank %d's copy of step %d, saved before the run went "
+                         "back to an older step", self.rank, doc["rank"], doc["step"])
+                return
+            self._write_bundle(doc, files)
 
     def _write_bundle(self, doc: dict, files: list) -> None:
         folder = step_dir(doc["step"])
         self._prune(doc["rank"], self.config.keep_last - 1)
         makedirs(self.storage, f"{folder}/{doc['attempt']}")
-        for rel, data in files:
-            self.storage.put_atomic(f"{folder}/{rel}", data, fsync=False)
-        self.storage.put_atomic(f"{folder}/{done_name(doc['attempt'], doc['rank'], doc['world_size'])}",
-                                orjson.dumps(doc), fsync=False)
+        marker = done_name(doc["attempt"], doc["rank"], doc["world_size"])
+        try:
+            for rel, data in files:
+                self.storage.put_atomic(f"{folder}/{rel}", data, fsync=False)
+            self.storage.put_atomic(f"{folder}/{marker}", orjson.dumps(doc), fsync=False)
+        except BaseException:  # a full tmpfs: the copy's files go (the inbox reports the failure)
+            remove_bundle(self.storage, doc["step"], marker, [rel for rel, _ in files])
+            raise
         self._wrote(doc)
 
     def _wrote(self, doc: dict) -> None:
@@ -460,8 +545,31 @@ class FastTier:
             sweeper.join(self.timeout)
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """This tier no longer holds its folder (once)."""
+        if self._held:
+            self._held = False
+            release(self.root)
 
     # -- recovery ------------------------------------------------------------------------------
+    def abandon(self) -> None:
+        """The run goes on from a step the tier did not restore (``load(step=N)``,
+        ``load(strict=False)``): every step of the tier is set aside on every node (by the
+        ranks that share its folder, the lowest), as after a failed tier load, so that none
+        can outrank what the run saves next; copies still arriving from before are
+        dropped. Every rank calls it (one all-gather on the tier's group)."""
+        self.wait()
+        with self._branch_lock:
+            self._branch += 1
+        folders = self._all_gather((self.node, self.folder_id))  # every rank's copies before this are written
+        if self.rank == folders.index((self.node, self.folder_id)):
+            self._sweep(set_aside(self.root, -1))
+        with self._prune_lock:
+            self._bundles.clear()
+            self._inherited = []
+
     def newest_held(self) -> int | None:
         """The newest step some node's folder holds a complete saved-rank bundle of (this
         lineage's), or None: one all-gather on the tier's group (every rank calls it, and
