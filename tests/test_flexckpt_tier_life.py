@@ -1,0 +1,160 @@
+"""The edges of a fast tier's life: a run that goes back to an older step, another job
+starting beside a live one, a full tmpfs, a run folder removed and made again, two
+machines under one node name. One process each, but the sweep (two processes on one
+node folder)."""
+import atexit
+import errno
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import flexckpt.tier.fast as fast
+from flexckpt import Checkpointer
+from flexckpt.tier import LocalTier
+from flexckpt.tier.inventory import Held, choose, scan
+from test_flexckpt_tier import make_state
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def _ck(tmp_path, lineage: str = "life", **kw) -> Checkpointer:
+    t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage=lineage, keep_last=2, **kw)
+    return Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="life", local=t)
+
+
+def _crash(ck: Checkpointer) -> None:
+    """A kill: no close(), and the tier folder's lock let go (as the kernel does)."""
+    atexit.unregister(ck._atexit)
+    getattr(ck.tier, "_let_go", lambda: None)()
+
+
+def _branch(step: int) -> dict:
+    """The state the run saves at ``step`` after going back: other values than the first branch's."""
+    return make_state(0, 1, 1000 + step)
+
+
+# -- 1: a run that goes back ----------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["step", "strict"])
+def test_a_run_gone_back_to_an_older_step_restores_its_own_branch_never_the_abandoned_one(tmp_path, how):
+    """``load(state, step=5)`` (or ``strict=False``, which reads the store only) after the
+    tier saved 13 and 14; the run then saves 6 and 7 (``step``: the abandoned steps are
+    newer) or 13 and 14 again (``strict``: equal step numbers). The next restart restores
+    the run's own newest step, with its values."""
+    ck = _ck(tmp_path)
+    ck.save(5, make_state(0, 1, 5)).result(60)
+    for step in (13, 14):
+        ck.save_local(step, make_state(0, 1, step)).result(60)
+    _crash(ck)
+    ck2 = _ck(tmp_path)
+    state = make_state(0, 1, 0, zero=True)
+    assert (ck2.load(state, step=5) if how == "step" else ck2.load(state, strict=False)) == 5
+    assert torch.equal(state["w"].local, make_state(0, 1, 5)["w"].local)
+    steps = (6, 7) if how == "step" else (13, 14)
+    for step in steps:
+        ck2.save_local(step, _branch(step)).result(60)
+    _crash(ck2)
+    ck3 = _ck(tmp_path)
+    state = make_state(0, 1, 0, zero=True)
+    assert ck3.load(state) == steps[-1] and ck3.tier.last_recovery.source == "tier", ck3.tier.last_recovery.reason
+    assert torch.equal(state["w"].local, _branch(steps[-1])["w"].local)
+    assert state["meta"] == {"step": 1000 + steps[-1]}
+    ck3.close()
+
+
+def _held(step: int, launch: int, rank: int = 0) -> Held:
+    return Held(step, f"run.{launch:08x}.1", rank, 1, {"lineage": "L", "fingerprint": "F", "launch": launch})
+
+
+def test_two_launches_saves_of_one_step_never_tie_the_later_launch_wins_in_any_listing_order():
+    for inventory in ([_held(14, 1), _held(14, 2)], [_held(14, 2), _held(14, 1)]):
+        d = choose([inventory], "L", "F", [])
+        assert (d.source, d.step, d.attempt) == ("tier", 14, "run.00000002.1")
+    # a later launch's step outranks an earlier launch's newer one (that launch went on from elsewhere)
+    d = choose([[_held(14, 1), _held(7, 2)]], "L", "F", [5])
+    assert (d.step, d.attempt) == (7, "run.00000002.1")
+
+
+# -- 2: a starting job beside a live one ------------------------------------------------------------
+LIVE = """
+import sys, torch
+from flexckpt import Checkpointer
+from flexckpt.tier import LocalTier
+ck = Checkpointer(sys.argv[1], rank=0, world_size=1, local=LocalTier(dir=sys.argv[2], replicas=0, lineage="live"))
+ck.save_local(1, {"w": torch.ones(8)}).result(60)
+print(ck.tier.root, flush=True)
+sys.stdin.read()  # until the test lets go (or kills this process)
+"""
+
+
+def test_a_starting_job_never_sweeps_a_live_jobs_tier_and_sweeps_it_once_its_owner_died(tmp_path):
+    shm = tmp_path / "shm"
+    live = subprocess.Popen([sys.executable, "-c", LIVE, str(tmp_path / "live-store"), str(shm)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": SRC}, text=True)
+    try:
+        root = live.stdout.readline().strip()
+        assert root and os.path.isdir(root), live.poll()
+        old = time.time() - 3600  # untouched for an hour (a job saving to its tier rarely)
+        for d, _, fs in os.walk(root):
+            for f in fs + ["."]:
+                os.utime(os.path.join(d, f), (old, old))
+        starter = _ck(tmp_path, lineage="starter", stale_after=0)
+        assert os.path.isdir(root) and scan(fast.Storage(root, None, None)) != []  # the live job's tier stays
+        starter.save_local(1, make_state(0, 1, 1)).result(60)
+        # a second Checkpointer of this process never sweeps the tier the process holds
+        second = Checkpointer(str(tmp_path / "store2"), rank=0, world_size=1, run_id="second",
+                              local=LocalTier(dir=str(shm), replicas=0, lineage="second", stale_after=0))
+        assert os.path.isdir(starter.tier.root) and scan(starter.tier.storage) != []
+        second.close()
+        live.kill()  # its owner died: the lock is gone with it
+        live.wait(30)
+        after = Checkpointer(str(tmp_path / "store3"), rank=0, world_size=1, run_id="after",
+                             local=LocalTier(dir=str(shm), replicas=0, lineage="after", stale_after=0))
+        assert not os.path.exists(root) and os.path.isdir(starter.tier.root)
+        after.close()
+        starter.close()
+    finally:
+        live.kill()
+        live.wait(30)
+
+
+# -- 3: a full tmpfs ---------------------------------------------------------------------------------
+def test_a_fast_save_that_fills_the_tmpfs_removes_its_files_says_so_and_the_tier_recovers(tmp_path, monkeypatch,
+                                                                                          caplog):
+    ck = _ck(tmp_path)
+    ck.save_local(1, make_state(0, 1, 1)).result(60)
+    real = fast.write_node_file
+    full = {"on": True}
+
+    def filling(storage, rel, stream, nbytes):
+        if not full["on"]:
+            return real(storage, rel, stream, nbytes)
+        with open(storage.path(rel), "wb") as f:  # part of the file lands, then the tmpfs is full
+            f.write(bytes(stream[: nbytes // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device", storage.path(rel))
+
+    monkeypatch.setattr(fast, "write_node_file", filling)
+    caplog.set_level(logging.WARNING, logger="flexckpt")
+    for n, step in enumerate((2, 3, 4), start=1):
+        h = ck.save_local(step, make_state(0, 1, step))
+        with pytest.raises(Exception, match="No space left"):
+            h.result(60)
+        assert not os.path.exists(os.path.join(ck.tier.root, f"step-{step:012d}"))  # nothing of it stays
+        assert (ck.tier.failed, ck.tier.failing, h.timings["failed_in_a_row"]) == (n, n, float(n))
+    assert "3 fast saves in a row failed; the tier is not protecting the run" in caplog.text
+    assert [h.step for h in scan(ck.tier.storage)] == [1]
+    full["on"] = False  # the space is back: the next fast saves land, and keep_last holds
+    for step in (5, 6):
+        h = ck.save_local(step, make_state(0, 1, step))
+        assert h.result(60) == step and h.timings["failed_in_a_row"] == 0.0
+    assert ck.tier.failing == 0 and "the tier protects the run again" in caplog.text
+    assert sorted(h.step for h in scan(ck.tier.storage)) == [5, 6]
+    state = make_state(0, 1, 0, zero=True)
+    _crash(ck)
+    ck2 = _ck(tmp_path)
+    assert ck2.load(state) == 6 and torch.equal(state["w"].local, make_state(0, 1, 6)["w"].local)
+    ck2.close()
