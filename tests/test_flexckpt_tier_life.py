@@ -12,11 +12,13 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import flexckpt.tier.fast as fast
 from flexckpt import Checkpointer
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import Held, choose, scan
+from flexshard.spawn import run_workers
 from test_flexckpt_tier import make_state
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -158,3 +160,36 @@ def test_a_fast_save_that_fills_the_tmpfs_removes_its_files_says_so_and_the_tier
     ck2 = _ck(tmp_path)
     assert ck2.load(state) == 6 and torch.equal(state["w"].local, make_state(0, 1, 6)["w"].local)
     ck2.close()
+
+
+# -- 17: two machines under one node name ------------------------------------------------------------
+def _one_name_two_folders(rank, world, url, root):
+    """Two ranks report node name "same" but each has a folder of its own (two machines);
+    they save, are killed, restart and load."""
+    os.environ["FLEXCKPT_NODE"] = "same"
+    folder = os.path.join(root, f"machine{rank}")
+
+    def tier():
+        return LocalTier(dir=folder, replicas=1, keep_last=2, timeout=60, lineage="clash", stale_after=0)
+
+    ck = Checkpointer(url, local=tier())
+    ck.save(2, make_state(rank, world, 2)).result(60)
+    for step in (3, 4):
+        ck.save_local(step, make_state(rank, world, step)).result(60)
+    atexit.unregister(ck._atexit)  # killed
+    ck2 = Checkpointer(url, local=tier())
+    state = make_state(rank, world, 0, zero=True)
+    step = ck2.load(state)
+    exact = torch.equal(state["w"].local, make_state(rank, world, step)["w"].local)
+    left = sorted(h.step for h in scan(ck2.tier.storage))
+    dist.barrier()
+    return {"step": step, "exact": exact, "reason": ck2.tier.last_recovery.reason, "left": left}
+
+
+def test_two_machines_under_one_node_name_are_named_and_their_steps_set_aside_on_both(tmp_path):
+    res = run_workers(_one_name_two_folders, 2, str(tmp_path / "store"), str(tmp_path / "nodes"), timeout=180)
+    for r in res:
+        assert r["step"] == 2 and r["exact"], r
+        assert r["reason"].startswith("ranks [0] and [1] report one node name 'same' but scan different tier "
+                                      "folders: two machines under one name"), r["reason"]
+        assert r["left"] == [], r  # set aside on each machine, not only on the lowest rank's

@@ -595,18 +595,23 @@ class FastTier:
             fp = compat_fingerprint(w.structure_json())
             held = scan(self.storage)
             persistent = ckpt.steps() if self.rank == 0 else []
-            mine = (self.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent, fp, "")
+            mine = (self.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent, fp, "",
+                    self.folder_id)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
-            mine = (self.node, [], [], "", f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            mine = (self.node, [], [], "", f"rank {self.rank}: {type(exc).__name__}: {exc}", self.folder_id)
         gathered = self._all_gather(mine)
         inventories = [[Held(*x) for x in g[1]] for g in gathered]
         errors = [g[4] for g in gathered if g[4]]
+        clash = node_clash([(g[0], g[5]) for g in gathered])
         if errors:
             decision = Decision("persistent", None, reason=f"the fast tier could not be read ({errors[0]})")
+        elif clash:
+            decision = Decision("persistent", None, reason=clash)
         else:
             target = self._target_compat([g[3] for g in gathered], w)
             decision = choose(inventories, self.lineage, target, gathered[0][2], exclude)
-        leader = self.rank == min(r for r, g in enumerate(gathered) if g[0] == self.node)
+        # the lowest rank of each folder (of each machine, also where two report one node name)
+        leader = self.rank == min(r for r, g in enumerate(gathered) if (g[0], g[5]) == (self.node, self.folder_id))
         if decision.source != "tier":
             # nothing here is loadable: older than the persistent step, or incomplete; but a step saved
             # with another structure stays (a load with a changed config must not cost the run its newest step)
@@ -879,6 +884,22 @@ class FastTier:
                 file.where = f"rank {t.server} on node {self.node_names[t.server]}"
                 file.add(a.offset, box.buffers[i], functools.partial(box.ready, i))
         return sends, incoming, error
+
+
+def node_clash(folders: list[tuple[str, str]]) -> str:
+    """``""``, or what is wrong when ranks reporting one node name scan different tier
+    folders (``folders[rank] = (node name, folder id)``): two machines under one name, whose
+    steps the recovery cannot place (it takes a node's ranks to share its folder)."""
+    by_name: dict[str, dict[str, list[int]]] = {}
+    for rank, (name, fid) in enumerate(folders):
+        by_name.setdefault(name, {}).setdefault(fid, []).append(rank)
+    for name, groups in by_name.items():
+        if len(groups) > 1:
+            ranks = " and ".join(str(rs) for rs in sorted(groups.values()))
+            return (f"ranks {ranks} report one node name {name!r} but scan different tier folders: two machines "
+                    f"under one name (FLEXCKPT_NODE, or the host name); give each machine a name of its own. The "
+                    f"tier's steps are set aside on every machine and the load reads the persistent store")
+    return ""
 
 
 def write_node_file(storage: Storage, rel: str, stream: memoryview, nbytes: int) -> None:
