@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -193,3 +194,42 @@ def test_two_machines_under_one_node_name_are_named_and_their_steps_set_aside_on
         assert r["reason"].startswith("ranks [0] and [1] report one node name 'same' but scan different tier "
                                       "folders: two machines under one name"), r["reason"]
         assert r["left"] == [], r  # set aside on each machine, not only on the lowest rank's
+
+
+# -- 5: a restart's start-up housekeeping ------------------------------------------------------------
+def test_a_restart_reads_no_manifest_of_a_step_holding_only_its_committed_attempt_and_never_waits_for_reclaim(
+        tmp_path, monkeypatch):
+    import flexckpt.checkpointer as checkpointer
+    import flexckpt.commit as commit
+
+    ck = _ck(tmp_path)
+    for step in (1, 2, 3):
+        ck.save(step, make_state(0, 1, step)).result(60)
+    ck.save_local(4, make_state(0, 1, 4)).result(60)
+    _crash(ck)
+    stale = tmp_path / "store" / f"step-{2:012d}" / "other.12345678.1"  # another job's attempt, long untouched
+    stale.mkdir()
+    (stale / "r00000.data").write_bytes(b"\1" * 64)
+    for p in (stale / "r00000.data", stale):
+        os.utime(p, (time.time() - 3600, time.time() - 3600))
+    reads = []
+    real_read = commit.read_manifest
+    monkeypatch.setattr(commit, "read_manifest", lambda storage, step: reads.append(step) or real_read(storage, step))
+    gate = threading.Event()  # the store's housekeeping is slow (a large store): it waits for the gate
+    real_reclaim = checkpointer.reclaim_at_start
+    monkeypatch.setattr(checkpointer, "reclaim_at_start", lambda *a, **k: (gate.wait(120), real_reclaim(*a, **k))[1])
+    built = []
+    starter = threading.Thread(target=lambda: built.append(_ck(tmp_path)), daemon=True)
+    starter.start()
+    starter.join(30)
+    try:
+        assert built, "construction waited for the start-up housekeeping"
+        ck2 = built[0]
+        state = make_state(0, 1, 0, zero=True)
+        assert ck2.load(state) == 4 and ck2.tier.last_recovery.source == "tier"  # the housekeeping still waits
+        assert reads == []
+    finally:
+        gate.set()
+        starter.join(60)
+    ck2.close()  # waits for the housekeeping
+    assert reads == [2] and not stale.exists()  # only the step with another attempt beside its committed one

@@ -170,8 +170,6 @@ class Checkpointer(SavePipeline, Committer):
         # object stores stamp files with their own clock: allow for skew
         self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
         self._listed_steps: set[str] = set()  # step folders the live-job check listed (commit thread)
-        if self.is_coordinator and not self.read_only:  # a reader changes nothing under url
-            self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
         self.tier = None if local is None else FastTier(local, self)
         self._pool = BufferPool(max_in_flight)
@@ -195,6 +193,12 @@ class Checkpointer(SavePipeline, Committer):
         # made them before retention began (and is in flight, which retention leaves alone)
         # or makes them after it ended (never into an empty step folder being removed)
         self._folders_lock = threading.Lock()
+        self._reclaim: threading.Thread | None = None
+        if self.is_coordinator and not self.read_only:  # a reader changes nothing under url
+            # on a thread of its own: construction (and a fast tier's recovery) never waits for it;
+            # it holds _folders_lock, so the first save makes its folders once it is done
+            self._reclaim = threading.Thread(target=self._reclaim_at_start, name="flexckpt-reclaim", daemon=True)
+            self._reclaim.start()
         ref = weakref.ref(self)
         self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout, _at_exit=True))
         atexit.register(self._atexit)
@@ -205,10 +209,14 @@ class Checkpointer(SavePipeline, Committer):
 
     def _reclaim_at_start(self) -> None:
         """Files of saves that failed or were cut short before this launch (see
-        :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again."""
+        :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again.
+        Runs on its own thread, started at construction (a load, a fast tier's recovery
+        included, never waits for it; the first save makes its folders once it is done,
+        ``close()`` waits for it)."""
         try:
-            removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since,
-                                       f"{self.run_id}.{self.session}")
+            with self._folders_lock:
+                removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since,
+                                           f"{self.run_id}.{self.session}")
         except Exception:  # noqa: BLE001 - housekeeping; saves report their own failures
             log.exception("flexckpt: reclaiming unfinished saves under %s failed", self.storage.url)
             return
@@ -339,6 +347,8 @@ class Checkpointer(SavePipeline, Committer):
             for t in self._threads:
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._threads = []
+        if self._reclaim is not None:
+            self._reclaim.join(timeout)
         if self.tier is not None:  # first: a fast save in flight may hold a staging buffer
             self.tier.close(remove=not (_at_exit or keep_tier))
         self._last_save = None
