@@ -42,25 +42,29 @@ def _branch(step: int) -> dict:
 
 
 # -- 1: a run that goes back ----------------------------------------------------------------------
-@pytest.mark.parametrize("how", ["step", "strict"])
+@pytest.mark.parametrize("how", ["step", "strict", "strict in one launch"])
 def test_a_run_gone_back_to_an_older_step_restores_its_own_branch_never_the_abandoned_one(tmp_path, how):
-    """``load(state, step=5)`` (or ``strict=False``, which reads the store only) after the
-    tier saved 13 and 14; the run then saves 6 and 7 (``step``: the abandoned steps are
-    newer) or 13 and 14 again (``strict``: equal step numbers). The next restart restores
-    the run's own newest step, with its values."""
+    """The tier saved 13 and 14; the run goes back to the store's step 5 with ``load(state,
+    step=5)`` at a restart (then saves 6 and 7: the abandoned steps are newer), with
+    ``strict=False`` at a restart (then saves 13 and 14 again: equal step numbers, both
+    attempt 1), or with ``strict=False`` in the same launch (then saves 6 and 7). The next
+    restart restores the run's own newest step, with its values."""
     ck = _ck(tmp_path)
     ck.save(5, make_state(0, 1, 5)).result(60)
     for step in (13, 14):
         ck.save_local(step, make_state(0, 1, step)).result(60)
-    _crash(ck)
-    ck2 = _ck(tmp_path)
+    if how != "strict in one launch":
+        _crash(ck)
+        ck = _ck(tmp_path)
     state = make_state(0, 1, 0, zero=True)
-    assert (ck2.load(state, step=5) if how == "step" else ck2.load(state, strict=False)) == 5
+    assert (ck.load(state, step=5) if how == "step" else ck.load(state, strict=False)) == 5
     assert torch.equal(state["w"].local, make_state(0, 1, 5)["w"].local)
-    steps = (6, 7) if how == "step" else (13, 14)
+    # a rollback sets the tier's steps aside; a partial load (a probe) leaves them for a full load
+    assert sorted(h.step for h in scan(ck.tier.storage)) == ([] if how == "step" else [13, 14])
+    steps = (13, 14) if how == "strict" else (6, 7)
     for step in steps:
-        ck2.save_local(step, _branch(step)).result(60)
-    _crash(ck2)
+        ck.save_local(step, _branch(step)).result(60)
+    _crash(ck)
     ck3 = _ck(tmp_path)
     state = make_state(0, 1, 0, zero=True)
     assert ck3.load(state) == steps[-1] and ck3.tier.last_recovery.source == "tier", ck3.tier.last_recovery.reason
@@ -69,17 +73,21 @@ def test_a_run_gone_back_to_an_older_step_restores_its_own_branch_never_the_aban
     ck3.close()
 
 
-def _held(step: int, launch: int, rank: int = 0) -> Held:
-    return Held(step, f"run.{launch:08x}.1", rank, 1, {"lineage": "L", "fingerprint": "F", "launch": launch})
+def _held(step: int, launch: int, branch: int = 0) -> Held:
+    return Held(step, f"run.{launch:04x}{branch:04x}.1", 0, 1,
+                {"lineage": "L", "fingerprint": "F", "launch": launch, "branch": branch})
 
 
-def test_two_launches_saves_of_one_step_never_tie_the_later_launch_wins_in_any_listing_order():
+def test_saves_of_one_step_never_tie_the_later_launch_or_branch_wins_in_any_listing_order():
     for inventory in ([_held(14, 1), _held(14, 2)], [_held(14, 2), _held(14, 1)]):
         d = choose([inventory], "L", "F", [])
-        assert (d.source, d.step, d.attempt) == ("tier", 14, "run.00000002.1")
-    # a later launch's step outranks an earlier launch's newer one (that launch went on from elsewhere)
+        assert (d.source, d.step, d.attempt) == ("tier", 14, "run.00020000.1")
+    # a later launch's step outranks an earlier launch's newer one (that launch went on from elsewhere),
+    # and so does a later branch's in one launch (a load the tier did not serve came between)
     d = choose([[_held(14, 1), _held(7, 2)]], "L", "F", [5])
-    assert (d.step, d.attempt) == (7, "run.00000002.1")
+    assert (d.step, d.attempt) == (7, "run.00020000.1")
+    d = choose([[_held(14, 2, 0), _held(7, 2, 1)]], "L", "F", [5])
+    assert (d.step, d.attempt) == (7, "run.00020001.1")
 
 
 # -- 2: a starting job beside a live one ------------------------------------------------------------

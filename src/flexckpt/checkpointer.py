@@ -412,9 +412,11 @@ class Checkpointer(SavePipeline, Committer):
 
         With a fast tier (``local=``), ``load(state)`` restores from the tier when it holds
         the newest step (``exclude`` too). ``load(state, step=N)`` and ``strict=False`` read
-        the store only, even where the tier holds a newer step, and once loaded they set
-        every tier step aside (the run goes on from the store's step: a tier step must never
-        outrank what it saves next). To take leaves out of a restore from the tier, use
+        the store only, even where the tier holds a newer step; after them, what this job
+        saves to the tier outranks every step the tier holds (the run may go on from the
+        store's step). ``step=N`` (a rollback) also sets the tier's steps aside;
+        ``strict=False`` (a probe of plain values, single tensors) leaves them, for a
+        ``load(state)`` that follows. To take leaves out of a restore from the tier, use
         ``exclude``, not ``strict=False``.
         """
         if self._closed:
@@ -443,7 +445,7 @@ class Checkpointer(SavePipeline, Committer):
                 pending.apply()
                 self.last_load_stats = pending.stats
                 if self.tier is not None and (step is not None or not strict):
-                    self.tier.abandon()  # the run goes on from the store's step: no tier step may outrank it
+                    self.tier.abandon(aside=step is not None)  # no tier step may outrank what the run saves next
                 return chosen
             if error is not None:
                 log.error("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)

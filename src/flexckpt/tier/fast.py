@@ -107,6 +107,7 @@ class _FastJob:
     keyed: dict = field(default_factory=dict)  # bytes values by key (carried in the marker, as records carry them)
     shared: Any = None  # the persistent save of the same step whose staged buffer this save reads
     release: Any = None  # lets go of that buffer (once, after the node's data file is written)
+    branch: int = 0  # the run's branch in this launch when save() was called (see FastTier.abandon)
 
     def let_go(self) -> None:
         """Release the shared staging buffer, if this save still holds it."""
@@ -234,9 +235,7 @@ class FastTier:
         self._structure_for: int | None = None
         self._structure: tuple[str, dict] = ("", {})
         self._prune_lock = threading.Lock()
-        # bumped on every rank at abandon(): a partner's copy sent before it is of the abandoned branch
-        self._branch = 0
-        self._branch_lock = threading.Lock()
+        self._branch = 0  # bumped on every rank at abandon(): the saves after it outrank those before
         self._bundles: dict[int, list] = {}  # saved rank -> bundles this process wrote, oldest first
         self._inherited: list = []  # the restored step's bundles on this node (its leader removes them)
         self._closed = False
@@ -305,7 +304,7 @@ class FastTier:
                     ckpt._pool.release(shared.buffer)
                 raise
             self._space_checked = True
-        if not self._run_written and self.rank == 0:  # before any of this launch's bundles can exist
+        if not self._run_written and self.rank == 0:  # the run folder's record: made with rank 0's first fast save
             try:
                 write_run_folder(self._run_store, self.folder_run_id, self.launch)
             except BaseException:
@@ -322,7 +321,8 @@ class FastTier:
             self._thread = threading.Thread(target=self._serve, name=f"flexckpt-tier-r{self.rank}", daemon=True)
             self._thread.start()
         release = None if shared is None else functools.partial(ckpt._pool.release, shared.buffer)
-        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda, keyed, shared, release))
+        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda, keyed, shared, release,
+                                self._branch))
         return handle
 
     def _serve(self) -> None:
@@ -340,7 +340,8 @@ class FastTier:
                 log.error("flexckpt fast tier rank %d: save of step %d failed (its files removed): %s", self.rank,
                           job.step, exc, exc_info=exc)
                 if self.failing > 1:
-                    held = sorted({b[0] for bs in self._bundles.values() for b in bs} | {b[0] for b in self._inherited})
+                    with self._prune_lock:
+                        held = sorted({b[0] for bs in self._bundles.values() for b in bs} | {b[0] for b in self._inherited})
                     log.warning("flexckpt fast tier rank %d: %d fast saves in a row failed; the tier is not protecting "
                                 "the run (it holds step(s) %s of this rank's saves)", self.rank, self.failing, held)
                 self._busy.clear()
@@ -396,7 +397,8 @@ class FastTier:
         doc = {
             "lineage": self.lineage, "fingerprint": self._saved_structure(e)[0], "saved_fingerprint": e.fingerprint,
             "step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world,
-            "run_id": self.run_id, "launch": self.launch, "branch": self._branch, "line": line, "lanes": job.lanes, "plain": job.plain,
+            "run_id": self.run_id, "launch": self.launch, "branch": job.branch, "line": line, "lanes": job.lanes,
+            "plain": job.plain,
             "per_rank_keys": e.per_rank_keys, **self._saved_structure(e)[1],
             **({"keyed": keyed_entries(self.rank, job.keyed)} if job.keyed else {}),
             "files": {rel: memoryview(b).nbytes for rel, b in files.items()}, "chunks": len(chunks),
@@ -481,12 +483,7 @@ class FastTier:
                              f"step {doc['step']} of rank {doc['rank']}")
         files = list(zip(lengths, parts))
         check_copy(doc, files)
-        with self._branch_lock:
-            if doc.get("branch", 0) != self._branch:
-                log.info("flexckpt fast tier rank %d: dropped rank %d's copy of step %d, saved before the run went "
-                         "back to an older step", self.rank, doc["rank"], doc["step"])
-                return
-            self._write_bundle(doc, files)
+        self._write_bundle(doc, files)
 
     def _write_bundle(self, doc: dict, files: list) -> None:
         folder = step_dir(doc["step"])
@@ -554,16 +551,19 @@ class FastTier:
             release(self.root)
 
     # -- recovery ------------------------------------------------------------------------------
-    def abandon(self) -> None:
-        """The run goes on from a step the tier did not restore (``load(step=N)``,
-        ``load(strict=False)``): every step of the tier is set aside on every node (by the
-        ranks that share its folder, the lowest), as after a failed tier load, so that none
-        can outrank what the run saves next; copies still arriving from before are
-        dropped. Every rank calls it (one all-gather on the tier's group)."""
+    def abandon(self, aside: bool) -> None:
+        """A load that the tier did not serve (``load(step=N)``, ``load(strict=False)``):
+        the run may go on from the store's step, so every fast save from now on belongs to
+        a new branch, which outranks every step held now (``inventory.choose``; a partner's
+        copy sent before this, landing after, too). With ``aside`` (``load(step=N)``: a
+        rollback), every held step is set aside as well, by the lowest rank of each tier
+        folder, as after a failed tier load: one all-gather on the tier's group, after each
+        rank's own fast saves are done. Every rank calls it, as ``load()`` is."""
         self.wait()
-        with self._branch_lock:
-            self._branch += 1
-        folders = self._all_gather((self.node, self.folder_id))  # every rank's copies before this are written
+        self._branch += 1
+        if not aside:
+            return
+        folders = self._all_gather((self.node, self.folder_id))
         if self.rank == folders.index((self.node, self.folder_id)):
             self._sweep(set_aside(self.root, -1))
         with self._prune_lock:

@@ -76,12 +76,13 @@ def attempt_order(attempt: str) -> int:
     return int(attempt.rsplit(".", 1)[-1])
 
 
-def _newness(key: tuple) -> tuple[int, int, int]:
+def _newness(key: tuple) -> tuple[int, int, int, int]:
     """How new a held save is: its launch first (numbered in the run folder; a launch that
     saves to the tier either restored from it, its steps following the restored one, or
-    went on from elsewhere, and then the earlier launches' steps are another branch: never
-    a tie broken by a listing's order), then its step, then its attempt in the launch."""
-    return key[3], key[0], attempt_order(key[1])
+    went on from elsewhere, and then the earlier launches' steps are another branch), then
+    its branch in the launch (counted up by each load the tier did not serve), then its
+    step, then its attempt. Never a tie broken by a listing's order."""
+    return key[3], key[4], key[0], attempt_order(key[1])
 
 
 @dataclass
@@ -154,15 +155,15 @@ def choose(
     step is the same save), or the newest persistent step, whole, when that is newer or no
     tier step qualifies. Steps are never mixed. ``fingerprint`` is the target's structure
     less what ``exclude`` takes out, and so is each step's saved one."""
-    found: dict[tuple[int, str, int, int], dict[int, list[int]]] = {}  # (step, attempt, world, launch)
-    docs: dict[tuple[int, str, int, int], dict[int, dict]] = {}
+    found: dict[tuple, dict[int, list[int]]] = {}  # by (step, attempt, world, launch, branch)
+    docs: dict[tuple, dict[int, dict]] = {}
     foreign = 0
     for who, held in enumerate(inventories):
         for h in held:
             if h.doc.get("lineage") != lineage:
                 foreign += 1
                 continue
-            key = (h.step, h.attempt, h.world, int(h.doc.get("launch", 0)))
+            key = (h.step, h.attempt, h.world, int(h.doc.get("launch", 0)), int(h.doc.get("branch", 0)))
             found.setdefault(key, {}).setdefault(h.rank, []).append(who)
             docs.setdefault(key, {})[h.rank] = h.doc
     complete = [k for k, ranks in found.items() if len(ranks) == k[2] and set(ranks) == set(range(k[2]))]

@@ -67,6 +67,8 @@ def remove_if_unowned(path: str, stale_after: float) -> bool:
     if os.path.realpath(path) in _held:
         return False
     try:
+        if time.time() - newest_change(path) < stale_after:
+            return False  # looked at only: a folder in use is never touched
         fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:  # gone meanwhile, or not ours to touch
         return False
@@ -77,8 +79,6 @@ def remove_if_unowned(path: str, stale_after: float) -> bool:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 return False  # a live job's
             raise
-        if time.time() - newest_change(path) < stale_after:
-            return False
         shutil.rmtree(path, ignore_errors=True)
         return True
     finally:
