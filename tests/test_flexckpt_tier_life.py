@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 import torch
@@ -25,8 +26,8 @@ from test_flexckpt_tier import make_state
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
-def _ck(tmp_path, lineage: str = "life", **kw) -> Checkpointer:
-    t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage=lineage, keep_last=2, **kw)
+def _ck(tmp_path, lineage: str = "life", keep_last: int = 2, **kw) -> Checkpointer:
+    t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage=lineage, keep_last=keep_last, **kw)
     return Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="life", local=t)
 
 
@@ -43,19 +44,25 @@ def _branch(step: int) -> dict:
 
 # -- 1: a run that goes back ----------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["step", "strict", "strict in one launch"])
-def test_a_run_gone_back_to_an_older_step_restores_its_own_branch_never_the_abandoned_one(tmp_path, how):
+def test_a_run_gone_back_to_an_older_step_restores_its_own_branch_never_the_abandoned_one(tmp_path, monkeypatch,
+                                                                                         how):
     """The tier saved 13 and 14; the run goes back to the store's step 5 with ``load(state,
     step=5)`` at a restart (then saves 6 and 7: the abandoned steps are newer), with
     ``strict=False`` at a restart (then saves 13 and 14 again: equal step numbers, both
-    attempt 1), or with ``strict=False`` in the same launch (then saves 6 and 7). The next
-    restart restores the run's own newest step, with its values."""
-    ck = _ck(tmp_path)
+    attempt 1, the abandoned one's listed first), or with ``strict=False`` in the same
+    launch (then saves 6 and 7; keep_last 4 keeps all four). The next restart restores the
+    run's own newest step, with its values."""
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(int=0))  # the first launch's session: 00000000
+    ck = _ck(tmp_path, keep_last=4)
+    monkeypatch.undo()
     ck.save(5, make_state(0, 1, 5)).result(60)
     for step in (13, 14):
         ck.save_local(step, make_state(0, 1, step)).result(60)
     if how != "strict in one launch":
         _crash(ck)
-        ck = _ck(tmp_path)
+        monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(int=(1 << 128) - 1))  # the second's: ffffffff
+        ck = _ck(tmp_path, keep_last=4)
+        monkeypatch.undo()
     state = make_state(0, 1, 0, zero=True)
     assert (ck.load(state, step=5) if how == "step" else ck.load(state, strict=False)) == 5
     assert torch.equal(state["w"].local, make_state(0, 1, 5)["w"].local)
@@ -64,6 +71,8 @@ def test_a_run_gone_back_to_an_older_step_restores_its_own_branch_never_the_aban
     steps = (13, 14) if how == "strict" else (6, 7)
     for step in steps:
         ck.save_local(step, _branch(step)).result(60)
+    if how == "strict in one launch":  # keep_last 4: the abandoned steps are still there
+        assert sorted(h.step for h in scan(ck.tier.storage)) == [6, 7, 13, 14]
     _crash(ck)
     ck3 = _ck(tmp_path)
     state = make_state(0, 1, 0, zero=True)

@@ -509,7 +509,8 @@ class FastTier:
         folder): those of ``saved_rank`` but the newest ``keep``."""
         with self._prune_lock:
             mine = self._bundles.get(saved_rank, [])
-            old, self._bundles[saved_rank] = (mine[: len(mine) - keep], mine[len(mine) - keep :]) if keep else (mine, [])
+            cut = max(0, len(mine) - keep)  # (fewer than keep: none goes; a negative cut took all but keep's excess)
+            old, self._bundles[saved_rank] = (mine[:cut], mine[cut:]) if keep else (mine, [])
             if saved_rank == self.rank and len(self._bundles[saved_rank]) >= keep and self._inherited:
                 old, self._inherited = old + self._inherited, []  # the restored step, once keep newer ones exist
         for step, doc_name, files in old:
