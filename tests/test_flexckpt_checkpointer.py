@@ -312,7 +312,8 @@ def test_missing_and_unexpected_keys_are_named_unless_strict_is_off(tmp_path):
         target = {"a": torch.zeros(2), "c": torch.zeros(1), "n": 0}
         ckpt.load(target, strict=False)
         assert target["a"].tolist() == [1, 1] and target["c"].tolist() == [0] and target["n"] == 1
-        assert ckpt.last_load_stats.skipped == ["c"]
+        stats = ckpt.last_load_stats
+        assert stats.missing == ["c"] and stats.not_loaded == ["b"] and stats.skipped == ["b", "c"]
 
 
 def test_dtype_and_shape_mismatches_name_the_tensor(tmp_path):

@@ -202,12 +202,20 @@ def flex_default_loader():
 
 
 def flex_zephon():
-    from flexckpt_torchtitan import FlexCheckpointManager, ZephonDataLoader
+    from flexckpt_torchtitan import FlexCheckpointManager
+
+    c = dcp_zephon()
+    c.checkpoint = FlexCheckpointManager.Config(interval=4, last_save_model_only=False)
+    return c
+
+
+def dcp_zephon():
+    """torchtitan's own manager (DCP) with the zephon loader."""
+    from flexckpt_torchtitan import ZephonDataLoader
 
     c = _base()
-    c.checkpoint = FlexCheckpointManager.Config(interval=4, last_save_model_only=False)
     c.dataloader = ZephonDataLoader.Config(dataset_path=str(Path(os.environ["TT_ASSETS"]) / "data" / "train.jsonl"),
-                                           lanes=4, shuffle_buffer=16)
+                                           lanes=4, shuffle_buffer=16, global_batch_size=8)
     c.training.global_batch_size = 8
     return c
 

@@ -3,7 +3,7 @@ on CPU/gloo (tests/torchtitan_cpu.py), 8 steps, checkpoints every 4, resumed fro
 
 1. FSDP2 at 2 ranks resumed at 2 ranks: losses of steps 5-8 equal bit for bit to the
    uninterrupted run, with DCP (torchtitan's manager and loader), with flexckpt and
-   torchtitan's loader, and with flexckpt and the zephon loader.
+   torchtitan's loader, with flexckpt and the zephon loader, and with DCP and the zephon loader.
 2. The zephon loader resumed at 1 and 4 ranks: global_batch_sha256 equal at every resumed
    step to the 2-rank run; the loss moves no more than the noise floor measured here (the
    same 2-rank run with micro batches of 1 row instead of 2). torchtitan's loader cannot
@@ -136,9 +136,12 @@ def main() -> int:
         (args("flex_default_loader", "flex", *resume), None),
         (args("flex_zephon", "zephon"), None),
         (args("flex_zephon", "zephon", *resume), None),
+        (args("dcp_zephon", "dcp-zephon"), None),
+        (args("dcp_zephon", "dcp-zephon", *resume), None),
         (args("flex_zephon", "zephon-micro1", "--training.local_batch_size", "1"), None),
         (args("flex_zephon", "bad-lanes", "--dataloader.lanes", "3"), None),
-        (args("flex_zephon", "bad-batch", "--training.global_batch_size", "12", "--dataloader.lanes", "8"), None),
+        (args("flex_zephon", "bad-batch", "--training.global_batch_size", "12", "--dataloader.global_batch_size", "12",
+                                  "--dataloader.lanes", "8"), None),
     ])
     t_two = time.perf_counter()
     one = spawn(1, [
@@ -163,8 +166,9 @@ def main() -> int:
     ])
     t_two_d = time.perf_counter()
 
-    dcp_full, dcp_res, flex_full, flex_res, z_full, z_res, z_micro, bad_lanes, bad_batch = two
-    for name, run in [("dcp", dcp_full), ("flex", flex_full), ("zephon", z_full), ("zephon micro 1", z_micro)]:
+    dcp_full, dcp_res, flex_full, flex_res, z_full, z_res, dz_full, dz_res, z_micro, bad_lanes, bad_batch = two
+    for name, run in [("dcp", dcp_full), ("flex", flex_full), ("zephon", z_full), ("dcp zephon", dz_full),
+                      ("zephon micro 1", z_micro)]:
         if "error" in run[0]:
             print(f"the uninterrupted {name} run failed: {run[0]['error']}")
             return 1
@@ -172,7 +176,8 @@ def main() -> int:
     rows = []
     for name, full, res in [("DCP + torchtitan loader", dcp_full, dcp_res),
                             ("flexckpt + torchtitan loader", flex_full, flex_res),
-                            ("flexckpt + zephon loader", z_full, z_res)]:
+                            ("flexckpt + zephon loader", z_full, z_res),
+                            ("DCP + zephon loader", dz_full, dz_res)]:
         if "error" in res[0]:
             rows.append([name, "error: " + res[0]["error"][:120], "", check(False, name)])
             continue
@@ -222,7 +227,7 @@ def main() -> int:
         rows.append([name, error[:200], check(want in error and not run[0]["losses"], f"{name} fails at start")])
     table("start-up checks (2 ranks)", ["config", "error", "fails before step 1"], rows)
 
-    table("wall time (s)", ["group", "seconds"], [["2 ranks, 9 runs", f"{t_two - t_start:.0f}"],
+    table("wall time (s)", ["group", "seconds"], [["2 ranks, 11 runs", f"{t_two - t_start:.0f}"],
                                                    ["1 rank, 3 runs", f"{t_one - t_two:.0f}"],
                                                    ["4 ranks, 4 runs (3 of them 2-D)", f"{t_four - t_one:.0f}"],
                                                    ["2 ranks, 3 2-D resumes", f"{t_two_d - t_four:.0f}"],

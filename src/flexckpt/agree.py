@@ -1,17 +1,14 @@
 """What the ranks agree on with a collective, outside the save path: at load, the step
-(rank 0 picks, everyone gets it) and whether any rank failed; at construction, rank 0's
-random ids (see ``Checkpointer._resolve_run_id``). With a process group, on its ranks."""
+(rank 0 picks, everyone gets it) and whether any rank failed. With a process group, on its
+ranks. (At construction the ids go through the store, not a collective: see ``savers``.)"""
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from flexckpt.errors import LoadError
-
-log = logging.getLogger("flexckpt")
 
 
 def distributed(world_size: int) -> bool:
@@ -33,6 +30,7 @@ def agree_step(rank: int, world_size: int, group: "dist.ProcessGroup | None", st
     """The step every rank loads: ``step`` if committed, else the newest committed one (or
     the newest before ``before``), chosen from rank 0's listing (``steps``)."""
     value = -3
+    failure: BaseException | None = None
     if rank == 0 or not distributed(world_size):
         try:
             listed = steps()
@@ -43,8 +41,8 @@ def agree_step(rank: int, world_size: int, group: "dist.ProcessGroup | None", st
                 value = listed[-1] if listed else -1
             else:
                 value = step if step in listed else -2
-        except Exception:  # noqa: BLE001 - reported to every rank below
-            log.exception("flexckpt: listing checkpoints under %s failed", url)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below (raised here: not logged)
+            failure = exc
             value = -3
     if distributed(world_size):
         t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
@@ -56,7 +54,10 @@ def agree_step(rank: int, world_size: int, group: "dist.ProcessGroup | None", st
     if value == -2:
         raise LoadError(f"step {step} is not a committed checkpoint under {url}; committed: {steps()}")
     if value == -3:
-        raise LoadError(f"could not list checkpoints under {url} (see rank 0's log)")
+        if failure is not None:
+            why = str(failure).removeprefix(f"{url}: ")  # a StorageError names the URL already
+            raise LoadError(f"could not list checkpoints under {url}: {why}") from failure
+        raise LoadError(f"could not list checkpoints under {url} (see rank 0's error)")
     return value
 
 

@@ -9,6 +9,8 @@ This module is the facade: construction, ``save``/``save_local``/``load``/``chec
                   the other ranks' wait for the commit (``Committer``; pure steps in commit);
   handle        - ``SaveHandle``, what a save returns;
   agree         - the collectives of load (the step, the first failed rank);
+  savers        - who saves (``ranks=``), and the ids they agree on at construction, through
+                  the process group's store rather than a collective;
   tier          - the fast tier (``local=``), composed here.
 No thread ever enters a collective on the save path.
 """
@@ -16,21 +18,17 @@ from __future__ import annotations
 
 import atexit
 import functools
-import hashlib
 import logging
-import os
 import queue
-import re
 import threading
 import time
-import uuid
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from flexckpt.agree import agree_step, collective_device, first_failed_rank, global_rank
+from flexckpt.agree import agree_step, first_failed_rank
 from flexckpt.codec import parse_compression
 from flexckpt.commit import committed_steps, read_manifest, reclaim_at_start
 from flexckpt.committer import Committer
@@ -38,7 +36,8 @@ from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError
 from flexckpt.handle import SaveHandle
 from flexckpt.load import LoadStats, PendingLoad
-from flexckpt.manifest import GROUP, check_run_id, step_dir
+from flexckpt.manifest import GROUP, step_dir
+from flexckpt.savers import run_ids, who_saves
 from flexckpt.save_pipeline import Attempts, PlanEntry, SaveJob, SavePipeline, stop_threads
 from flexckpt.staging import BufferPool, copies_for
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
@@ -69,11 +68,22 @@ class Checkpointer(SavePipeline, Committer):
             beyond that waits (bounded memory).
         chunk_bytes: raw bytes per chunk; each is compressed and checksummed alone.
         run_id: the same string on every rank of this job; by default taken from
-            ``FLEXCKPT_RUN_ID`` or torchrun's run id and restart count, else rank 0's random id
-            is broadcast once, here (never during a save).
+            ``FLEXCKPT_RUN_ID`` or torchrun's run id and restart count, else the first saving
+            rank's random id, shared here through the process group's key-value store (no
+            collective: see :mod:`flexckpt.savers`).
         rank, world_size: override the ``torch.distributed`` world (both or neither).
+        ranks: the ranks of the process group (of ``process_group``, else the default group)
+            that save, when not all of them: ``ranks=[0]`` saves from rank 0 alone, as
+            Lightning's DDP and other frameworks do, while the other ranks never touch flexckpt
+            (construction returns at once, the commit waits for rank 0 only). Made with the
+            same argument on a rank not named, the Checkpointer only reads there (``save``
+            raises; ``load`` reads the whole checkpoint on that rank alone, as a world of one,
+            with no collective; to load each rank's part per its layouts, construct one
+            without ``ranks=`` on every rank and load together). One rank or all of them; for another subset pass a
+            ``process_group`` of exactly those ranks. Not with ``rank=``/``world_size=``,
+            nor with ``local=`` unless it names every rank.
         commit_timeout: seconds the coordinator waits for the other ranks' records (and the
-            other ranks for the commit).
+            other ranks for the commit, and for the first saving rank's ids at construction).
         exit_timeout: at interpreter exit, seconds to wait for saves in flight before
             leaving without them (default 30; a save whose ranks never all arrive would
             otherwise hold the exit for ``commit_timeout``).
@@ -100,6 +110,11 @@ class Checkpointer(SavePipeline, Committer):
             save attempts), and ``save`` is refused. For tools beside a live job or with
             read-only credentials (the CLI's exports, a reshard's source, ``flextrain plan``).
             Not with ``local=``.
+
+    Construction on several ranks never enters a collective: the ids are shared through the
+    store and a rank that waits for them names the rank it waits for when it gives up. A fast
+    tier (``local=``) still needs every rank; a rank that never comes ends in a timeout
+    (``LocalTier.timeout``) that names it.
     """
 
     def __init__(
@@ -113,6 +128,7 @@ class Checkpointer(SavePipeline, Committer):
         run_id: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        ranks: "list[int] | None" = None,
         commit_timeout: float = 600.0,
         exit_timeout: float = DEFAULT_EXIT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
@@ -130,22 +146,20 @@ class Checkpointer(SavePipeline, Committer):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
         if not isinstance(chunk_bytes, int) or not 64 <= chunk_bytes <= 256 << 20:
             raise ValueError(f"chunk_bytes must be an int in [64, 256 MiB], got {chunk_bytes!r}")
-        if (rank is None) != (world_size is None):
-            raise ValueError("pass both rank= and world_size=, or neither (to use torch.distributed's)")
         if read_only and local is not None:
             raise ValueError("read_only=True writes nothing, and a fast tier (local=) saves: drop one of them")
-        self.read_only = bool(read_only)
         self.group = process_group
-        from_dist = rank is None
-        if rank is None:
-            rank, world_size = current_world(process_group)
-        if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size), got rank={rank!r} world_size={world_size!r}")
-        self.rank, self.world_size = rank, world_size
+        who = who_saves(rank, world_size, ranks, process_group)
+        if local is not None and who.subset:
+            raise ValueError(f"a fast tier (local=) needs every rank of the group, and ranks={list(who.named)!r} "
+                             f"leaves some out: drop local= or ranks=")
+        self.saves = who.saves
+        self.read_only = bool(read_only) or not who.saves  # a rank outside ranks= only reads
+        self.rank, self.world_size = who.rank, who.world_size
         self.storage = Storage(url, storage_options, stall_timeout)
-        if world_size > 1 and self.storage.fs.protocol in ("memory", ("memory",)):
+        if self.world_size > 1 and self.storage.fs.protocol in ("memory", ("memory",)):
             raise ValueError(
-                f"{url!r}: memory:// lives inside one process; a {world_size}-rank job needs a shared "
+                f"{url!r}: memory:// lives inside one process; a {self.world_size}-rank job needs a shared "
                 f"folder (file://) or an object store (s3://)"
             )
         self.keep_last = keep_last
@@ -160,16 +174,16 @@ class Checkpointer(SavePipeline, Committer):
             raise ValueError(f"stage_delay must be in [0, 1] seconds, got {stage_delay!r}")
         self.stage_delay = float(stage_delay)
         self.poll_interval = float(poll_interval) if poll_interval is not None else (0.01 if self.storage.local else 0.1)
-        self.is_coordinator = rank == 0
-        self.is_leader = rank % GROUP == 0  # gathers its group's records (rank 0: everyone's)
-        self._drawn_run_id = False  # a random run id, drawn by _resolve_run_id: unique already
-        self.run_id = self._resolve_run_id(run_id)
-        self.session = self._resolve_session(from_dist and not self._drawn_run_id)
+        self.is_coordinator = self.rank == 0
+        self.is_leader = self.rank % GROUP == 0  # gathers its group's records (rank 0: everyone's)
+        self.run_id, self.session = run_ids(run_id, who, self.commit_timeout)
         self._attempts = Attempts(self.run_id, self.session)
         # files of another job written after this instant mean a live job on the same URL;
         # object stores stamp files with their own clock: allow for skew
         self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
         self._listed_steps: set[str] = set()  # step folders the live-job check listed (commit thread)
+        if self.is_coordinator:  # after the collectives above: the other ranks fail at their first call
+            self.storage.probe()  # a store that cannot work fails here, in one line (one listing)
         self.last_load_stats: LoadStats | None = None
         self.tier = None if local is None else FastTier(local, self)
         self._pool = BufferPool(max_in_flight)
@@ -223,46 +237,6 @@ class Checkpointer(SavePipeline, Committer):
         if removed:
             log.info("flexckpt: removed %d unfinished save attempt(s): %s", len(removed), removed[:10])
 
-    # -- run id ------------------------------------------------------------------------------
-    def _resolve_run_id(self, run_id: str | None) -> str:
-        if run_id is not None:
-            return check_run_id(run_id)
-        if os.environ.get("FLEXCKPT_RUN_ID"):
-            return check_run_id(os.environ["FLEXCKPT_RUN_ID"])
-        elastic = os.environ.get("TORCHELASTIC_RUN_ID")
-        if elastic and elastic != "none":
-            raw = f"{elastic}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-            return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:64]
-        if self.world_size == 1:
-            return uuid.uuid4().hex[:16]
-        if dist.is_available() and dist.is_initialized():
-            # once per job, at construction: rank 0's random id for everyone
-            t = torch.tensor(list(uuid.uuid4().bytes[:8]), dtype=torch.uint8, device=collective_device(self.group))
-            dist.broadcast(t, src=global_rank(0, self.group), group=self.group)
-            self._drawn_run_id = True
-            return bytes(t.cpu().tolist()).hex()
-        raise ValueError(
-            f"rank {self.rank} of {self.world_size} without torch.distributed cannot agree on a run id: "
-            f"pass run_id= (the same on every rank) or set FLEXCKPT_RUN_ID"
-        )
-
-    def _resolve_session(self, from_dist: bool) -> str:
-        """8 hex digits that tell this launch's save attempts from an earlier launch's with
-        the same run id. Run ids repeat across launches: torchrun's when a job is requeued
-        with the same id and restart count, and one passed in or set in FLEXCKPT_RUN_ID
-        whenever a job is relaunched under it (a re-save after a rollback would then write
-        into the earlier launch's committed attempt folder). So where the world comes from
-        torch.distributed, rank 0 draws the digits and broadcasts them once, here. With
-        rank= and world_size= given (no collective possible) the digits follow from the run
-        id, which the caller must then keep unique per launch."""
-        if self.world_size == 1:
-            return uuid.uuid4().hex[:8]
-        if from_dist and dist.is_available() and dist.is_initialized():
-            t = torch.tensor(list(uuid.uuid4().bytes[:4]), dtype=torch.uint8, device=collective_device(self.group))
-            dist.broadcast(t, src=global_rank(0, self.group), group=self.group)
-            return bytes(t.cpu().tolist()).hex()
-        return hashlib.sha256(self.run_id.encode()).hexdigest()[:8]
-
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int, state: dict) -> SaveHandle:
         """Start saving ``state`` as ``step``; returns once the copy is queued.
@@ -279,6 +253,9 @@ class Checkpointer(SavePipeline, Committer):
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
+        if not self.saves:
+            raise RuntimeError(f"rank {current_world(self.group)[0]} does not save: this Checkpointer of "
+                               f"{self.storage.url} was made with ranks= naming the ranks that do; it loads here")
         if self.read_only:
             raise RuntimeError(f"this Checkpointer of {self.storage.url} was opened read_only=True: open one "
                                f"without read_only to save")
@@ -447,8 +424,8 @@ class Checkpointer(SavePipeline, Committer):
                 if self.tier is not None and (step is not None or not strict):
                     self.tier.abandon(aside=step is not None)  # no tier step may outrank what the run saves next
                 return chosen
-            if error is not None:
-                log.error("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)
+            if error is not None and fallback:  # handled, not raised: say what failed (raised: never logged too)
+                log.warning("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)
             if not fallback:
                 if error is not None:
                     raise error

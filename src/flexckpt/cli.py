@@ -13,6 +13,10 @@
     flexckpt export-safetensors URL OUT_DIR [--select GLOB] [--strip-prefix P] [--dtype bf16|fp16|fp32]
         [--max-shard-size 5GB]                    consolidated weights, Hugging Face layout
 
+S3 and other object stores: s3://bucket/prefix, with the standard AWS_* variables
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...), or fsspec options as JSON
+in --storage-options (every command) or FLEXCKPT_STORAGE_OPTIONS.
+
 Layout kinds for --layout (glob PATTERN=KIND, repeatable): replicate, shard, owned,
 block[:SIZE], hybrid:GROUP[:BLOCK]; by default each tensor keeps its saved kind (Owned tensors get owners
 balanced for the new world).
@@ -48,10 +52,11 @@ from flexckpt.convert.cli import add_parsers as add_convert_parsers
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.dtypes import dtype_name, itemsize
 from flexckpt.errors import CheckpointError
-from flexckpt.load import read_bytes_values
+from flexckpt.load import read_bytes_values, subset_load
 from flexckpt.manifest import MAX_WORLD, Manifest, step_dir
+from flexckpt.offline import OfflineSave
 from flexckpt.restore_plan import restore_plan
-from flexckpt.storage import Storage
+from flexckpt.storage import Storage, parse_storage_options, using_storage_options
 from flexckpt.structure import decode_plain
 from flexckpt.values import ByLane, PerRank
 from flexshard import BlockShard, HybridShard, Layout, MeshLayout, Owned, Replicate, Shard, ShardedTensor, assign_owners, part_of
@@ -69,6 +74,7 @@ def _count(n: int, noun: str) -> str:
 def _no_checkpoint(storage: Storage) -> CheckpointError:
     """"Nothing here", with a hint when URL is a flextrain run folder (its checkpoints are in ckpt/)."""
     msg = f"no committed checkpoint under {storage.url}"
+    storage.probe()  # an object store's missing bucket is named, not read as "nothing here"
     if storage.local and not os.path.exists(storage.root):  # a typo reads as "no checkpoint" otherwise
         return CheckpointError(f"{msg}: {storage.root} does not exist; check the path (for a flextrain run, "
                                f"RUN_DIR/ckpt)")
@@ -360,14 +366,16 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             raise CheckpointError(
                 f"--budget-mib {budget >> 20}: with --world {world} target rank {big} holds {_mib(holds[big])} (a rank's "
                 f"share is read and written whole); raise --budget-mib to {-(-holds[big] >> 20)} or give a larger --world")
+    out = OfflineSave(args.dst)  # a failure of any rank fails the whole at once, and removes what it wrote
     _writable_folder(args.dst)
     run_id = uuid.uuid4().hex[:16]
     same_world = world == m.world_size
     if m.per_rank and not same_world:
         print(f"note: per-rank values {sorted(m.per_rank)} cannot move to another world size and are dropped")
-    writers = [Checkpointer(args.dst, rank=r, world_size=world, run_id=run_id, compression=args.compression) for r in range(world)]
-    handles = []
+    writers: list[Checkpointer] = []
     try:
+        writers += [Checkpointer(args.dst, rank=r, world_size=world, run_id=run_id, compression=args.compression)
+                    for r in range(world)]
         for r in reversed(range(world)):  # a group leader after its group (it gathers their records), rank 0 last
             state: dict[str, Any] = {}
             for name, t in m.tensors.items():
@@ -383,7 +391,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
                 for name in m.per_rank:
                     _put(state, name, PerRank(None))
             with Checkpointer(args.src, rank=r, world_size=world, run_id="reshard", read_only=True) as reader:
-                reader.load(state, step=step, strict=False)
+                with subset_load():  # per-rank values at another world size: noted above
+                    reader.load(state, step=step, strict=False)
             for name in m.lanes:
                 if r != 0:
                     _get(state, name).values = {}
@@ -392,11 +401,15 @@ def cmd_reshard(args: argparse.Namespace) -> int:
                 writers[r].wait()  # written: its buffers are free before the next rank's share is read
             else:
                 h.wait_staged()
-            handles.append(h)
+            out.started(h)
             held = sum(t.local.numel() * t.local.element_size() for t in _tensors(state))
             print(f"  rank {r}/{world}: {_mib(held)} staged")
-        for h in handles:
-            h.result()
+        out.result()
+    except BaseException:
+        for w in writers:
+            w.close()
+        out.remove()
+        raise
     finally:
         for w in writers:
             w.close()
@@ -463,6 +476,21 @@ def _check_arguments(args: argparse.Namespace) -> None:
         if path is not None and "://" in path:
             raise CheckpointError(f"{name.upper()} {path!r} is a URL: DCP and safetensors folders are read and "
                                   "written on local disk only; pass a path")
+
+
+STORAGE_OPTIONS_HELP = ("fsspec options for s3:// (and other object-store) URLs, as JSON, e.g. "
+                        "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}' (default: the JSON of "
+                        "FLEXCKPT_STORAGE_OPTIONS; the standard AWS_* variables, AWS_ENDPOINT_URL included, work "
+                        "without either)")
+
+
+def _storage_options(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        return parse_storage_options(text, "--storage-options")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _check_location(url: str) -> None:
@@ -564,11 +592,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compression", default=None, type=_compression, help="none, zstd or zstd:LEVEL")
     p.set_defaults(fn=cmd_reshard)
     add_convert_parsers(sub)  # import-dcp, export-dcp, export-safetensors
+    for p in sub.choices.values():
+        p.add_argument("--storage-options", metavar="JSON", help=STORAGE_OPTIONS_HELP)
     args = parser.parse_args(argv)
     with _one_line_log() as log:
         try:
             _check_arguments(args)
-            rc = args.fn(args)
+            with using_storage_options(_storage_options(args.storage_options)):
+                rc = args.fn(args)
             sys.stdout.flush()  # here, so that a reader gone is seen here
         except BrokenPipeError:  # stdout's reader stopped early (| head)
             return reader_gone()

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import logging
 import os
+import threading
 import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +27,7 @@ from typing import Any, Callable
 import orjson
 
 from flexckpt.checksum import checksum
-from flexckpt.errors import ManifestError, SaveError
+from flexckpt.errors import ManifestError, SaveError, expected_failure
 from flexckpt.manifest import (
     GROUP,
     MANIFEST,
@@ -132,7 +134,8 @@ def wait_for(
                 keys = sorted(pending.values())
                 raise SaveError(
                     f"{what}s {keys[:20]}{' ...' if len(keys) > 20 else ''} missing in {folder} after {timeout:.0f} s "
-                    f"(commit_timeout); is every rank calling save() for this step?"
+                    f"(commit_timeout); is every rank calling save() for this step? (to save from some ranks "
+                    f"only, name them: Checkpointer(url, ranks=[0]))"
                 )
             time.sleep(delay)
             delay = min(delay * 2, max_delay)
@@ -382,16 +385,45 @@ def committed_attempt(storage: Storage, step: int) -> str | None:
         return None
 
 
+# failures announced by a writer of this process: (filesystem, root, step, attempt) -> message.
+# The ranks of an offline tool (import-dcp, reshard) are writers of one process: they learn of
+# a failure here at once, whether or not the store took its marker.
+_FAILED_HERE: dict[tuple[str, str, int, str], str] = {}
+_FAILED_LOCK = threading.Lock()
+
+
+def _here_key(storage: Storage, step: int, attempt: str) -> tuple[str, str, int, str]:
+    return (type(storage.fs).__name__, storage.root, step, attempt)
+
+
 def mark_failed(storage: Storage, step: int, attempt: str, message: str) -> None:
-    """Tell the other ranks of this attempt (who wait for its marker) that it will not commit."""
+    """Tell the other ranks of this attempt (who wait for its marker) that it will not
+    commit: at once to those of this process, and through the attempt's failure marker to
+    the others. Where the message does not fit (a full disk) the marker is written empty
+    (a name takes no data block); where even that fails, the ranks of other processes
+    wait out commit_timeout, and the log says so."""
+    with _FAILED_LOCK:
+        _FAILED_HERE[_here_key(storage, step, attempt)] = message
+        while len(_FAILED_HERE) > 1024:  # a long job's old failures: their waiters are long done
+            del _FAILED_HERE[next(iter(_FAILED_HERE))]
+    rel = f"{step_dir(step)}/{failed_name(attempt)}"
     try:
         storage.makedirs(f"{step_dir(step)}/{attempt}")
-        storage.put_atomic(f"{step_dir(step)}/{failed_name(attempt)}", message.encode(), fsync=False)
-    except Exception:  # noqa: BLE001 - best effort; the save already failed
-        log.exception("could not write the failure marker of step %d", step)
+        try:
+            storage.put_atomic(rel, message.encode(), fsync=False)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            storage.put_atomic(rel, b"", fsync=False)
+    except Exception as exc:  # noqa: BLE001 - best effort; the save already failed
+        log.error("flexckpt: could not write the failure marker of step %d (%s): ranks in other processes wait "
+                  "for this save up to commit_timeout", step, exc, exc_info=not expected_failure(exc))
 
 
 def failure_message(storage: Storage, step: int, attempt: str) -> str | None:
+    here = _FAILED_HERE.get(_here_key(storage, step, attempt))
+    if here is not None:
+        return f"save of step {step} failed on another rank: {here}"
     rel = f"{step_dir(step)}/{failed_name(attempt)}"
     if not storage.exists(rel):
         return None
@@ -399,7 +431,7 @@ def failure_message(storage: Storage, step: int, attempt: str) -> str | None:
         msg = storage.read_bytes(rel, limit=1 << 20).decode(errors="replace")
     except OSError:
         msg = "(the marker could not be read)"
-    return f"save of step {step} failed on another rank: {msg}"
+    return f"save of step {step} failed on another rank: {msg or '(its message did not fit on the disk)'}"
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -407,9 +439,7 @@ def committed_steps(storage: Storage) -> list[int]:
     steps = [s for s in (parse_step_dir(n) for n in storage.list_names("")) if s is not None]
     if storage.local:
         return [s for s in steps if storage.exists(f"{step_dir(s)}/{MANIFEST}")]
-    fs = storage.fs
-    fs.invalidate_cache(storage.root)
-    found = fs.glob(storage.path(f"step-*/{MANIFEST}"))
+    found = storage.glob(f"step-*/{MANIFEST}")
     with_manifest = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
     return sorted(s for s in steps if s in with_manifest)
 
@@ -524,6 +554,16 @@ def remove_other_attempts(storage: Storage, step: int, attempt: str, since: floa
             storage.remove_tree(f"{folder}/{name}")
         else:
             storage.remove(f"{folder}/{name}")
+
+
+def remove_attempt(storage: Storage, step: int, attempt: str) -> None:
+    """All of a failed attempt (an offline tool's, see :mod:`flexckpt.offline`): its folder
+    with data, tables, records and marker, and the step's folder when that leaves it empty.
+    Never the attempt the step's manifest names."""
+    if committed_attempt(storage, step) == attempt:
+        return
+    storage.remove_tree(f"{step_dir(step)}/{attempt}")
+    _remove_if_empty(storage, step_dir(step))
 
 
 # -- reclaiming the files of failed saves (a full disk must not stop every later save) ---------

@@ -24,7 +24,7 @@ from flexckpt.commit import (
     reclaim_failed,
     write_keyed,
 )
-from flexckpt.errors import SaveError
+from flexckpt.errors import SaveError, expected_failure
 from flexckpt.manifest import GROUP, attempt_run_id, committed_name, group_name, step_dir, table_name
 from flexckpt.plan import WritePlan
 from flexckpt.save_pipeline import PlanEntry, SaveJob
@@ -127,14 +127,17 @@ class Committer:
 
     def _report_failure(self, job: SaveJob, exc: BaseException, what: str) -> None:
         """Every rank announces its own failure to the attempt's other ranks (rank 0's
-        included): nobody waits out commit_timeout for a save that cannot commit."""
-        log.error("flexckpt rank %d: save of step %d failed while %s: %s", self.rank, job.step, what, exc, exc_info=exc)
-        if not isinstance(exc, AnnouncedFailure):
-            mark_failed(self.storage, job.step, job.attempt, f"rank {self.rank} failed while {what}: {type(exc).__name__}: {exc}")
+        included): nobody waits out commit_timeout for a save that cannot commit. Its files
+        go first: on a full disk that makes room for the marker."""
+        log.error("flexckpt rank %d: save of step %d failed while %s: %s", self.rank, job.step, what, exc,
+                  exc_info=None if expected_failure(exc) else exc)  # the handle holds the traceback
         try:  # at once: a full disk must not stop every later save
             reclaim_failed(self.storage, job.step, job.attempt, None if what == "committing" else self.rank)
-        except Exception:  # noqa: BLE001 - best effort; start-up and the next commit reclaim too
-            log.exception("flexckpt rank %d: could not remove the files of failed step %d", self.rank, job.step)
+        except Exception as e:  # noqa: BLE001 - best effort; start-up and the next commit reclaim too
+            log.error("flexckpt rank %d: could not remove the files of failed step %d: %s", self.rank, job.step, e,
+                      exc_info=not expected_failure(e))
+        if not isinstance(exc, AnnouncedFailure):
+            mark_failed(self.storage, job.step, job.attempt, f"rank {self.rank} failed while {what}: {type(exc).__name__}: {exc}")
         job.handle._fail(exc)
 
     def _wait_for_commit(self, step: int, timeout: float | None, attempt: str) -> None:

@@ -22,6 +22,13 @@ class StructureMismatch(CheckpointError):
     """The state to load into does not have the structure of the checkpoint."""
 
 
+class StorageError(CheckpointError, OSError):
+    """The store under a checkpoint's URL cannot be used (no credentials, credentials
+    refused, no such bucket, an endpoint that does not answer): raised in place of the
+    backend's own exception (botocore's, say), naming the URL and the cause. An ``OSError``,
+    so that code catching a failing disk catches it too."""
+
+
 class ChecksumError(LoadError):
     """Stored bytes do not match the checksum recorded for them."""
 
@@ -52,3 +59,9 @@ class UnsupportedState(CheckpointError, TypeError, ValueError):
             lines = "".join(f"\n  - {name}: {exc}" for name, exc in self.problems)
             message = f"{len(self.problems)} leaves of the state cannot be checkpointed:{lines}"
         super().__init__(message)
+
+
+def expected_failure(exc: BaseException) -> bool:
+    """A failure of storage or of the checkpoint itself, which its one-line message
+    explains (logged without a traceback); anything else may be a bug (logged with one)."""
+    return isinstance(exc, (CheckpointError, OSError, TimeoutError))

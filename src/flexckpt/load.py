@@ -46,6 +46,11 @@ class LoadStats:
     direct_chunks: int = 0
     tensors: int = 0
     metadata_bytes: int = 0  # chunk tables read (version 2), besides the manifest
+    # strict=False (or exclude=): ``missing``, the state's keys the checkpoint lacks (they keep
+    # what they held); ``not_loaded``, the checkpoint's keys this rank's state did not take
+    # (per-rank values at another world size too); ``skipped``, both, sorted
+    missing: list[str] = field(default_factory=list)
+    not_loaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
 
@@ -64,10 +69,11 @@ _NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.in
                            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))
 
 
-def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict: bool,
+def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict: bool, stats: LoadStats,
                 elsewhere: set[str] = frozenset()) -> set[str]:  # type: ignore[assignment]
-    """``elsewhere``: saved keys another rank of the target may want (another pipeline
-    stage's), never unexpected here."""
+    """The keys to load; those left out go to ``stats`` (``strict=False``). ``elsewhere``:
+    saved keys another rank of the target may want (another pipeline stage's), never
+    unexpected here."""
     missing = sorted(target - saved)
     unexpected = sorted(saved - target - elsewhere)
     if strict and missing:
@@ -77,11 +83,45 @@ def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict:
             f"strict=False to load the rest, leaving these unchanged"
         )
     if strict and unexpected:
-        raise StructureMismatch(
-            f"checkpoint step {step} holds {kind} {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} that "
-            f"the state to load into does not have; pass strict=False to ignore them"
-        )
+        raise StructureMismatch(_unexpected_message(kind, unexpected, target, step))
+    stats.missing += missing
+    stats.not_loaded += unexpected
     return target & saved
+
+
+def _unexpected_message(kind: str, unexpected: list[str], target: set[str], step: int) -> str:
+    """What to do about saved keys the state lacks. Most often they are an optimizer's
+    state that the state to load into has not created yet (a ``torch.optim`` optimizer
+    makes it at its first ``step()``): ``strict=False`` would then drop it, so the message
+    says how to create it instead."""
+    listed = f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
+    owners = sorted(_unmaterialised_optimizers(unexpected, target))
+    if not owners:
+        return (f"checkpoint step {step} holds {kind} {listed} that the state to load into does not have; pass "
+                f"strict=False to load the rest without them (last_load_stats.not_loaded lists them)")
+    where = ", ".join(repr(o.rstrip("/") or "(top level)") for o in owners)
+    return (
+        f"checkpoint step {step} holds optimizer state {listed} ({len(unexpected)} {kind}) that the state to load into "
+        f"does not have: the optimizer under {where} has no state yet (a torch.optim optimizer creates it at its first "
+        f"step()). Create it before loading: call torch.distributed.checkpoint.state_dict.get_optimizer_state_dict("
+        f"model, optimizer) once (it creates the state in place), or save and load get_state_dict(model, optimizer) "
+        f"and apply it with set_state_dict, as the README's FSDP2 section shows. (strict=False would load the rest and "
+        f"leave the optimizer without its saved state.)"
+    )
+
+
+def _unmaterialised_optimizers(unexpected: list[str], target: set[str]) -> set[str]:
+    """Prefixes ``P`` (``"optim/"``, or ``""`` for the top level) under which the checkpoint
+    holds ``P + "state/<param>/<name>"`` keys and the state to load into holds no ``P + "state/"``
+    key: an optimizer whose state has not been created."""
+    owners = set()
+    for name in unexpected:
+        parts = name.split("/")
+        for i in range(len(parts) - 2):
+            if parts[i] == "state":
+                owners.add("".join(p + "/" for p in parts[:i]))
+                break
+    return {o for o in owners if not any(t.startswith(o + "state/") for t in target)}
 
 
 def _elsewhere(manifest: Manifest, w: Walk, saved: set[str], world_size: int) -> set[str]:
@@ -112,8 +152,8 @@ class PendingLoad:
         step = manifest.step
         names = {s.name: i for i, s in enumerate(w.specs)}
         saved = kept(manifest.tensors)
-        keep = _check_keys("tensors", set(names), saved, step, strict, _elsewhere(manifest, w, saved, world_size))
-        self.stats.skipped = sorted(set(names) - keep)
+        keep = _check_keys("tensors", set(names), saved, step, strict, self.stats,
+                           _elsewhere(manifest, w, saved, world_size))
         self.targets: list[tuple[int, Part]] = []  # (walk index, wanted part: a box, or a flat range)
         specs, tensors, saved_tensors = w.specs, w.tensors, manifest.tensors
         for name in sorted(keep):
@@ -130,9 +170,10 @@ class PendingLoad:
                 raise StructureMismatch(f"tensor {name!r}: target piece has {tensors[i].numel()} elements, its layout gives {n}")
             if n:
                 self.targets.append((i, rng))
-        self.plain = _check_keys("plain values", set(w.plain), kept(manifest.plain), step, strict)
-        self.lanes = _check_keys("per-lane values", set(w.lanes), kept(manifest.lanes), step, strict)
-        self.per_rank = _check_keys("per-rank values", set(w.per_rank), kept(manifest.per_rank), step, strict)
+        self.plain = _check_keys("plain values", set(w.plain), kept(manifest.plain), step, strict, self.stats)
+        self.lanes = _check_keys("per-lane values", set(w.lanes), kept(manifest.lanes), step, strict, self.stats)
+        self.per_rank = _check_keys("per-rank values", set(w.per_rank), kept(manifest.per_rank), step, strict,
+                                    self.stats)
         self._per_rank_skipped: set[str] = set()  # strict=False at another world size: marked not restored
         if self.per_rank and manifest.world_size != world_size:
             names = sorted(self.per_rank)
@@ -142,7 +183,7 @@ class PendingLoad:
                     f"{manifest.world_size} and cannot be restored at world size {world_size}; derive them from seed, "
                     f"step and rank and pass exclude=({names[0]!r},) to load without them"
                 )
-            self.stats.skipped += names
+            self.stats.not_loaded += names
             self._per_rank_skipped, self.per_rank = self.per_rank, set()
         # bytes values: each rank asks for the keys it holds; the others' keys are not its concern
         missing = sorted(set(w.keyed) - set(manifest.keyed))
@@ -152,7 +193,10 @@ class PendingLoad:
                 f"rank {rank} of {world_size} holds: no rank saved it. To load without it (the state keeps what it "
                 f"holds), pass exclude=({missing[0]!r},) (name patterns, e.g. 'data/*')"
             )
-        self.stats.skipped += missing
+        self.stats.missing += missing
+        self.stats.missing.sort()
+        self.stats.not_loaded.sort()
+        self.stats.skipped = sorted(self.stats.missing + self.stats.not_loaded)
         self.keyed = sorted(set(w.keyed) & set(manifest.keyed))
 
     def read(self, threads: int) -> None:
@@ -366,6 +410,28 @@ class PendingLoad:
             w.per_rank[name].restored = False
         for _name, obj, sd in reversed(w.statefuls):
             obj.load_state_dict(sd)
+        if self.stats.not_loaded and self.rank == 0 and not getattr(_subset, "on", False):
+            names = self.stats.not_loaded
+            log.warning("flexckpt: load of step %d with strict=False left out %d key(s) the checkpoint holds: %s%s "
+                        "(last_load_stats.not_loaded lists them; exclude=(patterns) leaves them out on purpose)",
+                        m.step, len(names), names[:5], " ..." if len(names) > 5 else "")
+
+
+_subset = threading.local()
+
+
+@contextlib.contextmanager
+def subset_load() -> Iterator[None]:
+    """Loads on this thread take a subset of a checkpoint on purpose (the converters and
+    ``reshard`` read some tensors at a time): the keys they leave out are not warned about.
+    Elsewhere a ``strict=False`` load that leaves out any of the checkpoint's keys says how
+    many, once (on rank 0): it never drops saved state silently."""
+    was = getattr(_subset, "on", False)
+    _subset.on = True
+    try:
+        yield
+    finally:
+        _subset.on = was
 
 
 @contextlib.contextmanager

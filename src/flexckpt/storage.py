@@ -14,16 +14,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import json
 import os
 import time
 import uuid
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from flexckpt.errors import CheckpointError, MissingFile, TooLarge, TruncatedFile
-from flexckpt.stall import bounded, progress
+from flexckpt.errors import CheckpointError, MissingFile, StorageError, TooLarge, TruncatedFile
+from flexckpt.stall import StorageStalled, bounded, progress
 
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, offsets and lengths on this boundary
 DIRECT_WRITE_BYTES = 64 << 20
@@ -45,9 +46,76 @@ def _watched(method: F) -> F:
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         storage = self if isinstance(self, Storage) else self.storage
         what = f"{method.__name__}({args[0]!r})" if args and isinstance(args[0], str) else method.__name__
-        return bounded(storage.stall_timeout, f"{what} on {storage.url}", lambda: method(self, *args, **kwargs))
+        try:
+            return bounded(storage.stall_timeout, f"{what} on {storage.url}", lambda: method(self, *args, **kwargs))
+        except (CheckpointError, FileNotFoundError, StorageStalled):
+            raise
+        except Exception as exc:
+            if storage.local:
+                raise  # a local disk's OSError keeps its errno (ENOSPC) and says what it is
+            raise store_error(storage.url, exc) from exc
 
     return call  # type: ignore[return-value]
+
+
+def store_error(url: str, exc: BaseException) -> StorageError:
+    """A store's failure as one line naming ``url`` and the cause: no credentials, refused
+    credentials, no such bucket, an endpoint that does not answer (the backend's exception
+    classes are recognised by name: flexckpt imports no backend)."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    text = " ".join(str(exc).split())[:300]
+    if names & {"NoCredentialsError", "PartialCredentialsError"}:
+        cause = ("no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
+                 "storage_options={'key': ..., 'secret': ...}")
+    elif names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ConnectionError"}:
+        cause = ("the endpoint does not answer: set AWS_ENDPOINT_URL, or pass storage_options={'client_kwargs': "
+                 "{'endpoint_url': ...}}")
+    elif "PermissionError" in names or any(k in text for k in ("InvalidAccessKeyId", "SignatureDoesNotMatch",
+                                                                "AccessDenied", "Access Denied", "Forbidden")):
+        cause = "the credentials were refused: check the key and secret, and that they may list and write there"
+    elif "NoSuchBucket" in text or "bucket does not exist" in text:
+        cause = "the bucket does not exist: create it, or fix the URL"
+    else:
+        cause = "the store failed"
+    return StorageError(f"{url}: {cause} ({type(exc).__name__}: {text})")
+
+
+STORAGE_OPTIONS_ENV = "FLEXCKPT_STORAGE_OPTIONS"
+_cli_options: dict[str, Any] | None = None  # a command's --storage-options (see using_storage_options)
+
+
+def parse_storage_options(text: str, where: str) -> dict[str, Any]:
+    """fsspec options from JSON text (an object); ``where`` names the text's source."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        value = e
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object of fsspec options, e.g. "
+                         f"'{{\"client_kwargs\": {{\"endpoint_url\": \"http://host:9000\"}}}}', got {text[:100]!r}")
+    return value
+
+
+def default_storage_options() -> dict[str, Any] | None:
+    """The options of an object store's URL given no ``storage_options``: a command's
+    ``--storage-options``, else the JSON of ``FLEXCKPT_STORAGE_OPTIONS`` (the standard
+    ``AWS_*`` variables, ``AWS_ENDPOINT_URL`` included, reach S3 without either)."""
+    if _cli_options is not None:
+        return _cli_options
+    text = os.environ.get(STORAGE_OPTIONS_ENV)
+    return parse_storage_options(text, STORAGE_OPTIONS_ENV) if text else None
+
+
+@contextlib.contextmanager
+def using_storage_options(options: dict[str, Any] | None) -> Iterator[None]:
+    """Object-store URLs opened meanwhile without ``storage_options`` take ``options`` (a
+    command line's ``--storage-options``)."""
+    global _cli_options
+    was, _cli_options = _cli_options, options
+    try:
+        yield
+    finally:
+        _cli_options = was
 
 
 class Storage:
@@ -63,6 +131,8 @@ class Storage:
         if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
             raise ValueError(f"stall_timeout must be None or a positive number of seconds, got {stall_timeout!r}")
         self.stall_timeout = None if stall_timeout is None else float(stall_timeout)
+        if storage_options is None and "://" in url and not url.startswith(("file://", "memory://")):
+            storage_options = default_storage_options()
         fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.url = url
         self.fs = fs
@@ -75,6 +145,32 @@ class Storage:
 
     def __getstate__(self) -> dict:
         raise TypeError("Storage is not picklable; pass the URL instead")
+
+    def probe(self) -> None:
+        """Check with one listing that an object store can be used, and raise
+        ``StorageError`` naming the URL and the cause if not (no credentials, refused
+        credentials, no bucket, no endpoint). Where the listing finds nothing (a new run)
+        the bucket is checked too. A local or in-memory root is not probed: it needs no
+        credentials, and its first save creates it."""
+        if self.local or self.fs.protocol in ("memory", ("memory",)):
+            return
+        try:
+            self._list_root()
+        except FileNotFoundError:
+            bucket = self.root.split("/", 1)[0]  # a missing prefix is a new run; a missing bucket is not
+            if bucket == self.root or not self._exists_uncached(bucket):
+                raise StorageError(f"{self.url}: the bucket {bucket!r} does not exist (or these credentials cannot "
+                                   f"see it): create it, or fix the URL") from None
+
+    @_watched
+    def _list_root(self) -> None:
+        self.fs.invalidate_cache(self.root)
+        self.fs.ls(self.root, detail=False, refresh=True)
+
+    @_watched
+    def _exists_uncached(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
+        return bool(self.fs.exists(path))
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts]) if self.root != "/" else "/" + "/".join(parts)
@@ -254,6 +350,12 @@ class Storage:
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    @_watched
+    def glob(self, pattern: str) -> list[str]:
+        """Paths (with the root) matching ``pattern`` under the root, never from a listing cache."""
+        self.fs.invalidate_cache(self.root)
+        return list(self.fs.glob(self.path(pattern)))
 
     @_watched
     def exists(self, rel: str) -> bool:

@@ -2,8 +2,13 @@
 
     from flexckpt_torchtitan import FlexCheckpointManager, ZephonDataLoader
 
-    config.checkpoint = FlexCheckpointManager.Config(enable=True, interval=500)
-    config.dataloader = ZephonDataLoader.Config(dataset_path="/data/train.jsonl", lanes=8)
+    config.checkpoint = FlexCheckpointManager.Config(enable=True, interval=500, last_save_model_only=False)
+    config.training.global_batch_size = 64
+    config.dataloader = ZephonDataLoader.Config(dataset_path="/data/train.jsonl", lanes=8, global_batch_size=64)
+
+``last_save_model_only=False`` keeps the last step a full checkpoint that a restart resumes
+(torchtitan's default, True, makes it a model-only export); the loader's global batch is the
+trainer's ``training.global_batch_size``, given to both.
 
 Package boundary: this package is the only one that imports torchtitan
 (torchtitan -> flexckpt_torchtitan -> flexckpt, zephon_state; never back). Importing it

@@ -4,6 +4,11 @@ In the user's config function (nothing else changes):
 
     checkpoint=FlexCheckpointManager.Config(enable=True, interval=500, last_save_model_only=False)
 
+Every field of torchtitan's ``CheckpointManager.Config`` is a field here too (so its
+command-line overrides parse as before), and each is honoured; ``async_mode``: "async" (the
+default) and "async_with_pinned_mem" are flexckpt's save (it stages a GPU's tensors into
+pinned host memory in any case), "disabled" waits in ``save()`` until the step is committed.
+
 torchtitan calls ``save(step, last_step)`` after every step (this manager decides whether the
 step is saved), ``maybe_wait_for_staging()`` before ``optimizers.step()`` (flexckpt's fence:
 the copy of the state is done), ``load(step)`` once before step 1 and ``close()`` at the end.
@@ -27,7 +32,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torchtitan.components.checkpointer import (
@@ -67,11 +72,32 @@ class _CommitFuture(Future):
         return self.handle.exception()
 
 
+def _check_global_batch(loader: ZephonDataLoader, trainer: Any) -> None:
+    """The loader's global batch is the trainer's (``training.global_batch_size``, or local batch
+    x dp degree when that is -1): else a step's batches and the saved position disagree."""
+    training = getattr(getattr(trainer, "config", None), "training", None)
+    if training is None:  # not torchtitan's Trainer: nothing to compare with
+        return
+    topology = loader.topology
+    trainer_batch = training.global_batch_size
+    if trainer_batch < 0:
+        trainer_batch = training.local_batch_size * topology.size
+    if trainer_batch != topology.global_batch:
+        raise ValueError(
+            f"dataloader.global_batch_size={topology.global_batch} differs from the trainer's global batch, "
+            f"{trainer_batch} "
+            f"(training.global_batch_size={training.global_batch_size}): set both to the same number of rows")
+
+
 class FlexCheckpointManager(BaseCheckpointManager):
     """torchtitan's ``BaseCheckpointManager`` on flexckpt (see the module docstring)."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseCheckpointManager.Config):
+    class Config(CheckpointManager.Config):
+        async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "async"
+        """"async" and "async_with_pinned_mem": ``save()`` returns once the copy is queued (GPU
+        tensors are staged into pinned memory either way); "disabled": once the step is committed."""
+
         url: str | None = None
         """Storage URL (file://, s3://...); default: ``folder`` under the dump folder."""
 
@@ -114,7 +140,10 @@ class FlexCheckpointManager(BaseCheckpointManager):
             LR_SCHEDULER: lr_schedulers,
             **states,
         }
-        if dataloader is not None:  # torchtitan's loaders: {"dp_rank_<d>": bytes, "world_size": dp}, bytes by key
+        if self.zephon:  # lane cursors as one ByLane value
+            _check_global_batch(dataloader, states.get(TRAIN_STATE))
+            self.states[DATALOADER] = dataloader.by_lane()
+        elif dataloader is not None:  # torchtitan's loaders: {"dp_rank_<d>": bytes, "world_size": dp}, bytes by key
             self.states[DATALOADER] = dataloader
         for key in config.exclude_from_loading:
             if key not in self.states:
@@ -155,6 +184,9 @@ class FlexCheckpointManager(BaseCheckpointManager):
             model = {k: v.to(self.export_dtype) if torch.is_floating_point(v) and v.dtype != self.export_dtype else v
                      for k, v in self.model.state_dict().items()}
             self._save_and_commit(curr_step, {MODEL: model})
+            return True
+        if self.config.async_mode == "disabled":
+            self._save_and_commit(curr_step, self.states)
             return True
         handle = self.ckpt.save(curr_step, self.states)
         self._staging = handle

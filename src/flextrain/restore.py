@@ -11,6 +11,7 @@ from typing import Any
 
 from flexckpt import ByLane, Checkpointer
 from flexckpt.commit import committed_steps, read_manifest
+from flexckpt.load import subset_load
 from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage
 from flexshard import MuonConfig, ShardingConfig, plan_layouts
@@ -72,7 +73,8 @@ def plan_restore(run_dir: str, world: int, step: int | None = None, batches: int
         probe = {"data": ByLane(), "trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "",
                                                "calibration": ""}}
         try:
-            got = ckpt.load(probe, step=step, strict=False, fallback=step is None)  # as the resume would
+            with subset_load():
+                got = ckpt.load(probe, step=step, strict=False, fallback=step is None)  # as the resume would
         except Exception as e:  # noqa: BLE001 - a missing or unreadable run is the user's to fix
             raise ConfigError(str(e) if url in str(e) else f"{url}: {e}") from None
     finally:

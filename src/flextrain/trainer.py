@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer, LoadError
+from flexckpt.load import subset_load
 from flexckpt.tier import LocalTier
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from flexshard.world import ranks
@@ -105,7 +106,8 @@ def saved_trainer_values(ckpt: Checkpointer, step: int | None = None) -> tuple[i
     tensor is read."""
     probe = {"trainer": {"step": 0, "config": "", "fingerprint": "", "data_state": "", "calibration": ""},
              "data": ByLane({})}
-    got = ckpt.load(probe, step=step, strict=False, fallback=step is None)
+    with subset_load():  # a probe of a few values: the rest is not dropped
+        got = ckpt.load(probe, step=step, strict=False, fallback=step is None)
     return got, {**probe["trainer"], "lanes": probe["data"].values}
 
 

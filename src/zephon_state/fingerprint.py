@@ -93,13 +93,15 @@ def _diff(saved: Any, now: Any, path: str, out: list[tuple[str, Any, Any]]) -> N
         out.append((path, saved, now))
 
 
-def mismatch_message(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> str:
-    """Which fields differ, their saved and current values, and how to fix each."""
+NEW_PHASE = ".options(data_phase='<new name>') and call load_state_dict(state, new_phase=True)"
+
+
+def mismatch_message(saved: Mapping[str, Any] | None, now: Mapping[str, Any], *,
+                     fixes: Mapping[str, str] = _FIX, new_phase: str = NEW_PHASE) -> str:
+    """Which fields differ, their saved and current values, and how to fix each (``fixes``,
+    per top-level field, and ``new_phase``: an integration names its own settings)."""
     head = "the checkpoint's data fingerprint differs from this pipeline's"
-    tail = (
-        "; if the change is on purpose, it is a new data phase, not a resume: set "
-        ".options(data_phase='<new name>') and call load_state_dict(state, new_phase=True)"
-    )
+    tail = "; if the change is on purpose, it is a new data phase, not a resume: set " + new_phase
     if not isinstance(saved, Mapping):
         return head + " (the checkpoint does not say why)" + tail
     found: list[tuple[str, Any, Any]] = []
@@ -109,6 +111,6 @@ def mismatch_message(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) ->
     lines = []
     for path, was, is_now in found[:8]:
         top = path.split(".")[0].split("[")[0]
-        lines.append(f"{path}: saved {short(was)}, now {is_now!r} ({_FIX.get(top, 'restore the saved value')})")
+        lines.append(f"{path}: saved {short(was)}, now {is_now!r} ({fixes.get(top, 'restore the saved value')})")
     more = f"; and {len(found) - 8} more" if len(found) > 8 else ""
     return head + ":\n  " + "\n  ".join(lines) + more + "\n" + tail.lstrip("; ")

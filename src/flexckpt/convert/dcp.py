@@ -21,6 +21,7 @@ writer keeps every tensor of a file alive until that file is closed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -32,6 +33,7 @@ import torch
 
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.errors import CheckpointError
+from flexckpt.offline import OfflineSave
 from flexckpt.structure import walk
 from flexckpt.convert.tensor_stream import (
     DEFAULT_BUDGET, batches, check_new_folder, name_path, open_source, progress_bar, put, read_tensors,
@@ -142,23 +144,20 @@ def import_dcp(dcp_dir: str, url: str, step: int | None = None, *, budget: int =
 
     run_id = uuid.uuid4().hex[:16]
     bar = progress_bar(sum(sizes.values()), "import-dcp", progress)
-    try:
+    with contextlib.closing(bar), OfflineSave(url) as out:  # a failed batch fails the import at once, removing what it wrote
         for rank in reversed(range(world)):  # a group leader after its group (it gathers their records), rank 0 last
             whole = {k: torch.empty(tuple(tensors[k].size), dtype=tensors[k].properties.dtype) for k in groups[rank]}
             if whole:
                 _dcp_load(dcp_dir, dict(whole))
             with Checkpointer(url, rank=rank, world_size=world, run_id=run_id) as ck:
-                h = ck.save(report.step, state_for(rank, whole))
+                out.started(ck.save(report.step, state_for(rank, whole)))
                 if rank == 0:
-                    h.result()
+                    out.result()
                 else:
                     ck.wait()
-                    if h.exception() is not None:
-                        h.result()  # raises the save's error
+                    out.check()
             del whole
             bar.update(sum(sizes[k] for k in groups[rank]))
-    finally:
-        bar.close()
     report.tensors, report.nbytes, report.batches = len(tensors), sum(sizes.values()), world
     return report
 

@@ -13,6 +13,7 @@ import torch
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.contents import Contents
 from flexckpt.errors import CheckpointError
+from flexckpt.load import subset_load
 
 DEFAULT_BUDGET = 256 << 20
 
@@ -72,7 +73,8 @@ def read_tensors(ck: Checkpointer, contents: Contents, names: list[str]) -> dict
         info = contents.tensors[n]
         out[n] = torch.empty(info.shape, dtype=info.dtype)
         put(state, name_path(n), out[n])
-    ck.load(state, step=contents.step, strict=False)
+    with subset_load():
+        ck.load(state, step=contents.step, strict=False)
     return out
 
 

@@ -53,6 +53,7 @@ from flexckpt.errors import SaveError
 from flexckpt.handle import SaveHandle
 from flexckpt.plan import part_of_world
 from flexckpt.save_pipeline import Attempts
+from flexckpt.savers import await_peers
 from flexckpt.stages import union_structure
 from flexckpt.staging import StagingBuffer, copies_for
 from flexckpt.storage import Storage
@@ -181,9 +182,14 @@ class FastTier:
                     f"or process_group="
                 )
             ranks = None if ckpt.group is None else dist.get_process_group_ranks(ckpt.group)
+            self.global_ranks = list(range(self.world)) if ranks is None else list(ranks)
+            # this job's keys in its store (the tier folder's name needs the gather below)
+            keys = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}".encode()).hexdigest()[:16]
+            self.store = dist.PrefixStore(f"{keys}/{self.session}", dist.distributed_c10d._get_default_store())
+            await_peers(self.store, self.global_ranks[self.rank], self.global_ranks, self.timeout,
+                        "a fast tier (local=, LocalTier.timeout)")
             # created here, on the training thread, in the same order on every rank
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
-            self.global_ranks = list(range(self.world)) if ranks is None else list(ranks)
             gathered = [None] * self.world
             dist.all_gather_object(gathered, (self.node, run), group=self.group)
         else:
@@ -201,8 +207,6 @@ class FastTier:
         self._sweepers: list[threading.Thread] = []
         self._sweep(set_aside_before(self.root))
         self.storage = Storage(self.root, None, None)
-        if self.world > 1:
-            self.store = dist.PrefixStore(f"{PREFIX}{name}/{self.session}", dist.distributed_c10d._get_default_store())
         self.nodes = nodes_of(names)
         self.node_names = names
         self.partners = partners(self.rank, self.nodes, config.replicas)
