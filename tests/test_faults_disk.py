@@ -87,6 +87,7 @@ def test_a_restarted_job_on_a_full_disk_reclaims_what_earlier_launches_left(smal
     disk.fill(3 * MiB)
     # 4 (step 2) + 12 planted + 3 taken: 1 MiB free before the restart
     with Checkpointer(str(root), keep_last=1, run_id="job", commit_timeout=60) as ck:
+        ck._reclaim.join(60)  # start-up housekeeping runs on a thread of its own
         assert sorted(p.parent.name + "/" + p.name for p in root.glob("step-*/*.*.*")) == [
             "step-000000000002/" + next((root / "step-000000000002").glob("job.*")).name,
             "step-000000000003/other.12345678.1",  # another live job's: kept

@@ -455,10 +455,16 @@ def test_steps_set_aside_leave_the_scan_at_once_and_a_killed_sweep_is_finished_l
     assert set_aside_before(root) == [] and set_aside(root, 7, "b") == []
 
 
+def _died(ck: Checkpointer) -> None:
+    """What a SIGKILL leaves: no close(), and the tier folder's lock let go (by the kernel)."""
+    atexit.unregister(ck._atexit)
+    ck.tier._let_go()
+
+
 def test_other_runs_tiers_are_removed_at_start_and_never_loaded(tmp_path):
     ck = _one(tmp_path)
     ck.save_local(3, make_state(0, 1, 3)).result(60)
-    atexit.unregister(ck._atexit)
+    _died(ck)
     (tmp_path / "shm" / "unrelated").mkdir()
     t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="another", stale_after=0)
     other = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="one", local=t)

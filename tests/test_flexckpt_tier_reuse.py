@@ -101,13 +101,6 @@ def test_shared_staging_holds_the_saved_bytes_in_both_tiers_when_the_state_chang
         assert ck._pool.in_use() == 0
         assert sum(hashed) == 5 * ck._plan_entry.rank_plan.nbytes  # each step's chunks hashed once, for both tiers
         store = str(tmp_path / "store")
-        for step, h in handles.items():  # each persistent step holds exactly that step's state
-            target = make_state(0)
-            assert ck.load(target, step=step) == step
-            want = make_state(step)
-            for name in SHAPES:
-                assert torch.equal(target[name].local, want[name].local), (step, name)
-            assert target["meta"] == {"step": step}
         for step, hf in fast_saves.items():  # the tier's files are byte for byte the persistent ones
             folder, attempt = step_dir(step), handles[step].attempt
             for name in (data_name, table_name):
@@ -117,13 +110,21 @@ def test_shared_staging_holds_the_saved_bytes_in_both_tiers_when_the_state_chang
         # the next staging into the buffer waited for the fast tier to let go of it
         assert handles[2].timings["buffer_wait_s"] > 0.1
         assert handles[4].timings["buffer_wait_s"] > 0.1
-        # and the fast tier restores its newest step from its own files, values included
+        # the fast tier restores its newest step from its own files, values included
         target = make_state(0)
         assert ck.load(target) == 5
         assert ck.tier.last_recovery.source == "tier"
         for name in SHAPES:
             assert torch.equal(target[name].local, make_state(5)[name].local), name
         assert target["meta"] == {"step": 5}
+        for step, h in handles.items():  # each persistent step holds exactly that step's state (load(step=)
+            # sets the tier's steps aside: the run would go on from it)
+            target = make_state(0)
+            assert ck.load(target, step=step) == step
+            want = make_state(step)
+            for name in SHAPES:
+                assert torch.equal(target[name].local, want[name].local), (step, name)
+            assert target["meta"] == {"step": step}
     finally:
         ck.close()
 

@@ -358,6 +358,34 @@ def test_a_crash_before_the_first_persistent_save_resumes_from_the_fast_tier(tmp
     assert not (run / "resume-w1-r0.json").exists()
 
 
+def test_a_removed_run_folder_never_comes_back_from_the_fast_tier(tmp_path, capsys, monkeypatch):
+    """A run killed before its first persistent save leaves steps 2 and 3 in the fast tier;
+    ``--fresh`` is refused there, advising to remove the run folder. Removed, the same
+    command (``--fresh`` or not) starts a new run from step 1: the tier belongs to the run
+    folder's identity (its ``fast-tier.json``), which the removal took with it."""
+    import shutil
+
+    run, tier = tmp_path / "run", tmp_path / "tier"
+    args = ["train", "--run-dir", str(run), *SHRINK, "--set", "data.lanes=1", "--set", "data.global_batch=1",
+            "--set", "data.micro_batch=1", "--set", "data.eval_batches=1", "--set", "ckpt_every=10",
+            "--set", "ckpt_local_every=1", "--set", f"ckpt_local_dir={tier}"]
+    _diverge_at_step_4(monkeypatch)
+    assert main([*args, "--set", "steps=4"]) == 2
+    monkeypatch.undo()
+    crashed = tmp_path / "crashed"
+    shutil.copytree(tier, crashed)
+    assert main([*args, "--fresh"]) == 2
+    assert "(or remove that folder to start over there)" in capsys.readouterr().err
+    for fresh in (["--fresh"], []):
+        shutil.rmtree(run)  # as the advice says
+        assert main([*args, *fresh, "--set", "steps=1"]) == 0
+        err = capsys.readouterr().err
+        assert "resum" not in err, err
+        assert sorted(metrics(run)) == [1] and not (run / "resume-w1-r0.json").exists()
+        shutil.rmtree(tier)
+        shutil.copytree(crashed, tier)  # the killed run's tier, as it left it
+
+
 def test_a_failed_final_save_is_an_error_and_keeps_the_fast_tier(tmp_path, capsys, monkeypatch):
     """A run whose last (persistent) save fails ends without that step in the store: it
     says so in one line and exits 2 (saves before it may fail and training goes on), and

@@ -189,8 +189,6 @@ class Checkpointer(SavePipeline, Committer):
         self._listed_steps: set[str] = set()  # step folders the live-job check listed (commit thread)
         if self.is_coordinator:  # after the collectives above: the other ranks fail at their first call
             self.storage.probe()  # a store that cannot work fails here, in one line (one listing)
-        if self.is_coordinator and not self.read_only:  # a reader changes nothing under url
-            self._reclaim_at_start()
         self.last_load_stats: LoadStats | None = None
         self.tier = None if local is None else FastTier(local, self)
         self._pool = BufferPool(max_in_flight)
@@ -214,6 +212,12 @@ class Checkpointer(SavePipeline, Committer):
         # made them before retention began (and is in flight, which retention leaves alone)
         # or makes them after it ended (never into an empty step folder being removed)
         self._folders_lock = threading.Lock()
+        self._reclaim: threading.Thread | None = None
+        if self.is_coordinator and not self.read_only:  # a reader changes nothing under url
+            # on a thread of its own: construction (and a fast tier's recovery) never waits for it;
+            # it holds _folders_lock, so the first save makes its folders once it is done
+            self._reclaim = threading.Thread(target=self._reclaim_at_start, name="flexckpt-reclaim", daemon=True)
+            self._reclaim.start()
         ref = weakref.ref(self)
         self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout, _at_exit=True))
         atexit.register(self._atexit)
@@ -224,10 +228,14 @@ class Checkpointer(SavePipeline, Committer):
 
     def _reclaim_at_start(self) -> None:
         """Files of saves that failed or were cut short before this launch (see
-        :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again."""
+        :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again.
+        Runs on its own thread, started at construction (a load, a fast tier's recovery
+        included, never waits for it; the first save makes its folders once it is done,
+        ``close()`` waits for it)."""
         try:
-            removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since,
-                                       f"{self.run_id}.{self.session}")
+            with self._folders_lock:
+                removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since,
+                                           f"{self.run_id}.{self.session}")
         except Exception:  # noqa: BLE001 - housekeeping; saves report their own failures
             log.exception("flexckpt: reclaiming unfinished saves under %s failed", self.storage.url)
             return
@@ -322,6 +330,8 @@ class Checkpointer(SavePipeline, Committer):
             for t in self._threads:
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._threads = []
+        if self._reclaim is not None:
+            self._reclaim.join(timeout)
         if self.tier is not None:  # first: a fast save in flight may hold a staging buffer
             self.tier.close(remove=not (_at_exit or keep_tier))
         self._last_save = None
@@ -390,6 +400,15 @@ class Checkpointer(SavePipeline, Committer):
         it, a key the state holds and the checkpoint lacks stops the load naming the key,
         whatever its kind: a tensor, a plain, per-lane or ``bytes`` value, or a per-rank
         value at another world size (``strict=False`` skips all such keys at once).
+
+        With a fast tier (``local=``), ``load(state)`` restores from the tier when it holds
+        the newest step (``exclude`` too). ``load(state, step=N)`` and ``strict=False`` read
+        the store only, even where the tier holds a newer step; after them, what this job
+        saves to the tier outranks every step the tier holds (the run may go on from the
+        store's step). ``step=N`` (a rollback) also sets the tier's steps aside;
+        ``strict=False`` (a probe of plain values, single tensors) leaves them, for a
+        ``load(state)`` that follows. To take leaves out of a restore from the tier, use
+        ``exclude``, not ``strict=False``.
         """
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
@@ -416,6 +435,8 @@ class Checkpointer(SavePipeline, Committer):
                 assert pending is not None
                 pending.apply()
                 self.last_load_stats = pending.stats
+                if self.tier is not None and (step is not None or not strict):
+                    self.tier.abandon(aside=step is not None)  # no tier step may outrank what the run saves next
                 return chosen
             if error is not None and fallback:  # handled, not raised: say what failed (raised: never logged too)
                 log.warning("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)

@@ -594,7 +594,9 @@ def reclaim_at_start(storage: Storage, run_id: str, stale_after: float, since: f
     live job's), never one of this launch (``launch``, ``RUN.SESSION``: the batches of one
     import are ranks that start one after another, each a Checkpointer of its own), never
     the attempt a step's manifest names, never version-1 files. Step folders left empty and
-    without a manifest go too. Returns what was removed."""
+    without a manifest go too. A step whose folder holds only the attempt its ``committed``
+    marker names costs its listing and that marker's check, no manifest read. Returns what
+    was removed."""
     removed: list[str] = []
     steps = sorted(s for s in (parse_step_dir(n) for n in storage.list_names("")) if s is not None)
     committed = set(committed_steps(storage))
@@ -605,6 +607,9 @@ def reclaim_at_start(storage: Storage, run_id: str, stale_after: float, since: f
         names = storage.list_names(folder)
         keep = None
         if MANIFEST in names:
+            attempts = [n for n in names if attempt_run_id(n) is not None]
+            if len(attempts) == 1 and storage.exists(f"{folder}/{committed_name(attempts[0])}"):
+                continue  # only the attempt the step's commit marked: nothing to reclaim, no manifest read
             keep = committed_attempt(storage, s)
             if keep is None:  # version 1, or a manifest that does not parse: touch nothing here
                 continue

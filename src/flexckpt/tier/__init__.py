@@ -6,7 +6,8 @@
 partner rule), ``inventory`` (what a node holds, which step to restore), ``transport``
 (copies and a recovery's byte ranges over the tier's own gloo group), ``fetchplan`` (which
 byte ranges a recovering rank asks of which peer), ``view`` (the files a recovery's load
-reads: the node's, a peer's ranges, the store's)."""
+reads: the node's, a peer's ranges, the store's), ``owner`` (the lock a live tier folder is
+held by, and the folder's identity)."""
 from __future__ import annotations
 
 import os
@@ -24,7 +25,8 @@ class LocalTier:
         timeout: seconds a transfer may take before its pair is given up.
         lineage: names the run across restarts (default: ``FLEXCKPT_RUN_ID`` or torchrun's
             ``TORCHELASTIC_RUN_ID``, with the persistent URL); a tier of another lineage is
-            never loaded, and removed at start once untouched for ``stale_after`` seconds.
+            never loaded, and removed at start once no live process holds it (``owner``) and
+            it has been untouched for ``stale_after`` seconds.
         state_bytes: if given, the space check runs at construction (else at the first save).
     """
 

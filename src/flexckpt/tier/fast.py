@@ -32,6 +32,7 @@ import queue
 import shutil
 import threading
 import time
+import uuid
 import datetime
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ from flexckpt.tier.inventory import (
     MAX_DONE_BYTES, makedirs, remove_bundle,
     remove_paths, scan, set_aside, set_aside_before,
 )
+from flexckpt.tier.owner import folder_id, hold, release, remove_if_unowned
 from flexckpt.tier.placement import node_name, nodes_of, partners, sources
 from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_rank
 from flexckpt.tier.transport import Files, Header, Inbox, Incoming, announce, digest, send, send_range
@@ -106,12 +108,41 @@ class _FastJob:
     keyed: dict = field(default_factory=dict)  # bytes values by key (carried in the marker, as records carry them)
     shared: Any = None  # the persistent save of the same step whose staged buffer this save reads
     release: Any = None  # lets go of that buffer (once, after the node's data file is written)
+    branch: int = 0  # the run's branch in this launch when save() was called (see FastTier.abandon)
 
     def let_go(self) -> None:
         """Release the shared staging buffer, if this save still holds it."""
         if self.release is not None:
             self.release()
             self.release = None
+
+
+RUN_FOLDER = "fast-tier.json"  # in the run's persistent folder: its identity and its launches with a fast tier
+
+
+def this_launch(storage: Storage) -> tuple[str, int, bool]:
+    """``(id, launch, written)``: the run folder ``storage``'s identity and this launch's
+    number among those with a fast tier, from its ``fast-tier.json``, counted up there
+    (``written``); without one (a new folder, or one removed and made again: the tiers of
+    the earlier folder are not this one's), a new random id and launch 1, written with
+    the first fast save (a refused start leaves the folder as it was)."""
+    try:
+        raw = storage.read_bytes(RUN_FOLDER, limit=1 << 16)
+    except FileNotFoundError:
+        return uuid.uuid4().hex, 1, False
+    try:
+        doc = orjson.loads(raw)
+        run, launch = str(doc["id"]), int(doc["launches"]) + 1
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{storage.path(RUN_FOLDER)} is not a fast tier's record of its run folder ({exc}); remove "
+                         f"it to start the fast tier afresh (its steps of this run folder are then not restored)") from None
+    write_run_folder(storage, run, launch)
+    return run, launch, True
+
+
+def write_run_folder(storage: Storage, run: str, launches: int) -> None:
+    storage.makedirs("")
+    storage.put_atomic(RUN_FOLDER, orjson.dumps({"id": run, "launches": launches}), fsync=False)
 
 
 def _lineage_of(files: list[str]) -> str | None:
@@ -132,20 +163,15 @@ class FastTier:
         self.rank, self.world = ckpt.rank, ckpt.world_size
         self.run_id, self.session = ckpt.run_id, ckpt.session
         self.lineage = config.resolved_lineage(ckpt.storage.url)
-        name = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}".encode()).hexdigest()[:16]
         self.node = node_name()
         self.dir = config.dir.replace("{node}", self.node)  # "{node}": one folder a node on one machine (tests)
         os.makedirs(self.dir, exist_ok=True)
-        self.root = os.path.join(os.path.abspath(self.dir), name)
-        self._remove_stale_tiers(name)
-        os.makedirs(self.root, exist_ok=True)
-        self._sweepers: list[threading.Thread] = []
-        self._sweep(set_aside_before(self.root))
-        self.storage = Storage(self.root, None, None)
         self.group = None
         self.store = None
         self.timeout = float(config.timeout)
-        names = [self.node]
+        self._run_store = ckpt.storage
+        run = this_launch(ckpt.storage) if self.rank == 0 else None
+        gathered = [(self.node, run)]
         if self.world > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("a fast tier with more than one rank needs torch.distributed initialized")
@@ -157,16 +183,30 @@ class FastTier:
                 )
             ranks = None if ckpt.group is None else dist.get_process_group_ranks(ckpt.group)
             self.global_ranks = list(range(self.world)) if ranks is None else list(ranks)
-            self.store = dist.PrefixStore(f"{PREFIX}{name}/{self.session}", dist.distributed_c10d._get_default_store())
+            # this job's keys in its store (the tier folder's name needs the gather below)
+            keys = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}".encode()).hexdigest()[:16]
+            self.store = dist.PrefixStore(f"{keys}/{self.session}", dist.distributed_c10d._get_default_store())
             await_peers(self.store, self.global_ranks[self.rank], self.global_ranks, self.timeout,
                         "a fast tier (local=, LocalTier.timeout)")
             # created here, on the training thread, in the same order on every rank
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
-            gathered: list = [None] * self.world
-            dist.all_gather_object(gathered, self.node, group=self.group)
-            names = [str(n) for n in gathered]
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, (self.node, run), group=self.group)
         else:
             self.global_ranks = [0]
+        names = [str(g[0]) for g in gathered]
+        # the run folder's identity (made with its first fast save) and this launch's number: a
+        # tier outlives no removal of its run folder, and launches never tie
+        self.folder_run_id, self.launch, self._run_written = gathered[0][1]
+        name = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}\0{self.folder_run_id}".encode()).hexdigest()[:16]
+        self.root = os.path.join(os.path.abspath(self.dir), name)
+        hold(self.root)  # for this tier's life: no other job sweeps it while this process lives
+        self._held = True
+        self._remove_stale_tiers(name)
+        self.folder_id = folder_id(self.root)
+        self._sweepers: list[threading.Thread] = []
+        self._sweep(set_aside_before(self.root))
+        self.storage = Storage(self.root, None, None)
         self.nodes = nodes_of(names)
         self.node_names = names
         self.partners = partners(self.rank, self.nodes, config.replicas)
@@ -175,11 +215,17 @@ class FastTier:
             log.warning("flexckpt fast tier: %s on node %r; no copy on another node is possible",
                         "the only rank is" if self.world == 1 else f"all {self.world} ranks are", self.node)
         if config.state_bytes is not None:
-            self._check_space(int(config.state_bytes))
+            try:
+                self._check_space(int(config.state_bytes))
+            except BaseException:
+                self._let_go()
+                raise
         self.skipped = 0
         self.saved = 0
         self.replicated = 0
         self.replication_failures = 0
+        self.failed = 0  # fast saves that failed (their files removed)
+        self.failing = 0  # of them, in a row up to now (0 once one succeeds)
         self.last_recovery: Recovery | None = None
         self._busy = threading.Event()
         self._jobs: queue.Queue = queue.Queue()
@@ -193,6 +239,7 @@ class FastTier:
         self._structure_for: int | None = None
         self._structure: tuple[str, dict] = ("", {})
         self._prune_lock = threading.Lock()
+        self._branch = 0  # bumped on every rank at abandon(): the saves after it outrank those before
         self._bundles: dict[int, list] = {}  # saved rank -> bundles this process wrote, oldest first
         self._inherited: list = []  # the restored step's bundles on this node (its leader removes them)
         self._closed = False
@@ -206,9 +253,9 @@ class FastTier:
 
     # -- hygiene ------------------------------------------------------------------------------
     def _remove_stale_tiers(self, mine: str) -> None:
-        """Other runs' tiers in the same folder, untouched for ``stale_after`` seconds. The
-        lineages (run ids) of the other tiers found are kept in ``other_lineages`` for the
-        recovery's message."""
+        """Other runs' tiers in the same folder that no live process holds (``owner``),
+        untouched for ``stale_after`` seconds. The lineages (run ids) of the other tiers
+        found are kept in ``other_lineages`` for the recovery's message."""
         self.other_lineages: list[str] = []
         for entry in os.scandir(self.dir):
             if not entry.name.startswith(PREFIX) or entry.name == mine or not entry.is_dir():
@@ -217,9 +264,7 @@ class FastTier:
             lineage = _lineage_of(files)
             if lineage is not None and lineage != self.lineage and lineage not in self.other_lineages:
                 self.other_lineages.append(lineage)
-            newest = max([entry.stat().st_mtime] + [os.stat(f).st_mtime for f in files] or [0])
-            if time.time() - newest >= self.config.stale_after:
-                shutil.rmtree(entry.path, ignore_errors=True)
+            if remove_if_unowned(entry.path, self.config.stale_after):
                 log.info("flexckpt fast tier: removed another run's tier %s", entry.path)
 
     def _check_space(self, state_bytes: int) -> None:
@@ -263,6 +308,14 @@ class FastTier:
                     ckpt._pool.release(shared.buffer)
                 raise
             self._space_checked = True
+        if not self._run_written and self.rank == 0:  # the run folder's record: made with rank 0's first fast save
+            try:
+                write_run_folder(self._run_store, self.folder_run_id, self.launch)
+            except BaseException:
+                if shared is not None:
+                    ckpt._pool.release(shared.buffer)
+                raise
+            self._run_written = True
         lanes = {k: orjson.Fragment(v) for k, v in lanes.items()}
         attempt = self._attempts.next(step)
         handle = SaveHandle(step, None, attempt, fence_of=None if shared is None else shared.handle)
@@ -272,7 +325,8 @@ class FastTier:
             self._thread = threading.Thread(target=self._serve, name=f"flexckpt-tier-r{self.rank}", daemon=True)
             self._thread.start()
         release = None if shared is None else functools.partial(ckpt._pool.release, shared.buffer)
-        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda, keyed, shared, release))
+        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda, keyed, shared, release,
+                                self._branch))
         return handle
 
     def _serve(self) -> None:
@@ -283,7 +337,17 @@ class FastTier:
             try:
                 self._save_one(job)
             except BaseException as exc:  # noqa: BLE001 - reported on the handle
-                log.error("flexckpt fast tier rank %d: save of step %d failed: %s", self.rank, job.step, exc, exc_info=exc)
+                self._discard(job)
+                self.failed += 1
+                self.failing += 1
+                job.handle.timings["failed_in_a_row"] = float(self.failing)
+                log.error("flexckpt fast tier rank %d: save of step %d failed (its files removed): %s", self.rank,
+                          job.step, exc, exc_info=exc)
+                if self.failing > 1:
+                    with self._prune_lock:
+                        held = sorted({b[0] for bs in self._bundles.values() for b in bs} | {b[0] for b in self._inherited})
+                    log.warning("flexckpt fast tier rank %d: %d fast saves in a row failed; the tier is not protecting "
+                                "the run (it holds step(s) %s of this rank's saves)", self.rank, self.failing, held)
                 self._busy.clear()
                 job.handle._fail(exc)
             finally:
@@ -337,7 +401,8 @@ class FastTier:
         doc = {
             "lineage": self.lineage, "fingerprint": self._saved_structure(e)[0], "saved_fingerprint": e.fingerprint,
             "step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world,
-            "run_id": self.run_id, "line": line, "lanes": job.lanes, "plain": job.plain,
+            "run_id": self.run_id, "launch": self.launch, "branch": job.branch, "line": line, "lanes": job.lanes,
+            "plain": job.plain,
             "per_rank_keys": e.per_rank_keys, **self._saved_structure(e)[1],
             **({"keyed": keyed_entries(self.rank, job.keyed)} if job.keyed else {}),
             "files": {rel: memoryview(b).nbytes for rel, b in files.items()}, "chunks": len(chunks),
@@ -367,8 +432,22 @@ class FastTier:
                     log.error("flexckpt fast tier rank %d: copy of step %d to rank %d failed: %s", self.rank, job.step, p, exc)
         h.timings["replicate_s"] = time.perf_counter() - t2
         h.timings["bytes"] = float(e.rank_plan.nbytes)
+        if self.failing:
+            log.warning("flexckpt fast tier rank %d: step %d saved after %d failed fast save(s): the tier protects the "
+                        "run again", self.rank, job.step, self.failing)
+            self.failing = 0
+        h.timings["failed_in_a_row"] = 0.0
         self._busy.clear()
         h._done.set()
+
+    def _discard(self, job: _FastJob) -> None:
+        """What a failed fast save wrote of this rank's files (a full tmpfs must not keep it
+        full): its marker first, then its files, then its folders if empty."""
+        names = [f(job.attempt, self.rank) for f in (data_name, table_name, values_name)]
+        try:
+            remove_bundle(self.storage, job.step, done_name(job.attempt, self.rank, self.world), names)
+        except Exception as exc:  # noqa: BLE001 - the failure is reported already; a close() removes the rest
+            log.warning("flexckpt fast tier rank %d: removing the failed save of step %d: %s", self.rank, job.step, exc)
 
     def _copier(self, e: Any) -> Any:
         """The staging copy for ``e``'s pieces, marked ready here on the training thread:
@@ -414,10 +493,14 @@ class FastTier:
         folder = step_dir(doc["step"])
         self._prune(doc["rank"], self.config.keep_last - 1)
         makedirs(self.storage, f"{folder}/{doc['attempt']}")
-        for rel, data in files:
-            self.storage.put_atomic(f"{folder}/{rel}", data, fsync=False)
-        self.storage.put_atomic(f"{folder}/{done_name(doc['attempt'], doc['rank'], doc['world_size'])}",
-                                orjson.dumps(doc), fsync=False)
+        marker = done_name(doc["attempt"], doc["rank"], doc["world_size"])
+        try:
+            for rel, data in files:
+                self.storage.put_atomic(f"{folder}/{rel}", data, fsync=False)
+            self.storage.put_atomic(f"{folder}/{marker}", orjson.dumps(doc), fsync=False)
+        except BaseException:  # a full tmpfs: the copy's files go (the inbox reports the failure)
+            remove_bundle(self.storage, doc["step"], marker, [rel for rel, _ in files])
+            raise
         self._wrote(doc)
 
     def _wrote(self, doc: dict) -> None:
@@ -430,7 +513,8 @@ class FastTier:
         folder): those of ``saved_rank`` but the newest ``keep``."""
         with self._prune_lock:
             mine = self._bundles.get(saved_rank, [])
-            old, self._bundles[saved_rank] = (mine[: len(mine) - keep], mine[len(mine) - keep :]) if keep else (mine, [])
+            cut = max(0, len(mine) - keep)  # (fewer than keep: none goes; a negative cut took all but keep's excess)
+            old, self._bundles[saved_rank] = (mine[:cut], mine[cut:]) if keep else (mine, [])
             if saved_rank == self.rank and len(self._bundles[saved_rank]) >= keep and self._inherited:
                 old, self._inherited = old + self._inherited, []  # the restored step, once keep newer ones exist
         for step, doc_name, files in old:
@@ -463,8 +547,34 @@ class FastTier:
             sweeper.join(self.timeout)
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """This tier no longer holds its folder (once)."""
+        if self._held:
+            self._held = False
+            release(self.root)
 
     # -- recovery ------------------------------------------------------------------------------
+    def abandon(self, aside: bool) -> None:
+        """A load that the tier did not serve (``load(step=N)``, ``load(strict=False)``):
+        the run may go on from the store's step, so every fast save from now on belongs to
+        a new branch, which outranks every step held now (``inventory.choose``; a partner's
+        copy sent before this, landing after, too). With ``aside`` (``load(step=N)``: a
+        rollback), every held step is set aside as well, by the lowest rank of each tier
+        folder, as after a failed tier load: one all-gather on the tier's group, after each
+        rank's own fast saves are done. Every rank calls it, as ``load()`` is."""
+        self.wait()
+        self._branch += 1
+        if not aside:
+            return
+        folders = self._all_gather((self.node, self.folder_id))
+        if self.rank == folders.index((self.node, self.folder_id)):
+            self._sweep(set_aside(self.root, -1))
+        with self._prune_lock:
+            self._bundles.clear()
+            self._inherited = []
+
     def newest_held(self) -> int | None:
         """The newest step some node's folder holds a complete saved-rank bundle of (this
         lineage's), or None: one all-gather on the tier's group (every rank calls it, and
@@ -490,18 +600,23 @@ class FastTier:
             fp = compat_fingerprint(w.structure_json())
             held = scan(self.storage)
             persistent = ckpt.steps() if self.rank == 0 else []
-            mine = (self.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent, fp, "")
+            mine = (self.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent, fp, "",
+                    self.folder_id)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
-            mine = (self.node, [], [], "", f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            mine = (self.node, [], [], "", f"rank {self.rank}: {type(exc).__name__}: {exc}", self.folder_id)
         gathered = self._all_gather(mine)
         inventories = [[Held(*x) for x in g[1]] for g in gathered]
         errors = [g[4] for g in gathered if g[4]]
+        clash = node_clash([(g[0], g[5]) for g in gathered])
         if errors:
             decision = Decision("persistent", None, reason=f"the fast tier could not be read ({errors[0]})")
+        elif clash:
+            decision = Decision("persistent", None, reason=clash)
         else:
             target = self._target_compat([g[3] for g in gathered], w)
             decision = choose(inventories, self.lineage, target, gathered[0][2], exclude)
-        leader = self.rank == min(r for r, g in enumerate(gathered) if g[0] == self.node)
+        # the lowest rank of each folder (of each machine, also where two report one node name)
+        leader = self.rank == min(r for r, g in enumerate(gathered) if (g[0], g[5]) == (self.node, self.folder_id))
         if decision.source != "tier":
             # nothing here is loadable: older than the persistent step, or incomplete; but a step saved
             # with another structure stays (a load with a changed config must not cost the run its newest step)
@@ -774,6 +889,22 @@ class FastTier:
                 file.where = f"rank {t.server} on node {self.node_names[t.server]}"
                 file.add(a.offset, box.buffers[i], functools.partial(box.ready, i))
         return sends, incoming, error
+
+
+def node_clash(folders: list[tuple[str, str]]) -> str:
+    """``""``, or what is wrong when ranks reporting one node name scan different tier
+    folders (``folders[rank] = (node name, folder id)``): two machines under one name, whose
+    steps the recovery cannot place (it takes a node's ranks to share its folder)."""
+    by_name: dict[str, dict[str, list[int]]] = {}
+    for rank, (name, fid) in enumerate(folders):
+        by_name.setdefault(name, {}).setdefault(fid, []).append(rank)
+    for name, groups in by_name.items():
+        if len(groups) > 1:
+            ranks = " and ".join(str(rs) for rs in sorted(groups.values()))
+            return (f"ranks {ranks} report one node name {name!r} but scan different tier folders: two machines "
+                    f"under one name (FLEXCKPT_NODE, or the host name); give each machine a name of its own. The "
+                    f"tier's steps are set aside on every machine and the load reads the persistent store")
+    return ""
 
 
 def write_node_file(storage: Storage, rel: str, stream: memoryview, nbytes: int) -> None:

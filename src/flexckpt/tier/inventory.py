@@ -76,6 +76,15 @@ def attempt_order(attempt: str) -> int:
     return int(attempt.rsplit(".", 1)[-1])
 
 
+def _newness(key: tuple) -> tuple[int, int, int, int]:
+    """How new a held save is: its launch first (numbered in the run folder; a launch that
+    saves to the tier either restored from it, its steps following the restored one, or
+    went on from elsewhere, and then the earlier launches' steps are another branch), then
+    its branch in the launch (counted up by each load the tier did not serve), then its
+    step, then its attempt. Never a tie broken by a listing's order."""
+    return key[3], key[4], key[0], attempt_order(key[1])
+
+
 @dataclass
 class Decision:
     """The step to restore, and from where. ``source == "tier"``: ``holders[r]`` lists the
@@ -146,21 +155,21 @@ def choose(
     step is the same save), or the newest persistent step, whole, when that is newer or no
     tier step qualifies. Steps are never mixed. ``fingerprint`` is the target's structure
     less what ``exclude`` takes out, and so is each step's saved one."""
-    found: dict[tuple[int, str, int], dict[int, list[int]]] = {}
-    docs: dict[tuple[int, str, int], dict[int, dict]] = {}
+    found: dict[tuple, dict[int, list[int]]] = {}  # by (step, attempt, world, launch, branch)
+    docs: dict[tuple, dict[int, dict]] = {}
     foreign = 0
     for who, held in enumerate(inventories):
         for h in held:
             if h.doc.get("lineage") != lineage:
                 foreign += 1
                 continue
-            key = (h.step, h.attempt, h.world)
+            key = (h.step, h.attempt, h.world, int(h.doc.get("launch", 0)), int(h.doc.get("branch", 0)))
             found.setdefault(key, {}).setdefault(h.rank, []).append(who)
             docs.setdefault(key, {})[h.rank] = h.doc
     complete = [k for k, ranks in found.items() if len(ranks) == k[2] and set(ranks) == set(range(k[2]))]
     other_structure = False
     whys = []  # the fingerprint is the union of the target ranks' structures; a step's, of its saved ranks'
-    for k in sorted(complete, key=lambda k: (k[0], attempt_order(k[1]))):
+    for k in sorted(complete, key=_newness):
         fp, why = saved_compat(docs[k], exclude)
         if fp != fingerprint:
             other_structure = True
@@ -169,7 +178,7 @@ def choose(
             if why:
                 whys.append(why)
     newest_persistent = max(persistent) if persistent else None
-    partial = sorted((k for k in found if k not in complete), key=lambda k: (k[0], attempt_order(k[1])))
+    partial = sorted((k for k in found if k not in complete), key=_newness)
     note = ""
     if partial:
         k = partial[-1]
@@ -183,7 +192,7 @@ def choose(
     # be the same save: checked at load)
     mixable = [k for k in partial if k[0] in persistent and saved_compat(docs[k], exclude)[0] == fingerprint]
     if complete or mixable:
-        best = max(complete + mixable, key=lambda k: (k[0], attempt_order(k[1])))
+        best = max(complete + mixable, key=_newness)
         if newest_persistent is None or best[0] >= newest_persistent:
             holders = {r: sorted(set(hs)) for r, hs in found[best].items()}
             if best in complete:
