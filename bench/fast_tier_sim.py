@@ -9,7 +9,9 @@ from k tau + d on (tau >= d: one save in flight). A failure costs the restart R,
 recovery and the work since the last finished save: tau/2 + d on average to first order.
 Failures during the restart and the recovery start them over (`--no-fail-in-restart`:
 they do not). The fast tier restores a fraction q of failures (one node lost, or several
-outside one replica group); the others go to the persistent step.
+outside one replica group) and the others go to the persistent step; a failure restores the
+newer finished step of the tiers that hold it (`load()` does). Persistent saves are taken at
+every n-th fast save's step (tau_p = n tau_f).
 
 The store: an aggregate bandwidth B, `fixed` (Llama 3's 2 TB/s, i.e. `--store-gbps` x
 16,384, whatever the job's size) or `grows` (`--store-gbps` x GPUs); both are reported. Each
@@ -19,11 +21,13 @@ GPUs x S / (R B). A recovery from the store reads with every GPU at once, sharin
 - per-rank reads (today): each GPU reads its own S: GPUs x S / B;
 - read once per job (issue 29): GPUs x S / (R B) from the store, fanned out to the
   replicas over the network (S (R - 1) / R received a GPU), overlapped with the reads;
-and never faster than one GPU's own path (the measured recovery, or host-to-device copy).
+and never faster than one GPU's own path (the measured recovery of the bytes it reads from
+the store, or the host-to-device copy of S).
 
 Expected effective fraction (renewal reward over failure cycles, exact for this model):
     eff = r * E[kept] / E[cycle],  r = 1 - c_p / tau_p - c_f / tau_f,
-    E[kept | a tier (tau, d)] = tau e^{-d/M} / (e^{tau/M} - 1),
+    E[kept | a tier (tau, d)] = tau e^{-d/M} / (e^{tau/M} - 1), plus, for a failure the fast
+      tier could restore, what a newer persistent step adds (`newer_persistent`),
     E[cycle] = M + E[time to get through restart + recovery D] = M + M (e^{D/M} - 1).
 The first-order closed form 1 - c/tau - (R + rec + tau/2 + d)/M agrees with it only while
 the cost of a failure is small against M. Rule: intervals are chosen on the exact formula;
@@ -120,12 +124,39 @@ def _rate(job: Job, tau_p: float, tau_f: float | None) -> float:
     return 1 - job.persistent.wait / tau_p - (job.fast.wait / tau_f if job.fast else 0.0)
 
 
-def _downtimes(job: Job) -> list[tuple[float, float]]:
-    """(probability, restart + recovery) per tier restoring a failure."""
+def newer_persistent(tau_p: float, d_p: float, tau_f: float, d_f: float, mtbf: float) -> tuple[float, float]:
+    """A failure the fast tier could restore restores the newer finished step of the two
+    tiers (as `load()` does). With a persistent save at every n-th fast save's step
+    (tau_p = n tau_f), the persistent step is newer only while the fast save of the same step
+    is still running (d_f > d_p): for u = L - j tau_p in [d_p, min(d_f, tau_p + d_p)), j >= 1,
+    it is m tau_f newer, m = ceil((d_f - u) / tau_f). Returns (E[the work it keeps beyond the
+    fast tier's], P(the persistent step is the newer))."""
+    hi, extra, prob, m = min(d_f, tau_p + d_p), 0.0, 0.0, 1
+    while True:
+        lo, up = max(d_p, d_f - m * tau_f), min(hi, d_f - (m - 1) * tau_f)
+        if up > lo:
+            p = math.exp(-lo / mtbf) - math.exp(-up / mtbf)
+            extra, prob = extra + m * tau_f * p, prob + p
+        if d_f - m * tau_f <= d_p:
+            break
+        m += 1
+    periods = 1 / math.expm1(tau_p / mtbf)  # sum over j >= 1 of e^(-j tau_p / M)
+    return extra * periods, prob * periods
+
+
+def _whole_fast_intervals(tau_p: float, tau_f: float) -> None:
+    if abs(tau_p / tau_f - round(tau_p / tau_f)) > 1e-6 or tau_p < tau_f:
+        raise ValueError(f"persistent interval {tau_p:g} s is not a whole number of fast intervals ({tau_f:g} s): "
+                         f"save persistently every n-th fast step")
+
+
+def _downtimes(job: Job, newer: float = 0.0) -> list[tuple[float, float]]:
+    """(probability, restart + recovery) per tier restoring a failure; `newer`: the chance a
+    failure the fast tier could restore finds a newer persistent step."""
     down_p = job.restart + job.persistent.recovery
     if job.fast is None:
         return [(1.0, down_p)]
-    return [(job.q, job.restart + job.fast.recovery), (1 - job.q, down_p)]
+    return [(job.q * (1 - newer), job.restart + job.fast.recovery), (1 - job.q * (1 - newer), down_p)]
 
 
 def closed_form(job: Job, tau_p: float, tau_f: float | None = None) -> float:
@@ -139,31 +170,42 @@ def closed_form(job: Job, tau_p: float, tau_f: float | None = None) -> float:
 
 
 def renewal(job: Job, tau_p: float, tau_f: float | None = None) -> float:
-    """Exact expected fraction of wall time kept as useful steps (renewal reward)."""
-    m = job.mtbf
-    kept_p = expected_kept(tau_p, job.persistent.duration, m)
-    kept = job.q * expected_kept(tau_f, job.fast.duration, m) + (1 - job.q) * kept_p if job.fast else kept_p
-    down = sum(p * (m * math.expm1(d / m) if job.fail_in_restart else d) for p, d in _downtimes(job))
+    """Exact expected fraction of wall time kept as useful steps (renewal reward); with the
+    fast tier, tau_p is a whole number of fast intervals."""
+    m, (d_p, fast) = job.mtbf, (job.persistent.duration, job.fast)
+    kept, newer = expected_kept(tau_p, d_p, m), 0.0
+    if fast:
+        _whole_fast_intervals(tau_p, tau_f)
+        extra, newer = newer_persistent(tau_p, d_p, tau_f, fast.duration, m)
+        kept = job.q * (expected_kept(tau_f, fast.duration, m) + extra) + (1 - job.q) * kept
+    down = sum(p * (m * math.expm1(d / m) if job.fail_in_restart else d) for p, d in _downtimes(job, newer))
     return _rate(job, tau_p, tau_f) * kept / (m + down)
+
+
+def _last_finished(life: float, tau: float, duration: float) -> float:
+    return max(0, math.floor((life - duration) / tau)) * tau
 
 
 def monte_carlo(job: Job, tau_p: float, tau_f: float | None = None, cycles: int = 20000,
                 seed: int = 0) -> tuple[float, float]:
     """Simulated failure cycles (seeded, `cycles` of them): the kept fraction and its
-    standard error (ratio estimator)."""
+    standard error (ratio estimator). A failure restores the newest finished step of the
+    tiers that hold it."""
     rng = random.Random(seed)
     rate = _rate(job, tau_p, tau_f)
     kept_all, time_all = [], []
     for _ in range(cycles):
         life = rng.expovariate(1 / job.mtbf)
-        tier = job.fast if job.fast and rng.random() < job.q else job.persistent
-        tau = tau_f if tier is job.fast else tau_p
-        finished = max(0, math.floor((life - tier.duration) / tau))  # saves finished before the failure
+        kept, tier = _last_finished(life, tau_p, job.persistent.duration), job.persistent
+        if job.fast and rng.random() < job.q:
+            fast_kept = _last_finished(life, tau_f, job.fast.duration)
+            if fast_kept >= kept:
+                kept, tier = fast_kept, job.fast
         t = life
         down = job.restart + tier.recovery
         while job.fail_in_restart and (x := rng.expovariate(1 / job.mtbf)) < down:
             t += x  # failed again while restarting: start over
-        kept_all.append(rate * finished * tau)
+        kept_all.append(rate * kept)
         time_all.append(t + down)
     eff = sum(kept_all) / sum(time_all)
     err = math.sqrt(sum((k - eff * t) ** 2 for k, t in zip(kept_all, time_all))) / sum(time_all)
@@ -176,15 +218,22 @@ def _grid(start: float, stop: float, ratio: float) -> list[float]:
 
 def best(job: Job) -> tuple[float, float, float | None]:
     """The intervals maximising the exact effective fraction, (eff, tau_p, tau_f): a grid 10%
-    apart from each save's duration (one save in flight) to 30 M, then 0.5% apart around its best."""
-    lo_p, lo_f = max(job.persistent.duration, 1.0), max(job.fast.duration, 1.0) if job.fast else None
+    apart from each save's duration (one save in flight) to 30 M, then 0.5% apart around its
+    best; with the fast tier, the persistent interval is n fast intervals (n from 1)."""
+    stop, lo_p = 30 * job.mtbf, max(job.persistent.duration, 1.0)
+    if job.fast is None:
+        _, tp, _ = max((renewal(job, tp), tp, None) for tp in _grid(lo_p, stop, 1.1))
+        return max((renewal(job, x), x, None) for x in _grid(max(lo_p, tp / 1.1), tp * 1.1, 1.005))
+    lo_f = max(job.fast.duration, 1.0)
 
-    def search(grid_p, grid_f):
-        return max(((renewal(job, tp, tf), tp, tf) for tp in grid_p for tf in grid_f), key=lambda x: x[0])
+    def search(grid_f, ns):
+        return max(((renewal(job, n * tf, tf), n * tf, tf) for tf in grid_f for n in ns if lo_p <= n * tf <= stop),
+                   default=(-math.inf, math.nan, math.nan))
 
-    _, tp, tf = search(_grid(lo_p, 30 * job.mtbf, 1.1), _grid(lo_f, 30 * job.mtbf, 1.1) if job.fast else [None])
-    return search(_grid(max(lo_p, tp / 1.1), tp * 1.1, 1.005),
-                  _grid(max(lo_f, tf / 1.1), tf * 1.1, 1.005) if job.fast else [None])
+    ns = sorted({round(1.1**k) for k in range(int(math.log(stop / lo_f) / math.log(1.1)) + 1)})
+    _, tp, tf = search(_grid(lo_f, stop, 1.1), ns)
+    n = round(tp / tf)
+    return search(_grid(max(lo_f, tf / 1.1), tf * 1.1, 1.005), range(max(1, int(n / 1.2)), int(n * 1.2) + 2))
 
 
 def tiers(gib: float, gpus: int, store: str, args) -> dict[str, Tier]:
@@ -196,18 +245,21 @@ def tiers(gib: float, gpus: int, store: str, args) -> dict[str, Tier]:
     if args.inputs == "gpu":
         stage, net = s / (args.d2h_gbps * 1e9), s / (args.net_gbps * 1e9)
         wait_p, wait_f = written / (args.d2h_gbps * 1e9), stage
-        dur_f, rec_f, floor_p = stage + net, net + stage, stage
+        dur_f, rec_f, floor_p, floor_once = stage + net, net + stage, stage, stage
         fanout = fanout_bytes / (args.net_gbps * 1e9)
     else:
         wait_p = args.wait_persistent * written / (args.costs_mib * MIB) * args.persistent_cost
         wait_f = args.wait_fast * s / (args.costs_mib * MIB)
         dur_f = args.fast_duration * s / (args.costs_mib * MIB)
         rec_f = args.rec_fast * s / (args.recovery_mib * MIB)
+        # the measured persistent recovery is bound by the store model's 0.2 GB/s a rank: it
+        # scales with the bytes a GPU reads from the store (S, or S / R when read once)
         floor_p = args.rec_persistent * s / (args.recovery_mib * MIB)
+        floor_once = args.rec_persistent * written / (args.recovery_mib * MIB)
         fanout = args.rec_fast * fanout_bytes / (args.recovery_mib * MIB)
     dur_p = store_seconds(written, gpus, agg)
     return {"per_rank": Tier(wait_p, dur_p, max(floor_p, store_seconds(s, gpus, agg))),
-            "read_once": Tier(wait_p, dur_p, max(floor_p, store_seconds(written, gpus, agg), fanout)),
+            "read_once": Tier(wait_p, dur_p, max(floor_once, store_seconds(written, gpus, agg), fanout)),
             "fast": Tier(wait_f, dur_f, rec_f)}
 
 
@@ -306,7 +358,9 @@ def main(argv=None) -> int:
             label = f"{gib:g} GiB, {gpus:,} GPUs, store {store}"
             line, = ax.plot(xs, [renewal(base, x) for x in xs], label=f"{label}: persistent only")
             ax.plot(xs, [renewal(once, x) for x in xs], ":", color=line.get_color(), label=f"{label}: + read once")
-            ax.plot(xs, [renewal(replace(base, fast=fast), x, tf) for x in xs], "--", color=line.get_color(),
+            ns = sorted({round(1.1**k) for k in range(int(math.log(30 * base.mtbf / tf) / math.log(1.1)) + 1)})
+            ax.plot([n * tf for n in ns], [renewal(replace(base, fast=fast), n * tf, tf) for n in ns], "--",
+                    color=line.get_color(),
                     label=f"{label}: + fast tier every {tf:.0f} s")
         ax.set_xscale("log")
         ax.set_xlabel("persistent checkpoint interval (s)")

@@ -49,13 +49,28 @@ def test_read_once_divides_the_store_reads_by_the_replicas():
 
 
 @pytest.mark.parametrize("fail_in_restart", [True, False])
-def test_monte_carlo_agrees_with_the_exact_expectation(fail_in_restart):
-    job = sim.Job(mtbf=2000.0, restart=300.0, persistent=sim.Tier(0.5, 60.0, 200.0),
-                  fast=sim.Tier(0.2, 10.0, 20.0), q=0.9, fail_in_restart=fail_in_restart)
-    exact = sim.renewal(job, 400.0, 100.0)
-    mc, err = sim.monte_carlo(job, 400.0, 100.0, cycles=20000, seed=0)
+@pytest.mark.parametrize("d_p, d_f, tau_p, tau_f", [(60.0, 10.0, 400.0, 100.0), (5.0, 80.0, 300.0, 100.0)])
+def test_monte_carlo_agrees_with_the_exact_expectation(fail_in_restart, d_p, d_f, tau_p, tau_f):
+    # second case: the fast save runs longer than the persistent one, so a failure often finds
+    # a newer persistent step (restored from the store)
+    job = sim.Job(mtbf=2000.0, restart=300.0, persistent=sim.Tier(0.5, d_p, 200.0),
+                  fast=sim.Tier(0.2, d_f, 20.0), q=0.9, fail_in_restart=fail_in_restart)
+    exact = sim.renewal(job, tau_p, tau_f)
+    mc, err = sim.monte_carlo(job, tau_p, tau_f, cycles=20000, seed=0)
     assert err < 0.004  # the check has teeth: 4 standard errors are under 1.6 points
     assert abs(mc - exact) < 4 * err
+
+
+def test_a_newer_persistent_step_is_restored():
+    # the persistent save of a step finishes 75 s before the fast one: a failure in that
+    # window keeps tau_f more work than the fast tier alone (m = 1), once per persistent period
+    extra, prob = sim.newer_persistent(300.0, 5.0, 100.0, 80.0, 2000.0)
+    window = math.exp(-5.0 / 2000) - math.exp(-80.0 / 2000)
+    assert prob == pytest.approx(window / math.expm1(300.0 / 2000))
+    assert extra == pytest.approx(100.0 * prob)
+    assert sim.newer_persistent(300.0, 60.0, 100.0, 10.0, 2000.0) == (0.0, 0.0)  # fast finishes first
+    with pytest.raises(ValueError, match="250 s is not a whole number of fast intervals"):
+        sim.renewal(sim.Job(2000.0, 1.0, sim.Tier(0, 1, 1), fast=sim.Tier(0, 1, 1)), 250.0, 100.0)
 
 
 def test_closed_form_breaks_where_the_issue_says_and_the_exact_one_holds():
