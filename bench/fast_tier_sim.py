@@ -35,7 +35,7 @@ the closed form is printed where it agrees with the exact one within `CLOSED_FOR
 (0.1 point) at the chosen intervals, and "breaks" elsewhere. A seeded Monte Carlo of the
 same cycles (bounded by `--mc-cycles`) checks the exact value, with its standard error.
 
-Inputs (`--inputs cpu`, the default) are measured on this 2-core machine, scaled linearly
+Inputs (`--inputs cpu`, the default) are measured on this 2-core machine (quiet), scaled linearly
 with the bytes:
 - trainer wait per save: `bench save_latency --libs flexckpt flexckpt-tier` (W=2, 50 MiB a
   rank, 0.6 s steps): the mean wait per persistent save, and what a fast save adds;
@@ -64,16 +64,16 @@ LLAMA3_GPUS = 16384
 MTBF_16K = 54 * DAY / 419  # Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs
 CLOSED_FORM_AGREES = 0.001  # the closed form is kept where it is within 0.1 point of the exact value
 MC_MAX_DOWN = 8.0  # no Monte Carlo where a restart + recovery exceeds 8 M (e^8 retries a cycle)
-# measured on the loaded 2-core machine (bench/RESULTS.md, issue 17): save_latency at 50 MiB
-# a rank (W=2, 0.6 s steps, 100 saves, median of 3 runs: mean trainer wait 5.9 ms flexckpt,
-# 11.0 ms with a fast save every step; a fast save's stage + write + copy p50 0.083 + 0.286 +
-# 0.331 s) and fast_tier --repeat 3 at 256 MiB a rank (third session, medians: recovery
-# 0.305 s fast, 1.488 s persistent store model)
-WAIT_PERSISTENT = 0.0059
-WAIT_FAST = 0.0051
-FAST_DURATION = 0.70
-REC_FAST = 0.305
-REC_PERSISTENT = 1.488
+# measured on the quiet 2-core machine (bench/RESULTS.md, "Issues 17 and 18: re-measured on a
+# quiet machine (fourth session)"): save_latency --libs flexckpt flexckpt-tier --runs 3 at 50 MiB
+# a rank (W=2, 0.6 s steps, 100 saves: mean trainer wait 1.0 ms flexckpt, 1.1 ms with a fast
+# save every step; a fast save's stage + write + copy p50 31.5 + 78.8 + 79.8 ms) and fast_tier
+# --repeat 3 at 256 MiB a rank (medians: recovery 0.158 s fast, 1.453 s persistent store model)
+WAIT_PERSISTENT = 0.0010
+WAIT_FAST = 0.0001
+FAST_DURATION = 0.19
+REC_FAST = 0.158
+REC_PERSISTENT = 1.453
 
 
 @dataclass(frozen=True)
@@ -300,7 +300,7 @@ def parser() -> argparse.ArgumentParser:
                    help="cpu: the costs measured here; gpu: a GPU node's (--d2h-gbps, --net-gbps)")
     p.add_argument("--d2h-gbps", type=float, default=25.0, help="gpu inputs: device-to-host copy GB/s a GPU (25)")
     p.add_argument("--net-gbps", type=float, default=12.5, help="gpu inputs: network share GB/s a GPU (12.5)")
-    # measured (loaded 2-core machine; bench/RESULTS.md, issue 17)
+    # measured (quiet 2-core machine; bench/RESULTS.md, issues 17 and 18, fourth session)
     p.add_argument("--costs-mib", type=float, default=50.0, help="state per rank the waits and the fast save were measured at (50)")
     p.add_argument("--wait-persistent", type=float, default=WAIT_PERSISTENT,
                    help=f"trainer wait per persistent save, s (save_latency flexckpt mean; {WAIT_PERSISTENT})")
