@@ -321,6 +321,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.replicas < 1:
         p.error(f"--replicas {args.replicas}: must be at least 1 (1: no replicas)")
+    if not 0 <= args.q <= 1:
+        p.error(f"--q {args.q}: a fraction of failures, from 0 to 1")
+    for name in ("store_gbps", "d2h_gbps", "net_gbps", "mc_cycles", "restart"):
+        if getattr(args, name) <= 0 and not (name == "restart" and args.restart == 0):
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive")
+    if min(args.gib) <= 0 or min(args.gpus) <= 0:
+        p.error(f"--gib {args.gib} / --gpus {args.gpus}: must be positive")
     print(f"# effective training time, Llama 3 failure rate scaled (MTBF 16K = {MTBF_16K / 3600:.2f} h), restart "
           f"{args.restart:g} s ({'a failure in it starts it over' if not args.no_fail_in_restart else 'no failure in it'}), "
           f"fast tier restores {args.q:.0%} of failures, store {args.store_gbps} GB/s a GPU at 16K GPUs, "

@@ -87,3 +87,12 @@ def test_closed_form_breaks_where_the_issue_says_and_the_exact_one_holds():
     # where failures are rare the closed form agrees and is kept
     calm = sim.Job(1e7, 180.0, sim.Tier(0.01, 5.0, 10.0))
     assert sim.evaluate(calm, cycles=200)["closed"] == pytest.approx(sim.best(calm)[0], abs=sim.CLOSED_FORM_AGREES)
+
+
+def test_bad_options_are_named(capsys):
+    with pytest.raises(SystemExit):
+        sim.main(["--q", "1.5"])
+    assert "--q 1.5: a fraction of failures, from 0 to 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim.main(["--replicas", "0"])
+    assert "--replicas 0: must be at least 1" in capsys.readouterr().err
