@@ -3,8 +3,8 @@
 CPython stdlib code, every document of both), for the ``blocks`` preset, whose model is
 mostly matrices because its vocabulary is small.
 
-    python3 dev.py shell -c "python experiments/train_corpus_bpe.py"          # rebuild the asset
-    python3 experiments/train_corpus_bpe.py --check   # retrain in memory and compare with the asset
+    python3 dev.py shell python experiments/train_corpus_bpe.py           # rebuild the asset (~10 s)
+    python3 dev.py shell python experiments/train_corpus_bpe.py --check   # retrain in memory, compare with it
 
 GPT-2's pre-tokenizer and decoder (``ByteLevel``, no prefix space, its regex), no
 normalizer, 4,095 merged tokens from the 256 byte symbols, then ``<|endoftext|>`` as the
