@@ -100,13 +100,29 @@ def _worker(rank: int, world: int, layers: int, d: int, runs: int, preset: str |
     return out
 
 
+PHASES = ("reduce", "update", "gather")
+
+
+def rank0_medians(res: list[dict], placement: str) -> dict[str, float]:
+    """Rank 0's median wall time of the whole phase (``optim``) and of each part, seconds."""
+    rec = res[0][placement]
+    return {"optim": statistics.median(rec["times"]),
+            **{k: statistics.median(ph[k] for ph in rec["phases"]) for k in PHASES}}
+
+
+def preset_phase(world: int, preset: str, runs: int) -> dict[str, dict[str, float]]:
+    """The phase on flextrain's ``preset`` parameters at ``world``: ``rank0_medians`` per placement."""
+    res = run_workers(_worker, world, 0, 0, runs, preset, timeout=600)
+    return {placement: rank0_medians(res, placement) for placement in ("owned", "fsdp")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--flextrain-preset", default=None, help="flextrain's model of this preset (tiny, small) instead")
+    ap.add_argument("--flextrain-preset", default=None, help="flextrain's model of this preset (tiny, small, blocks) instead")
     args = ap.parse_args()
     if args.flextrain_preset:
         table, muon = preset_model(args.flextrain_preset)
@@ -130,16 +146,16 @@ def main() -> None:
         res = run_workers(_worker, world, args.layers, args.d, args.runs, args.flextrain_preset, timeout=600)
         row = {}
         for placement in ("owned", "fsdp"):
-            t = statistics.median(res[0][placement]["times"])
+            med = rank0_medians(res, placement)
+            t = med["optim"]
             sent = statistics.mean(statistics.median(r[placement]["sent"]) for r in res) / 2**20
             written = [r[placement]["written"] for r in res]
             wr = (statistics.mean(statistics.median(w) for w in written) / 2**20
                   if all(x is not None for w in written for x in w) else float("nan"))
             ns = max(statistics.median(r[placement]["ns"]) for r in res) / 1e9
             bal = f"{res[0]['load_ratio']:.3f}" if placement == "owned" else "-"
-            phases = {k: statistics.median(ph[k] for ph in res[0][placement]["phases"]) for k in ("reduce", "update", "gather")}
             print(f"{world:>2} {placement:>9} {t:>8.3f} {sent:>14.1f} {wr:>17.1f} {ns:>14.1f} {bal:>10}   "
-                  + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()) + " (rank 0)")
+                  + ", ".join(f"{k} {med[k]:.3f} s" for k in PHASES) + " (rank 0)")
             row[placement] = (t, sent, ns)
         summary.append((world, row))
     print()

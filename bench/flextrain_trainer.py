@@ -3,6 +3,7 @@ Owned-Muon vs FSDP optimizer time, and zephon's restore cost against lanes per r
 
     python3 dev.py bench flextrain_trainer [--steps 60] [--parts ckpt,restart,optim,lanes]
     python3 dev.py bench flextrain_trainer --parts optim --preset small --worlds 4 --reps 3 --steps 40
+    python3 dev.py bench flextrain_trainer --parts optim --preset blocks --reps 2 --steps 16   # issue 30
     python3 dev.py bench flextrain_trainer --parts stepcost --runs 3 --steps 62
 
 Sizes: `tiny` (GPT-2 vocabulary, d=128, 2 layers), T=128, global batch 8, micro batch 2,
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from flextrain.launch import metrics, train  # noqa: E402
 
-OPTIM = {"preset": "tiny", "worlds": (2, 4), "reps": 1}  # the optim part's settings (--preset, --worlds, --reps)
+OPTIM = {"preset": "tiny", "worlds": (2, 4), "reps": 1, "library_runs": 5}  # the optim part's settings (--preset, ...)
 STEPCOST = {"runs": 3}  # the stepcost part's runs (--runs)
 SIZES = ["data.max_length=128", "data.global_batch=8", "data.micro_batch=2", "eval_every=100000"]
 
@@ -186,12 +187,18 @@ def part_restart(work: Path, steps: int) -> None:
 
 
 def part_optim(work: Path, steps: int) -> None:
-    preset, worlds, reps = OPTIM["preset"], OPTIM["worlds"], OPTIM["reps"]
+    from flexshard_optimizer import PHASES, preset_phase  # this folder's library benchmark
+
+    preset, worlds, reps, lib_runs = OPTIM["preset"], OPTIM["worlds"], OPTIM["reps"], OPTIM["library_runs"]
     print(f"\n## Optimizer time in the trainer (reduce + step + gather per step), Owned Muon vs --placement fsdp, "
           f"preset {preset}, {reps} run(s) of {steps // 2} steps per placement, interleaved; steps 1-2 of each run "
-          f"left out; rank 0", flush=True)
-    print("| D | placement | steps | optim p50 | optim p99 | optim mean | reduce p50 | update p50 | gather p50 | sync p50 | step p50 | owned saves (p50) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"left out; rank 0. Beside it, at the same D right after: the library (flexshard_optimizer "
+          f"--flextrain-preset {preset}: the same parameters, the same Muon/AdamW split, random gradients), "
+          f"{lib_runs} runs (+1 warm-up) per placement, interleaved", flush=True)
+    print("| D | measured in | placement | steps/runs | optim p50 | optim p99 | optim mean | reduce p50 | update p50 | "
+          "gather p50 | sync p50 | step p50 | owned saves (p50) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    cuts = []
     for world in worlds:
         rows: dict[str, list[dict]] = {"owned": [], "fsdp": []}
         loads = []
@@ -208,15 +215,27 @@ def part_optim(work: Path, steps: int) -> None:
         for placement, body in rows.items():
             opt = [r["optim_s"] for r in body]
             p50[placement] = statistics.median(opt)
-            ph = {k: statistics.median(r.get(f"{k}_s", float("nan")) for r in body)
-                  for k in ("optim_reduce", "optim_update", "optim_gather", "sync")}
+            ph = {k: statistics.median(r.get(f"optim_{k}_s", float("nan")) for r in body) for k in PHASES}
+            ph["sync"] = statistics.median(r["sync_s"] for r in body)
             saves = f"{1 - p50['owned'] / p50['fsdp']:.1%}" if placement == "fsdp" else ""
-            print(f"| {world} | {placement} | {len(opt)} | {p50[placement] * 1e3:.1f} ms | {p(opt, 99) * 1e3:.1f} ms | "
-                  f"{statistics.mean(opt) * 1e3:.1f} ms | {ph['optim_reduce'] * 1e3:.1f} ms | {ph['optim_update'] * 1e3:.1f} ms | "
-                  f"{ph['optim_gather'] * 1e3:.1f} ms | {ph['sync'] * 1e3:.1f} ms | {statistics.median(r['step_s'] for r in body) * 1e3:.0f} ms | {saves} |",
+            print(f"| {world} | trainer | {placement} | {len(opt)} | {p50[placement] * 1e3:.1f} ms | {p(opt, 99) * 1e3:.1f} ms | "
+                  f"{statistics.mean(opt) * 1e3:.1f} ms | {ph['reduce'] * 1e3:.1f} ms | {ph['update'] * 1e3:.1f} ms | "
+                  f"{ph['gather'] * 1e3:.1f} ms | {ph['sync'] * 1e3:.1f} ms | {statistics.median(r['step_s'] for r in body) * 1e3:.0f} ms | {saves} |",
                   flush=True)
-        print(f"load average (1 min) at the start of each run and at the end, D={world}: "
+        lib = preset_phase(world, preset, lib_runs)
+        loads.append(os.getloadavg()[0])
+        for placement, med in lib.items():
+            saves = f"{1 - lib['owned']['optim'] / med['optim']:.1%}" if placement == "fsdp" else ""
+            print(f"| {world} | library | {placement} | {lib_runs} | {med['optim'] * 1e3:.1f} ms | - | - | "
+                  + " | ".join(f"{med[k] * 1e3:.1f} ms" for k in PHASES) + f" | - | - | {saves} |", flush=True)
+        cuts.append((world, 1 - p50["owned"] / p50["fsdp"], 1 - lib["owned"]["optim"] / lib["fsdp"]["optim"]))
+        print(f"load average (1 min) at the start of each trainer run, after them and after the library's, D={world}: "
               + ", ".join(f"{x:.1f}" for x in loads), flush=True)
+    print("\n| D | cut in the trainer | cut in the library | trainer / library | goal (issue 30: D=4) |")
+    print("| --- | --- | --- | --- | --- |")
+    for world, trainer_cut, library_cut in cuts:
+        goal = ">= 0.85" if world == 4 else "-"
+        print(f"| {world} | {trainer_cut:.1%} | {library_cut:.1%} | {trainer_cut / library_cut:.2f} | {goal} |", flush=True)
 
 
 def part_lanes(work: Path, steps: int) -> None:
@@ -293,12 +312,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--parts", default="ckpt,mxfp8,restart,optim,lanes")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench_trainer"))
-    ap.add_argument("--preset", default="tiny", help="model preset of the optim part (tiny, small)")
+    ap.add_argument("--preset", default="tiny", help="model preset of the optim part (tiny, small, blocks)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="D of the optim part")
     ap.add_argument("--reps", type=int, default=1, help="runs per placement in the optim part, interleaved")
     ap.add_argument("--runs", type=int, default=3, help="runs of the stepcost part")
+    ap.add_argument("--library-runs", type=int, default=5, help="runs per placement of the library beside the optim part")
     args = ap.parse_args()
-    OPTIM.update(preset=args.preset, worlds=tuple(args.worlds), reps=args.reps)
+    OPTIM.update(preset=args.preset, worlds=tuple(args.worlds), reps=args.reps, library_runs=args.library_runs)
     STEPCOST.update(runs=args.runs)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

@@ -42,12 +42,13 @@ def torchrun(nproc: int, run_dir: Path, *extra: str, timeout: float = 180) -> su
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def masters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+def masters(run_dir: Path, step: int, preset: str = "tiny") -> dict[str, torch.Tensor]:
     ckpt = Checkpointer(str(run_dir / "ckpt"), rank=0, world_size=1, run_id="test")
     with torch.device("meta"):
-        from flextrain.config import ModelConfig
+        from flextrain.config import load_config
         from flextrain.model import Transformer
-        shapes = {n: tuple(p.shape) for n, p in Transformer(ModelConfig(d_model=64, d_ff=128)).named_parameters()}
+        model = load_config(preset, sets=["model.d_model=64", "model.d_ff=128"]).model  # SHRINK's model
+        shapes = {n: tuple(p.shape) for n, p in Transformer(model).named_parameters()}
     state = {"model": {n: torch.empty(s) for n, s in shapes.items()}}
     assert ckpt.load(state, step=step, strict=False) == step
     ckpt.close()
@@ -131,6 +132,24 @@ def test_flexckpt_reshard_then_resume_equals_a_direct_resume(reference, tmp_path
         assert flextrain_main(["train", "--run-dir", str(run), *SHRINK, "--set", "steps=5"]) == 0
     assert metrics(direct)[5]["global_batch_sha256"] == metrics(resharded)[5]["global_batch_sha256"]
     a, b = masters(direct, 5), masters(resharded, 5)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_the_blocks_preset_trains_and_a_resume_repeats_the_uninterrupted_run(tmp_path):
+    """Issue 30's preset (its 4,096-token BPE, vocabulary and 8 layers; SHRINK's width, so a
+    step takes well under a second) at D=1: 2 steps straight, and a resume from the step-1
+    checkpoint to step 2, give the same batch, the same loss and the same weights."""
+    run = tmp_path / "run"
+    blocks = ("--preset", "blocks", "--set", "ckpt_every=1", "--set", "eval_every=2", "--set", "steps=2")
+    train(1, run, *blocks)
+    resumed = cut_at(run, tmp_path / "resumed", 1)
+    train(1, resumed, *blocks)
+    ref, got = metrics(run), metrics(resumed)
+    assert got[2]["global_batch_sha256"] == ref[2]["global_batch_sha256"]
+    assert (got[2]["loss"], got[2]["eval_loss"]) == (ref[2]["loss"], ref[2]["eval_loss"])
+    a, b = masters(run, 2, "blocks"), masters(resumed, 2, "blocks")
+    assert a["embed.weight"].shape == (4096, 64) and len(a) == len(b) == 2 + 8 * 7 + 1
     for name in a:
         assert torch.equal(a[name], b[name]), name
 

@@ -40,6 +40,26 @@ def test_performance_settings_do_not_change_the_fingerprint():
     assert differences(base.to_dict(), other.to_dict()) == ["data.max_length: saved 256, now 128", "seed: saved 0, now 3"]
 
 
+def test_the_blocks_preset_holds_under_15_percent_of_its_parameters_in_embedding_and_head():
+    """Issue 30: a real model's mix (Llama 3 8B: about 13%) through its own 4,096-token BPE,
+    whose vocabulary is exactly the model's; exact counts from the model as built."""
+    from flextrain.data import check_inputs
+    from zephon_state import load_tokenizer
+
+    cfg = load_config("blocks")
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    counts = {n: p.numel() for n, p in model.named_parameters()}
+    edge = counts["embed.weight"] + counts["head.weight"]
+    blocks = sum(counts[n] for n in model.hidden_matrices())
+    assert (sum(counts.values()), edge, blocks, len(model.hidden_matrices())) == (31_465_984, 4_194_304, 27_262_976, 40)
+    assert edge / sum(counts.values()) <= 0.15
+    tok = load_tokenizer(cfg.data.tokenizer)
+    assert tok.tokenizer.get_vocab_size(with_added_tokens=True) == cfg.model.vocab_size == 4096
+    check_inputs(cfg.data, cfg.model.vocab_size)  # its sources through the same path as tiny's and small's
+    assert cfg.data.sources == load_config("tiny").data.sources
+
+
 def test_working_sizes_divide_lanes_and_batch():
     assert working_sizes(8, 16) == [1, 2, 4, 8]
     assert working_sizes(8, 16, micro_batch=3) == [8]  # 16/8 = 1 row: one microbatch of 1

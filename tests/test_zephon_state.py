@@ -182,6 +182,23 @@ def test_batch_deciding_settings_change_the_fingerprint_and_performance_settings
         assert p.fingerprint() == base
 
 
+def test_a_state_saved_with_one_bundled_tokenizer_is_refused_with_the_other():
+    """The fingerprint covers the tokenizer by its JSON's digest: GPT-2's cursors do not load
+    into a pipeline reading the 4,096-token BPE of flextrain's ``blocks`` preset."""
+    from zephon_state import InMemory
+
+    def pipeline(tokenizer_id):
+        texts = [f"document number {i} " * 3 for i in range(20)]
+        return Pipeline(Mix({"m": InMemory(texts)}, {"m": 1.0})).tokenize(tokenizer_id).pack_flat(16).batch(2)
+
+    with pipeline("gpt2") as p:
+        state = p.state_dict()
+    with pipeline("corpus-bpe-4096") as p:
+        assert p.fingerprint() != state["fingerprint"]
+        with pytest.raises(FingerprintMismatch, match=r"tokenizer\.sha256: saved '[0-9a-f.]+', now '91dfd2a9ea12540e"):
+            p.load_state_dict(state)
+
+
 def test_a_new_data_phase_starts_from_the_beginning_and_needs_a_new_phase_name():
     with _pipeline() as p:
         list(itertools.islice(p, 4))

@@ -19,10 +19,26 @@ def test_bundled_gpt2_gives_the_standard_ids_without_network():
     assert tok.tokenizer.decode([15496, 995, 11, 428, 318, 257, 1332, 13]) == "Hello world, this is a test."
 
 
-def test_bundled_vocabulary_files_match_the_sha256_in_their_provenance():
-    folder = resources.files("zephon_state") / "assets" / "gpt2"
+def test_bundled_corpus_bpe_gives_its_recorded_ids_and_ends_documents_with_its_last_id():
+    """The 4,096-token BPE of the ``blocks`` preset: the ids its provenance records, its
+    end-of-document token the vocabulary's last id, whose text in a document stays text, and
+    zephon's cuts at spaces allowed (its JSON passes ``cuts_at_spaces``)."""
+    tok = load_tokenizer("corpus-bpe-4096")
+    assert tok.tokenizer.get_vocab_size(with_added_tokens=True) == 4096 and tok.eos_id == 4095 and tok.cuts
+    ids = [39, 276, 439, 2026, 11, 518, 339, 260, 1276, 13]
+    assert tok.tokenizer.encode("Hello world, this is a test.").ids == ids
+    assert tok.tokenizer.decode(ids) == "Hello world, this is a test."
+    flat, lengths = tok.encode(["<|endoftext|>", ""])
+    assert flat.tolist() == [27, 91, 962, 719, 818, 91, 29, 4095, 4095] and lengths.tolist() == [8, 1]
+    assert tok.sha256 == "91dfd2a9ea12540e8c8665de1c381ec982011e2637bbcb78d7128a979b06c4db"  # what fingerprints record
+
+
+@pytest.mark.parametrize("bundled,files", [("gpt2", ("encoder.json", "vocab.bpe")),
+                                           ("corpus-bpe-4096", ("tokenizer.json",))])
+def test_bundled_vocabulary_files_match_the_sha256_in_their_provenance(bundled, files):
+    folder = resources.files("zephon_state") / "assets" / bundled
     provenance = (folder / "PROVENANCE.md").read_text()
-    for name in ("encoder.json", "vocab.bpe"):
+    for name in files:
         digest = hashlib.sha256((folder / name).read_bytes()).hexdigest()
         assert re.search(rf"`{re.escape(name)}` \| `{digest}`", provenance), name
 
@@ -134,22 +150,24 @@ def test_accumulator_tokenizes_only_what_is_asked_for_until_its_readahead_starts
     assert ahead >= 2 and acc._ahead >= 100  # now at least readahead_bytes are submitted ahead
 
 
-def test_parts_cut_at_spaces_between_letters_tokenize_like_the_whole_document_on_both_corpora():
+@pytest.mark.parametrize("bundled", ["gpt2", "corpus-bpe-4096"])
+def test_parts_cut_at_spaces_between_letters_tokenize_like_the_whole_document_on_both_corpora(bundled):
     """The claim resume points rest on (cursor version 2): every twentieth document of each shipped
-    corpus, cut at every space between two ASCII letters, gives exactly the whole document's ids."""
+    corpus, cut at every space between two ASCII letters, gives exactly the whole document's ids,
+    with each bundled tokenizer."""
     from pathlib import Path
 
     from zephon_state import JsonLines
     from zephon_state.source import IoOptions
     from zephon_state.tokenize import next_cut
 
-    gpt2 = load_tokenizer("gpt2")
-    assert gpt2.cuts
+    tok = load_tokenizer(bundled)
+    assert tok.cuts
     corpus = Path(__file__).resolve().parents[1] / "src" / "flextrain" / "corpus"
     cuts_seen = 0
     for name in ("kjv", "python_stdlib"):
         texts = list(JsonLines(str(corpus / f"{name}.jsonl.zst")).load("text", IoOptions(), "raise").texts)[::20]
-        whole, _ = gpt2.encode(texts)
+        whole, _ = tok.encode(texts)
         parts, eos = [], []
         for text in texts:
             start = 0
@@ -160,7 +178,7 @@ def test_parts_cut_at_spaces_between_letters_tokenize_like_the_whole_document_on
                 if stop == len(text):
                     break
                 start = stop
-        cut, lengths = gpt2.encode(parts, eos)
+        cut, lengths = tok.encode(parts, eos)
         assert cut.tolist() == whole.tolist(), name
         assert len(lengths) == len(parts) and int((lengths == 0).sum()) == 0
         cuts_seen += len(parts) - len(texts)

@@ -1,9 +1,10 @@
 """The demo: a real training run that stops and resumes at other world sizes.
 
-    python3 dev.py demo [--dir runs/demo] [--steps 40]
+    python3 dev.py demo [--dir runs/demo] [--steps 40] [--preset tiny]
 
 1. trains `tiny` (GPT-2 vocabulary, d=128, 2 layers; here T=128 and a global batch of 8
-   rows so that it runs in minutes on 2 cores) at D=2 to the end: the reference;
+   rows so that it runs in minutes on 2 cores; or another preset: `--preset blocks`, a
+   model that is mostly matrices) at D=2 to the end: the reference;
 2. starts the same run again and stops it with SIGTERM part-way: it checkpoints at the
    end of the agreed step and exits;
 3. asks ``flextrain plan`` how the run resumes on 1 and on 4 ranks;
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from flextrain.config import PRESETS
 from flextrain.launch import env, metrics, train, train_until_signal
 
 SIZES = ["data.max_length=128", "data.global_batch=8", "data.micro_batch=2", "optim.warmup_steps=5"]
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the run folders and the plot (emptied first: a new folder or an earlier demo's; "
                          "default runs/demo)")
     ap.add_argument("--steps", type=int, default=40, help="steps of each run, >= 4 (default 40; stopped at half)")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="the model and data preset (default tiny)")
     args = ap.parse_args(argv)
     if args.steps < 4:  # a checkpoint every steps // 4
         ap.error(f"--steps {args.steps}: must be >= 4")
@@ -66,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     sets = SIZES + [f"steps={args.steps}", f"ckpt_every={args.steps // 4}", f"eval_every={args.steps // 2}"]
     t0 = time.monotonic()
 
-    print(f"[1/5] reference: tiny at D=2, {args.steps} steps ({', '.join(SIZES)})", flush=True)
-    train(2, root / "reference", sets)
+    print(f"[1/5] reference: {args.preset} at D=2, {args.steps} steps ({', '.join(SIZES)})", flush=True)
+    train(2, root / "reference", sets, preset=args.preset)
     print(f"[2/5] the same run, stopped with SIGTERM after step {args.steps // 2}", flush=True)
-    rc = train_until_signal(2, root / "run", sets, after_steps=args.steps // 2)
+    rc = train_until_signal(2, root / "run", sets, after_steps=args.steps // 2, preset=args.preset)
     stopped = max(metrics(root / "run"))
     print(f"      torchrun exited {rc} (its own answer to SIGTERM; the workers exited 0); "
           f"final checkpoint at step {stopped}", flush=True)
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print("      " + out.stdout.replace("\n", "\n      "), flush=True)
     print("[4/5] resume on 1 rank and on 4 ranks", flush=True)
     for world in (1, 4):
-        train(world, root / f"resume-d{world}", sets)
+        train(world, root / f"resume-d{world}", sets, preset=args.preset)
 
     ref = metrics(root / "reference")
     runs = {w: metrics(root / f"resume-d{w}") for w in (1, 4)}
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {s:>5}  {ref[s]['loss']:>9.4f}  {cells[0]:>9}  {cells[1]:>9}  {cells[2]:>9}  {cells[3]:>9}")
     png = root / "loss.png"
     plot({"D=2 uninterrupted": ref, "D=2 then D=1": runs[1], "D=2 then D=4": runs[4]}, png,
-         f"tiny: stopped at step {stopped}, resumed at D=1 and D=4")
+         f"{args.preset}: stopped at step {stopped}, resumed at D=1 and D=4")
     print(f"batches equal at every step: {'yes' if all_equal else 'NO'}; largest |loss diff| {worst:.2e}")
     print(f"run folders: {root}; plot: {png}; took {time.monotonic() - t0:.0f} s")
     return 0 if all_equal else 1

@@ -41,10 +41,11 @@ def train(world: int, run_dir: Path, sets: list[str], timeout: float = 1800, mod
     return out.stderr
 
 
-def train_until_signal(world: int, run_dir: Path, sets: list[str], after_steps: int, timeout: float = 600) -> int:
+def train_until_signal(world: int, run_dir: Path, sets: list[str], after_steps: int, timeout: float = 600,
+                       preset: str = "tiny") -> int:
     """Start a run, send SIGTERM to its launcher once ``after_steps`` steps are logged, wait;
     returns the launcher's exit code."""
-    proc = subprocess.Popen(train_command(world, run_dir, sets), env=env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(train_command(world, run_dir, sets, preset=preset), env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + timeout

@@ -1,8 +1,10 @@
 """Tokenizers and the worker threads that run them.
 
 ``load_tokenizer("gpt2")`` builds the real GPT-2 byte-level BPE from the vocabulary bundled in
-``assets/gpt2`` (no network). Any local ``tokenizer.json`` (or a folder holding one) also
-works, and another id is fetched from the Hugging Face hub only when the hub is reachable.
+``assets/gpt2`` (no network); ``load_tokenizer("corpus-bpe-4096")`` reads the 4,096-token
+byte-level BPE bundled in ``assets/corpus-bpe-4096`` (trained on flextrain's two corpora; its
+provenance is beside it). Any local ``tokenizer.json`` (or a folder holding one) also works,
+and another id is fetched from the Hugging Face hub only when the hub is reachable.
 
 Workers are threads calling the tokenizer's batch encoder, which releases the GIL. Processes
 would not do: a process forked after the tokenizer ran trips the ``tokenizers`` fork guard.
@@ -30,7 +32,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from .errors import ConfigError, TokenizerNotFound
 
-BUNDLED = ("gpt2",)
+BUNDLED = ("gpt2", "corpus-bpe-4096")  # folders of assets/
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 _HUB_HOST = ("huggingface.co", 443)
 
@@ -92,9 +94,11 @@ def cuts_at_spaces(spec: dict) -> bool:
             and model.get("type") == "BPE" and model.get("dropout") is None and added_ok)
 
 
-def _gpt2() -> Tokenizer:
-    folder = resources.files("zephon_state") / "assets" / "gpt2"
+def _bundled(tokenizer_id: str) -> Tokenizer:
+    folder = resources.files("zephon_state") / "assets" / tokenizer_id
     with resources.as_file(folder) as path:
+        if tokenizer_id != "gpt2":
+            return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
         bpe = models.BPE.from_file(str(Path(path) / "encoder.json"), str(Path(path) / "vocab.bpe"))
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -112,7 +116,7 @@ def _hub_reachable() -> bool:
 
 def _resolve(tokenizer_id: str) -> Tokenizer:
     if tokenizer_id in BUNDLED:
-        return _gpt2()
+        return _bundled(tokenizer_id)
     path = Path(tokenizer_id).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -150,7 +154,7 @@ def _eos_id(tok: Tokenizer, tokenizer_id: str, eos: str | int | None) -> int:
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(tokenizer_id: str, eos: str | int | None = None) -> LoadedTokenizer:
-    """Load a tokenizer by id ("gpt2"), path of a ``tokenizer.json`` (or its folder), or hub id."""
+    """Load a tokenizer by bundled id (``BUNDLED``), path of a ``tokenizer.json`` (or its folder), or hub id."""
     tok = _resolve(tokenizer_id)
     spec = tok.to_str()
     digest = hashlib.sha256(spec.encode("utf-8")).hexdigest()
