@@ -129,3 +129,10 @@ def test_two_processes_stopped_and_resumed_match_the_uninterrupted_run(tmp_path)
         assert len(full) == 6 and resumed == full and step == 6
     assert per_rank[0][3] == per_rank[1][3]
     assert pickled_files(tmp_path) == []
+
+
+def test_a_misspelt_checkpoint_option_is_refused_when_the_trainer_is_made_not_at_its_first_save(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(TypeError, match=r"^FlexTrainer\(checkpoint_options=...\): 'compresion' is not a Checkpointer "
+                                        r"option; it takes keep_last, compression, "):
+        FlexTrainer(model=tiny_gpt2(), args=args, checkpoint_options={"compresion": "zstd"})

@@ -13,7 +13,7 @@ import importlib.metadata
 
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
-from flexckpt.extras import require
+from flexckpt.integration import require
 
 require("flexckpt_accelerate", "accelerate", "accelerate")  # before any import of it: a missing extra is named
 

@@ -12,7 +12,7 @@ import importlib.metadata
 
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
-from flexckpt.extras import require
+from flexckpt.integration import require
 
 require("flexckpt_hf", "transformers", "hf")  # before any import of it: a missing extra is named
 

@@ -18,7 +18,7 @@ import importlib.metadata
 
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
-from flexckpt.extras import require
+from flexckpt.integration import require
 
 require("flexckpt_torchtitan", "torchtitan", "torchtitan", " (Python >= 3.11)")  # before any import of it: a missing extra is named
 
