@@ -183,6 +183,11 @@ class FlexTrainer(Trainer):
         saved = self._saved(checkpoint)
         if saved is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if "optimizer" not in saved:
+            raise LoadError(f"{checkpoint} was saved with save_only_model=True: it holds the model's weights only (no "
+                            f"optimizer, scheduler or RNG state), so training cannot resume from it; resume from a "
+                            f"step saved without save_only_model, or start a new run from its weights "
+                            f"(Checkpointer(url, read_only=True).load_dict(step)['model'])")
         self.optimizer.load_state_dict(saved["optimizer"])
         self.lr_scheduler.load_state_dict(saved["scheduler"])
 
