@@ -34,7 +34,7 @@ def test_steps_inspect_and_plan_describe_the_checkpoint(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--tensors"]) == 0
     out = capsys.readouterr().out
     assert "step 5 of run cli, saved by 2 ranks" in out and "4 tensors" in out
-    assert "model/w" in out and "Owned(owner=1)" in out and "per-lane data: 2 lanes (0, 1)" in out
+    assert "('model', 'w')" in out and "Owned(owner=1)" in out and "per-lane ('data',): 2 lanes (0, 1)" in out
     assert main(["plan", str(tmp_path), "--world", "3"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [r[0] for r in rows] == ["0", "1", "2"]
@@ -377,3 +377,17 @@ def test_a_command_that_reads_a_checkpoint_writes_nothing_there(tmp_path, monkey
     assert capsys.readouterr().err == ""
     assert tried == []
     assert stale.is_dir() and (src / step_dir(3)).is_dir()
+
+
+def test_inspect_of_a_plain_dict_names_each_value_by_its_key_path_not_an_escaped_name(tmp_path, capsys):
+    state = {"a/b": torch.ones(2), "a": {"b": torch.zeros(2), 3: "x", "3": "y"}, "l": [1, {"k%": 2}],
+             "d": ByLane({"0": 1}), "raw": b"12"}
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
+        ck.save(1, state).result(timeout=30)
+    assert main(["inspect", str(tmp_path), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "%2F" not in out and "%25" not in out
+    for shown in ["('a', 3) = \"x\"", "('a', '3') = \"y\"", "('l', 0) = 1", "('l', 1, 'k%') = 2",
+                  "per-lane ('d',): 1 lanes", "bytes ('raw',): 2 bytes"]:
+        assert shown in out
+    assert [line.split()[0] for line in out.splitlines() if "float32" in line] == ["('a/b',)", "('a',"]

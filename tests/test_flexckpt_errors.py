@@ -139,3 +139,15 @@ def test_a_failure_marker_whose_message_does_not_fit_is_written_empty_and_still_
     getattr(commit, "_FAILED_HERE", {}).clear()  # as another process sees it: from the store alone
     got = commit.failure_message(Storage(str(disk.path / "ckpt")), 3, "job.0badf00d.1")
     assert got == "save of step 3 failed on another rank: (its message did not fit on the disk)", (disk.kind, got)
+
+
+def test_a_file_given_for_the_checkpoint_folder_fails_at_construction_in_one_line(tmp_path, caplog):
+    from flexckpt import StorageError
+
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(b"x")
+    with pytest.raises(StorageError, match=r"^.*model\.ckpt is a file, not a folder: a checkpoint is a folder; "
+                                           r"pass the path of a folder \(new or holding checkpoints\)$"):
+        Checkpointer(str(path), rank=0, world_size=1)
+    assert "Traceback" not in caplog.text and "reclaiming" not in caplog.text
+    assert path.read_bytes() == b"x"

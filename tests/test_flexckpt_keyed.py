@@ -300,7 +300,7 @@ def test_the_cli_shows_verifies_and_reshards_bytes_values(tmp_path, capsys):
     src, dst = tmp_path / "src", tmp_path / "dst"
     assert _save(src, 4, lambda r: _state(r, 4, tp=2)) == [1] * 4
     assert main(["inspect", str(src)]) == 0
-    assert "bytes data/dp_rank_1: " in capsys.readouterr().out
+    assert "bytes ('data', 'dp_rank_1'): " in capsys.readouterr().out
     assert main(["reshard", str(src), str(dst), "--world", "2"]) == 0
     for rank in range(2):  # every key moved, once, and loads by key at the new world
         target = _state(rank, 2, tp=1, position=lambda d: -1)

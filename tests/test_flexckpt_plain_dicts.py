@@ -349,3 +349,14 @@ def test_a_tree_leaf_the_manifest_does_not_save_is_a_damaged_manifest_not_a_miss
             f.write(seal(orjson.dumps(doc)))
         with pytest.raises(ManifestError, match=r"container tree holds \('gone',\), which the manifest does not save"):
             ck.load_dict()
+
+
+def test_load_dict_gives_back_every_plain_value_without_warning_that_it_left_them_out(tmp_path, caplog):
+    # load_dict reads the tensors through a partial load: that must not log the
+    # "strict=False left out N key(s)" warning about the plain values it does return.
+    with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
+        ck.save(1, {"w": torch.ones(2), "epoch": 3, "h": {"lr": 0.1}}).result(timeout=30)
+        with caplog.at_level("WARNING", logger="flexckpt"):
+            got = ck.load_dict()
+    assert got["epoch"] == 3 and got["h"] == {"lr": 0.1}
+    assert [r.getMessage() for r in caplog.records if "left out" in r.getMessage()] == []

@@ -129,3 +129,24 @@ def test_two_processes_stopped_and_resumed_match_the_uninterrupted_run(tmp_path)
         assert len(full) == 6 and resumed == full and step == 6
     assert per_rank[0][3] == per_rank[1][3]
     assert pickled_files(tmp_path) == []
+
+
+def test_a_misspelt_checkpoint_option_is_refused_when_the_trainer_is_made_not_at_its_first_save(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(TypeError, match=r"^FlexTrainer\(checkpoint_options=...\): 'compresion' is not a Checkpointer "
+                                        r"option; it takes keep_last, compression, "):
+        FlexTrainer(model=tiny_gpt2(), args=args, checkpoint_options={"compresion": "zstd"})
+
+
+def test_resuming_from_a_save_only_model_step_is_refused_in_one_line_naming_why(tmp_path):
+    from flexckpt import LoadError
+
+    def run(steps: int) -> FlexTrainer:
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_only_model=True,
+                                 max_steps=steps, save_steps=2, per_device_train_batch_size=2, disable_tqdm=True)
+        return FlexTrainer(model=tiny_gpt2(), args=args, train_dataset=rows(8, 1))
+
+    run(2).train()
+    with pytest.raises(LoadError, match=r"checkpoint-2 was saved with save_only_model=True: it holds the model's "
+                                        r"weights only .* training cannot resume from it; "):
+        run(4).train(resume_from_checkpoint=True)  # before: KeyError: 'optimizer'

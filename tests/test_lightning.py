@@ -152,3 +152,13 @@ def test_unrepresentable_hyper_parameter_stops_fit_before_step_one(tmp_path):
         lr.fit(str(tmp_path), max_epochs=1, model=model)
     assert model.losses == []  # no training step ran
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_misspelt_checkpointer_option_is_refused_when_the_plugin_is_made_not_at_its_first_save():
+    from flexckpt_lightning import FlexCheckpointing, FlexModelParallelStrategy
+
+    with pytest.raises(TypeError, match=r"^FlexCheckpointIO: 'compresion' is not a Checkpointer option; it takes "):
+        FlexCheckpointing(compresion="zstd")
+    with pytest.raises(TypeError, match=r"^FlexModelParallelStrategy\(checkpoint_options=...\): 'keeplast' is not a "):
+        FlexModelParallelStrategy(checkpoint_options={"keeplast": 2})
+    assert FlexCheckpointing(compression="zstd").io.options == {"compression": "zstd"}

@@ -89,6 +89,19 @@ def test_an_s3_url_without_the_s3_extra_names_it(monkeypatch):
         expand("s3://bucket/a.jsonl", IoOptions())
 
 
+@pytest.mark.parametrize("package, framework, extra", [
+    ("flexckpt_lightning", "lightning", "lightning"), ("flexckpt_accelerate", "accelerate", "accelerate"),
+    ("flexckpt_hf", "transformers", "hf"), ("flexckpt_torchtitan", "torchtitan", "torchtitan")])
+def test_an_integration_without_its_extra_names_the_extra_in_one_line(monkeypatch, package, framework, extra):
+    monkeypatch.setitem(sys.modules, framework, None)  # as where `pip install flexckpt` left it out
+    monkeypatch.delitem(sys.modules, package, raising=False)
+    with pytest.raises(ModuleNotFoundError) as e:
+        importlib.import_module(package)
+    assert str(e.value).startswith(f"{package} needs {framework}, which is not installed: "
+                            f"pip install 'flexckpt[{extra}]'")
+    assert e.value.name == framework
+
+
 def test_the_pins_dev_py_installs_satisfy_every_bound_in_pyproject():
     from packaging.requirements import Requirement
 

@@ -42,7 +42,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from typing import Any, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.checksum import checksum
@@ -58,6 +58,7 @@ from flexckpt.offline import OfflineSave
 from flexckpt.restore_plan import restore_plan
 from flexckpt.storage import Storage, parse_storage_options, using_storage_options
 from flexckpt.structure import decode_plain
+from flexckpt.tree import name_path, walk_tree
 from flexckpt.values import ByLane, PerRank
 from flexshard import BlockShard, HybridShard, Layout, MeshLayout, Owned, Replicate, Shard, ShardedTensor, assign_owners, part_of
 from flexshard.world import ranks
@@ -152,6 +153,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for r, e in enumerate(m.ranks[:64]):
             if e.stored_nbytes:
                 print(f"  file {m.attempt}/r{r:05d}.data: {_mib(e.stored_nbytes)} stored")
+    key = _key_paths(m)
     if m.plain:
         print("  plain values:")
         for k, v in sorted(m.plain.items()):
@@ -159,18 +161,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 shown = json.dumps(decode_plain(v), default=str)[:100]
             except (ValueError, RecursionError) as e:
                 shown = f"MALFORMED ({str(e)[:80]})"
-            print(f"    {k} = {shown}")
+            print(f"    {key(k)} = {shown}")
     for k, lanes in sorted(m.lanes.items()):
-        print(f"  per-lane {k}: {len(lanes)} lanes ({', '.join(sorted(lanes, key=_lane_key)[:8])}{' ...' if len(lanes) > 8 else ''})")
+        print(f"  per-lane {key(k)}: {len(lanes)} lanes ({', '.join(sorted(lanes, key=_lane_key)[:8])}{' ...' if len(lanes) > 8 else ''})")
     for k in sorted(m.per_rank):
-        print(f"  per-rank {k}: {m.world_size} values (restored only at world size {m.world_size})")
+        print(f"  per-rank {key(k)}: {m.world_size} values (restored only at world size {m.world_size})")
     for k, (_offset, length, _check) in sorted(m.keyed.items()):
-        print(f"  bytes {k}: {length} bytes (addressed by key)")
+        print(f"  bytes {key(k)}: {length} bytes (addressed by key)")
     if args.tensors:
         print(f"  {'tensor':40s} {'dtype':9s} {'shape':18s} {'layout':28s} pieces")
         for name, t in sorted(m.tensors.items()):
-            print(f"  {name:40s} {dtype_name(t.dtype):9s} {str(list(t.shape)):18s} {str(t.layout):28s} {len(t.all_pieces())}")
+            print(f"  {key(name):40s} {dtype_name(t.dtype):9s} {str(list(t.shape)):18s} {str(t.layout):28s} {len(t.all_pieces())}")
     return 0
+
+
+def _key_paths(m: Manifest) -> Callable[[str], str]:
+    """How inspect shows a value's name: its key path, as ``Checkpointer.contents()`` gives
+    it (``('opt', 'state', 0)``, a ``/`` or ``%`` in a key as it is; from the container tree
+    of format version 4, else the stored name split at ``/``, all keys str)."""
+    paths = dict(walk_tree(m.tree)) if m.tree is not None else {}
+    return lambda name: repr(paths.get(name) or name_path(name))
 
 
 def _lane_key(lane: str) -> tuple:

@@ -154,7 +154,11 @@ class Storage:
         ``StorageError`` naming the URL and the cause if not (no credentials, refused
         credentials, no bucket, no endpoint). Where the listing finds nothing (a new run)
         the bucket is checked too. A local or in-memory root is not probed: it needs no
-        credentials, and its first save creates it."""
+        credentials, and its first save creates it; but a local file given for the root is
+        refused, before anything lists or removes under it."""
+        if self.local and os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise StorageError(f"{self.url} is a file, not a folder: a checkpoint is a folder; pass the path of a "
+                               f"folder (new or holding checkpoints)")
         if self.local or self.fs.protocol in ("memory", ("memory",)):
             return
         try:

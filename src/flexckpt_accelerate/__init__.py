@@ -13,6 +13,10 @@ import importlib.metadata
 
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
+from flexckpt.integration import require
+
+require("flexckpt_accelerate", "accelerate", "accelerate")  # before any import of it: a missing extra is named
+
 from flexckpt_accelerate.state import AcceleratorCheckpoint
 
 __all__ = ["__version__", "AcceleratorCheckpoint"]

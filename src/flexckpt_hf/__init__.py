@@ -12,6 +12,10 @@ import importlib.metadata
 
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
+from flexckpt.integration import require
+
+require("flexckpt_hf", "transformers", "hf")  # before any import of it: a missing extra is named
+
 from flexckpt_hf.trainer import FlexTrainer, folder_step
 
 __all__ = ["__version__", "FlexTrainer", "folder_step"]

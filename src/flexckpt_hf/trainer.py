@@ -32,6 +32,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, compare_trainer_and_checkpoint_args
 
 from flexckpt import Checkpointer, LoadError
+from flexckpt.integration import check_options
 from flexckpt.rng import load_rng_state, rng_state
 
 log = logging.getLogger("flexckpt.hf")
@@ -70,8 +71,9 @@ class FlexTrainer(Trainer):
 
     def __init__(self, *args: Any, checkpoint_url: str | None = None,
                  checkpoint_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
         options = dict(checkpoint_options or {})
+        check_options(options, "FlexTrainer(checkpoint_options=...)")
+        super().__init__(*args, **kwargs)
         if "keep_last" in options:
             raise ValueError("FlexTrainer takes keep_last from TrainingArguments.save_total_limit: drop keep_last")
         self.checkpoint_url = checkpoint_url or os.path.join(self.args.output_dir, "flexckpt")
@@ -181,6 +183,11 @@ class FlexTrainer(Trainer):
         saved = self._saved(checkpoint)
         if saved is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if "optimizer" not in saved:
+            raise LoadError(f"{checkpoint} was saved with save_only_model=True: it holds the model's weights only (no "
+                            f"optimizer, scheduler or RNG state), so training cannot resume from it; resume from a "
+                            f"step saved without save_only_model, or start a new run from its weights "
+                            f"(Checkpointer(url, read_only=True).load_dict(step)['model'])")
         self.optimizer.load_state_dict(saved["optimizer"])
         self.lr_scheduler.load_state_dict(saved["scheduler"])
 

@@ -12,6 +12,10 @@ import importlib.metadata
 
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
+from flexckpt.integration import require
+
+require("flexckpt_lightning", "lightning", "lightning")  # before any import of it: a missing extra is named
+
 from flexckpt_lightning.callback import FlexCheckpointing, check_checkpoint
 from flexckpt_lightning.checkpoint_io import FlexCheckpointIO
 from flexckpt_lightning.model_parallel import FlexModelParallelStrategy

@@ -26,6 +26,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from flexckpt import Checkpointer, LoadError, SaveError, SaveHandle
+from flexckpt.integration import check_options
 
 log = logging.getLogger("flexckpt.lightning")
 
@@ -62,6 +63,7 @@ class FlexCheckpointIO(CheckpointIO):
 
     def __init__(self, *, async_save: bool = True, **checkpointer_options: Any) -> None:
         super().__init__()
+        check_options(checkpointer_options, type(self).__name__)
         for key in ("keep_last", "rank", "world_size", "read_only", "local"):
             if key in checkpointer_options:
                 raise ValueError(f"FlexCheckpointIO sets {key} itself: drop {key}={checkpointer_options[key]!r}")

@@ -20,6 +20,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from flexckpt import Checkpointer, LoadError
+from flexckpt.integration import check_options
 from flexckpt_lightning.checkpoint_io import checkpoint_step
 
 SHARDED = ("state_dict", "optimizer_states")  # the keys the load reads into the live sharded state
@@ -41,6 +42,7 @@ class FlexModelParallelStrategy(ModelParallelStrategy):
             raise ValueError("FlexModelParallelStrategy saves each rank's shards (no gather on rank 0): drop "
                              "save_distributed_checkpoint=False")
         self.checkpoint_options = dict(checkpoint_options or {})
+        check_options(self.checkpoint_options, "FlexModelParallelStrategy(checkpoint_options=...)")
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:

@@ -18,6 +18,10 @@ import importlib.metadata
 
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
+from flexckpt.integration import require
+
+require("flexckpt_torchtitan", "torchtitan", "torchtitan", " (Python >= 3.11)")  # before any import of it: a missing extra is named
+
 from flexckpt_torchtitan.checkpoint import FlexCheckpointManager
 from flexckpt_torchtitan.data import ZephonDataLoader
 
