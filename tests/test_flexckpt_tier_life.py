@@ -250,3 +250,22 @@ def test_a_restart_reads_no_manifest_of_a_step_holding_only_its_committed_attemp
         starter.join(60)
     ck2.close()  # waits for the housekeeping
     assert reads == [2] and not stale.exists()  # only the step with another attempt beside its committed one
+
+
+def test_the_space_check_counts_a_file_removed_during_its_walk_as_nothing(tmp_path, monkeypatch):
+    """A set-aside step is emptied on another thread while a fast save checks its space: a file
+    that vanishes between the listing and its size must not fail the save (it did, in CI)."""
+    from flexckpt.tier import fast
+
+    (tmp_path / "a").write_bytes(b"x" * 100)
+    (tmp_path / ".removed").mkdir()
+    (tmp_path / ".removed" / "gone").write_bytes(b"y" * 50)
+    real = os.path.getsize
+
+    def vanishing(path):
+        if path.endswith("gone"):
+            raise FileNotFoundError(path)
+        return real(path)
+
+    monkeypatch.setattr(fast.os.path, "getsize", vanishing)
+    assert fast._bytes_under(str(tmp_path)) == 100

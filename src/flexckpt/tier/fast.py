@@ -273,7 +273,7 @@ class FastTier:
         copies = 1 + len(self.partners)
         need = copies * self.config.keep_last * state_bytes * on_node
         usage = shutil.disk_usage(self.root)
-        held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.root) for f in fs)
+        held = _bytes_under(self.root)
         if need > usage.free + held:
             raise ValueError(
                 f"fast tier {self.dir}: needs {need} bytes ({copies} {'copy' if copies == 1 else 'copies'} x keep_last {self.config.keep_last} x "
@@ -950,3 +950,16 @@ def _merged_keyed(d: Decision) -> dict[str, list]:
 
 def _on_gpu(e: Any) -> bool:
     return e.device.type == "cuda"
+
+
+def _bytes_under(root: str) -> int:
+    """The bytes of the files under ``root``; a file removed meanwhile (a set-aside step being
+    emptied on another thread, or by another rank of the node) counts as nothing."""
+    total = 0
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except FileNotFoundError:
+                continue
+    return total
