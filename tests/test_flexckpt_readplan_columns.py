@@ -15,12 +15,11 @@ from test_flexckpt_plan import _save_in_memory, _specs, shapes_st
 from flexckpt.checksum import digest, digest_parts
 from flexckpt.errors import ManifestError
 from flexckpt.manifest import FileEntry, StoredChunk, parse_manifest
-from flexckpt.readplan import (
-    SINK, ChunkRead, Copy, coalesce, file_plan, gather_runs, plan_requests, read_groups, requests, scatter,
-)
+from flexckpt.readplan import SINK, file_plan, gather_runs, plan_requests, read_groups, requests, scatter
 from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Part, Replicate, Shard
 from flexshard.box import whole
+from readplan_reference import ChunkRead, Copy, coalesce
 
 
 # -- the reference: the slow computation the columns replaced -----------------------------------
