@@ -34,6 +34,20 @@ class _Runs:
         self.ints: tuple[list[int], ...] = ([], [], [], [])
         self.arrays: list[tuple[np.ndarray, ...]] = []
 
+    def add_flat(self, target: int, raw_offset: int, start: int, stop: int, want: FlatRange | Part, size: int) -> int:
+        """The one run two flat ranges of a tensor share at most: elements ``[start, stop)``,
+        stored at raw byte ``raw_offset``, against ``want`` (stored from byte 0 of target
+        ``target``); ``size`` bytes an element. Returns the elements it adds."""
+        lo, hi = max(start, want.start), min(stop, want.stop)
+        if lo >= hi:
+            return 0
+        starts, lengths, dest, pos = self.ints
+        starts.append(raw_offset + (lo - start) * size)
+        lengths.append((hi - lo) * size)
+        dest.append(target)
+        pos.append((lo - want.start) * size)
+        return hi - lo
+
     def columns(self) -> list[np.ndarray]:
         cols = [np.array(c, dtype=np.int64) for c in self.ints]
         if self.arrays:
@@ -56,17 +70,10 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
             if spans is not None:  # a flat layout: each writer's piece a flat range, one run at most
                 found = 0
                 for file, start, stop, raw_offset in spans:
-                    lo, hi = max(start, want.start), min(stop, want.stop)
                     acc = by_file.get(file)
                     if acc is None:
                         acc = by_file[file] = _Runs()
-                    if lo < hi:
-                        starts, lengths, dest, pos = acc.ints
-                        starts.append(raw_offset + (lo - start) * size)
-                        lengths.append((hi - lo) * size)
-                        dest.append(t)
-                        pos.append((lo - want.start) * size)
-                        found += hi - lo
+                    found += acc.add_flat(t, raw_offset, start, stop, want, size)
                 if found != want.stop - want.start:
                     _not_covered(saved, want, found)
                 continue
@@ -78,14 +85,7 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
             if acc is None:
                 acc = by_file[piece.file] = _Runs()
             if flat_want and piece.box is None:  # two flat ranges of the tensor share at most one run
-                lo, hi = max(piece.start, want.start), min(piece.stop, want.stop)
-                if lo < hi:
-                    starts, lengths, dest, pos = acc.ints
-                    starts.append(piece.raw_offset + (lo - piece.start) * size)
-                    lengths.append((hi - lo) * size)
-                    dest.append(t)
-                    pos.append((lo - want.start) * size)
-                    found += hi - lo
+                found += acc.add_flat(t, piece.raw_offset, piece.start, piece.stop, want, size)
                 continue
             shared = runs(Part(piece.box or whole(shape), piece.start, piece.stop), want)
             if len(shared):
