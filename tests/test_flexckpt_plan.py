@@ -9,44 +9,19 @@ from hypothesis import given, settings, strategies as st
 
 from flexckpt.checksum import checksum
 from flexckpt.errors import ManifestError
-from flexckpt.manifest import (
-    unseal,
-    FileEntry,
-    Manifest,
-    SavedPiece,
-    SavedTensor,
-    StoredChunk,
-    parse_manifest,
-)
+from flexckpt.manifest import unseal, parse_manifest
 from flexckpt.plan import ALIGN, make_write_plan
-from flexckpt.readplan import coalesce, file_reads, gather_runs, plan_reads
+from flexckpt.readplan import gather_runs
 from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Replicate, Shard
-
-LAYOUTS = [Replicate(), Shard(0), Owned(0), BlockShard(4)]
-DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float64]
-
-
-def _specs(shapes, world):
-    specs = []
-    for i, shape in enumerate(shapes):
-        layout = LAYOUTS[i % 4]
-        if isinstance(layout, Owned):
-            layout = Owned(i % world)
-        specs.append(TensorSpec(f"t{i:03d}", DTYPES[i % len(DTYPES)], shape, layout))
-    return specs
-
-
-shapes_st = st.lists(
-    st.one_of(st.just(()), st.tuples(st.integers(0, 70)), st.tuples(st.integers(0, 40), st.integers(0, 6))),
-    min_size=1, max_size=12,
-)
+from manifest_v1_writer import random_specs, save_in_memory, shapes_st, v1_manifest_bytes
+from readplan_reference import coalesce, file_reads, plan_reads
 
 
 @settings(max_examples=150, deadline=None)
 @given(shapes=shapes_st, world=st.integers(1, 6), chunk=st.sampled_from([64, 128, 200, 4096]))
 def test_write_plan_writes_every_element_exactly_once_and_tiles_each_stream(shapes, world, chunk):
-    specs = _specs(shapes, world)
+    specs = random_specs(shapes, world)
     plan = make_write_plan(specs, world, chunk)
     written = {s.name: [] for s in plan.specs}
     for rp in plan.ranks:
@@ -102,7 +77,7 @@ def test_replicated_tensors_are_spread_over_ranks_largest_first():
 
 
 def test_plan_does_not_depend_on_the_order_tensors_were_found_in():
-    specs = _specs([(10, 3), (7,), (), (33, 2), (5,)], 3)
+    specs = random_specs([(10, 3), (7,), (), (33, 2), (5,)], 3)
     a, b = make_write_plan(specs, 3, 128), make_write_plan(list(reversed(specs)), 3, 128)
     assert a.specs == b.specs and list(a.ranks) == list(b.ranks)
 
@@ -113,41 +88,19 @@ def test_duplicate_names_are_refused():
         make_write_plan([spec, spec], 1, 4096)
 
 
-# -- read plans against a simulated store -------------------------------------------------------
-def _save_in_memory(globals_, specs, world, chunk):
-    """Streams and a manifest, built the way the writer and coordinator build them."""
-    plan = make_write_plan(specs, world, chunk)
-    files, streams, pieces = {}, {}, {s.name: [] for s in plan.specs}
-    for r, rp in enumerate(plan.ranks):
-        stream = bytearray(rp.nbytes)
-        for p in rp.pieces:
-            spec = plan.specs[p.spec_index]
-            flat = globals_[spec.name].reshape(-1)[p.start : p.stop].contiguous()
-            stream[p.offset : p.offset + p.nbytes] = flat.view(torch.uint8).numpy().tobytes()
-            pieces[spec.name].append(SavedPiece(f"r{r}", p.start, p.stop, p.offset))
-        chunks = tuple(
-            StoredChunk(c.offset, c.length, c.offset, c.length, "none", checksum(bytes(stream[c.offset : c.offset + c.length])))
-            for c in rp.chunks
-        )
-        if rp.nbytes:
-            files[f"r{r}"] = FileEntry(f"r{r}", rp.nbytes, chunks)
-            streams[f"r{r}"] = stream
-    tensors = {s.name: SavedTensor(s.name, s.dtype, s.shape, s.layout, tuple(pieces[s.name])) for s in plan.specs}
-    return Manifest(1, "run", world, 0.0, "fp", files, tensors, {}, {}, {}), streams
-
-
+# -- read plans against a simulated store (a version-1 checkpoint in memory) --------------------
 @settings(max_examples=100, deadline=None)
 @given(shapes=shapes_st, src_world=st.integers(1, 5), dst_world=st.integers(1, 5), chunk=st.sampled_from([64, 256, 4096]))
 def test_read_plan_rebuilds_every_target_piece_at_another_world_size(shapes, src_world, dst_world, chunk):
-    specs = _specs(shapes, src_world)
+    specs = random_specs(shapes, src_world)
     gen = torch.Generator().manual_seed(len(shapes))
     globals_ = {
         s.name: (torch.randint(0, 100, s.shape, generator=gen) if s.dtype != torch.bool else torch.rand(s.shape, generator=gen) > 0.5).to(s.dtype)
         for s in specs
     }
-    manifest, streams = _save_in_memory(globals_, specs, src_world, chunk)
+    manifest, streams = save_in_memory(globals_, specs, src_world, chunk)
     # round trip through JSON validation too
-    manifest = parse_manifest(manifest.to_bytes())
+    manifest = parse_manifest(v1_manifest_bytes(manifest))
     for dst_rank in range(dst_world):
         targets = []
         for i, s in enumerate(sorted(specs, key=lambda s: s.name)):
@@ -167,7 +120,7 @@ def test_read_plan_rebuilds_every_target_piece_at_another_world_size(shapes, src
 
 def test_a_chunk_that_lands_whole_in_one_target_is_read_straight_into_it():
     specs = [TensorSpec("big", torch.float32, (4096,), Shard(0))]
-    manifest, _ = _save_in_memory({"big": torch.arange(4096.0)}, specs, 2, 1024)
+    manifest, _ = save_in_memory({"big": torch.arange(4096.0)}, specs, 2, 1024)
     reads = plan_reads(manifest, [(manifest.tensors["big"], FlatRange(0, 4096))])
     assert len(reads) == 16 and all(r.whole for r in reads)
     # a target cut in the middle of a chunk: that chunk needs a scratch copy
@@ -178,15 +131,15 @@ def test_a_chunk_that_lands_whole_in_one_target_is_read_straight_into_it():
 # -- manifest validation ----------------------------------------------------------------------
 def _good_manifest_doc():
     specs = [TensorSpec("w", torch.float32, (8, 2), Shard(0))]
-    manifest, _ = _save_in_memory({"w": torch.ones(8, 2)}, specs, 2, 64)
-    return orjson.loads(unseal(manifest.to_bytes())[0])  # the document without its checksum: edited below
+    manifest, _ = save_in_memory({"w": torch.ones(8, 2)}, specs, 2, 64)
+    return orjson.loads(unseal(v1_manifest_bytes(manifest))[0])  # the document without its checksum: edited below
 
 
 def test_a_valid_manifest_round_trips():
     doc = _good_manifest_doc()
     m = parse_manifest(orjson.dumps(doc))
     assert m.tensors["w"].shape == (8, 2) and m.tensors["w"].layout == Shard(0)
-    assert orjson.loads(unseal(m.to_bytes())[0]) == doc
+    assert orjson.loads(unseal(v1_manifest_bytes(m))[0]) == doc
 
 
 def _mutations():
@@ -248,7 +201,7 @@ def test_numel_overflow_is_checked_before_any_allocation():
 def test_adjacent_chunks_are_fetched_together_up_to_a_limit():
     specs = [TensorSpec("a", torch.float32, (1024,), Replicate()), TensorSpec("b", torch.float32, (10,), Replicate()),
              TensorSpec("c", torch.float32, (1024,), Replicate())]
-    manifest, _ = _save_in_memory({"a": torch.ones(1024), "b": torch.ones(10), "c": torch.ones(1024)}, specs, 1, 1024)
+    manifest, _ = save_in_memory({"a": torch.ones(1024), "b": torch.ones(10), "c": torch.ones(1024)}, specs, 1, 1024)
     full = [(manifest.tensors[n], FlatRange(0, manifest.tensors[n].numel)) for n in "abc"]
     reads = plan_reads(manifest, full)
     fetches = coalesce(reads, 1 << 20)
@@ -261,7 +214,7 @@ def test_the_runs_a_load_wants_are_gathered_per_file_before_any_chunk_table():
     # Shard(0) of 4096 floats saved at world 2: elements 1000..2999 are the end of rank 0's
     # piece and the start of rank 1's, one run in each file
     specs = [TensorSpec("big", torch.float32, (4096,), Shard(0))]
-    manifest, _ = _save_in_memory({"big": torch.arange(4096.0)}, specs, 2, 1024)
+    manifest, _ = save_in_memory({"big": torch.arange(4096.0)}, specs, 2, 1024)
     want = [(manifest.tensors["big"], FlatRange(1000, 3000))]
     runs = gather_runs(want)
     assert {f: [c.tolist() for c in cols] for f, cols in runs.items()} == {

@@ -10,17 +10,16 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from test_flexckpt_plan import _save_in_memory, _specs, shapes_st
 
 from flexckpt.checksum import digest, digest_parts
 from flexckpt.errors import ManifestError
 from flexckpt.manifest import FileEntry, StoredChunk, parse_manifest
-from flexckpt.readplan import (
-    SINK, ChunkRead, Copy, coalesce, file_plan, gather_runs, plan_requests, read_groups, requests, scatter,
-)
+from flexckpt.readplan import SINK, file_plan, gather_runs, plan_requests, read_groups, requests, scatter
 from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Part, Replicate, Shard
 from flexshard.box import whole
+from manifest_v1_writer import random_specs, save_in_memory, shapes_st, v1_manifest_bytes
+from readplan_reference import ChunkRead, Copy, coalesce
 
 
 # -- the reference: the slow computation the columns replaced -----------------------------------
@@ -66,11 +65,11 @@ def _reference_groups(lengths, group_bytes):
 
 
 def _random_load(shapes, src_world, dst_world, dst_rank, chunk, seed):
-    specs = _specs(shapes, src_world)
+    specs = random_specs(shapes, src_world)
     gen = torch.Generator().manual_seed(seed)
     globals_ = {s.name: torch.randint(0, 100, s.shape, generator=gen).to(s.dtype) for s in specs}
-    manifest, streams = _save_in_memory(globals_, specs, src_world, chunk)
-    manifest = parse_manifest(manifest.to_bytes())
+    manifest, streams = save_in_memory(globals_, specs, src_world, chunk)
+    manifest = parse_manifest(v1_manifest_bytes(manifest))
     targets = []
     for i, s in enumerate(sorted(specs, key=lambda s: s.name)):
         layout = [Shard(0), BlockShard(3), Replicate(), Owned((i + 1) % dst_world)][i % 4]
@@ -182,7 +181,7 @@ def test_a_request_straddling_a_partial_chunk_reads_the_rest_of_it_into_its_own_
     # 4096 floats saved at world 1 in chunks of 1 KiB; elements 100..4095 and 0..99 wanted by
     # two targets, so chunk 0 has two copies; then 300..700 only: chunks 1 and 2, each with a gap
     spec = TensorSpec("big", torch.float32, (4096,), Shard(0))
-    manifest, _ = _save_in_memory({"big": torch.arange(4096.0)}, [spec], 1, 1024)
+    manifest, _ = save_in_memory({"big": torch.arange(4096.0)}, [spec], 1, 1024)
     t = manifest.tensors["big"]
     (r,) = plan_requests(manifest, [(t, FlatRange(100, 4096)), (t, FlatRange(0, 100))], 1 << 20, 1 << 20)
     sc = r.scatter
@@ -226,7 +225,7 @@ def test_a_version_2_flat_want_gathers_the_runs_the_pieces_give(shapes, src_worl
     from flexckpt.plan import make_write_plan
     from flexshard import HybridShard
 
-    specs = _specs(shapes, src_world)
+    specs = random_specs(shapes, src_world)
     if hybrid and src_world % 2 == 0:
         specs = [dataclasses.replace(s, layout=HybridShard(2)) if i % 3 == 0 else s for i, s in enumerate(specs)]
     plan = make_write_plan(specs, src_world, chunk)

@@ -165,9 +165,6 @@ class StoredChunk(NamedTuple):
     codec: str
     checksum: str
 
-    def to_json(self) -> list:
-        return list(self)
-
 
 class FileEntry:
     """A data file: its raw stream's size and its chunks as columns, one row a chunk: raw
@@ -175,7 +172,7 @@ class FileEntry:
     (uint8, an index into CODECS). A load plans and verifies over the columns (thousands of
     chunks a file: one object each was most of a warm load's planning); :attr:`chunks`, one
     :class:`StoredChunk` each, is built on first use for the callers that walk them one by
-    one (verify, inspect, version 1's JSON)."""
+    one (verify, inspect)."""
 
     __slots__ = ("name", "nbytes", "raw_offsets", "raw_lengths", "offsets", "lengths", "checksums", "codec_ids",
                  "_chunks")
@@ -226,9 +223,6 @@ class FileEntry:
     def __repr__(self) -> str:
         return f"FileEntry({self.name!r}, {self.nbytes}, {len(self)} chunks)"
 
-    def to_json(self) -> dict:
-        return {"nbytes": self.nbytes, "chunks": [c.to_json() for c in self.chunks]}
-
 
 class SavedPiece(NamedTuple):
     """Elements ``[start, stop)`` of ``box`` (row-major in the box; None: the whole tensor)
@@ -240,9 +234,6 @@ class SavedPiece(NamedTuple):
     stop: int
     raw_offset: int
     box: Box | None = None
-
-    def to_json(self) -> list:
-        return [self.file, self.start, self.stop, self.raw_offset]
 
 
 @dataclass(frozen=True)
@@ -273,10 +264,8 @@ class SavedTensor:
         return self.pieces_in(Part(whole(self.shape), 0, self.numel))
 
     def to_json(self) -> dict:
-        out = {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "layout": self.layout.to_json()}
-        if self.pieces is not None:
-            out["pieces"] = [p.to_json() for p in self.pieces]
-        return out
+        """The tensor's entry in a version-2 (and later) manifest: its pieces follow from the plan."""
+        return {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "layout": self.layout.to_json()}
 
 
 class PlanPieces:
@@ -502,22 +491,8 @@ class Manifest:
                 **({"keyed": {k: list(v) for k, v in self.keyed.items()}} if self.keyed else {}),
                 **({"tree": self.tree} if self.tree is not None and self.version >= 4 else {}),
             })
-        doc = {
-            "format": FORMAT,
-            "version": 1,
-            "checksum": ALGORITHM,
-            "step": self.step,
-            "run_id": self.run_id,
-            "world_size": self.world_size,
-            "time": self.time,
-            "fingerprint": self.fingerprint,
-            "files": {name: f.to_json() for name, f in self.files.items()},
-            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
-            "plain": self.plain,
-            "lanes": self.lanes,
-            "per_rank": self.per_rank,
-        }
-        return orjson.dumps(doc)
+        raise ValueError(f"step {self.step}: a version-1 manifest is read, never written (flexckpt writes version "
+                         f"{VERSION}); build the manifest with flexckpt.commit.build_manifest")
 
     @property
     def total_bytes(self) -> int:

@@ -7,8 +7,9 @@ whatever the runs in it, and adjacent chunks in one request. Pure: no processes,
 
 A load plans over columns (:func:`plan_requests`: a file's chunks, the runs cut at their
 bounds, each touched chunk tiled by segments, the fetch loop's plain lists), never one
-object a chunk or a copy; :func:`plan_reads` and :func:`coalesce` give the same plan as
-:class:`ChunkRead` and :class:`Fetch` objects, for the tier's range planning and tests."""
+object a chunk or a copy. It is the one read planner: the load, the fast tier's range
+planning (:mod:`flexckpt.tier.fetchplan`) and the restore prediction
+(:mod:`flexckpt.restore_plan`) all call :func:`plan_requests`."""
 from __future__ import annotations
 
 import itertools
@@ -19,39 +20,9 @@ import numpy as np
 
 from flexckpt.dtypes import itemsize
 from flexckpt.errors import ManifestError
-from flexckpt.manifest import FileEntry, Manifest, SavedTensor, StoredChunk
+from flexckpt.manifest import FileEntry, Manifest, SavedTensor
 from flexshard import FlatRange, Part, runs
 from flexshard.box import whole
-
-
-class Copy(NamedTuple):
-    """``nbytes`` raw bytes at ``chunk_pos`` of a chunk go to byte ``target_pos`` of
-    target ``target``."""
-
-    chunk_pos: int
-    nbytes: int
-    target: int
-    target_pos: int
-
-
-class ChunkRead(NamedTuple):
-    """A stored chunk to fetch and the copies to make from it (a named tuple: a load plans
-    thousands)."""
-
-    file: str
-    chunk: StoredChunk
-    copies: tuple[Copy, ...]
-
-    @property
-    def whole(self) -> bool:
-        """The chunk lands, uncompressed and entire, in one contiguous stretch of one target:
-        it can be read straight into that target."""
-        return (
-            self.chunk.codec == "none"
-            and len(self.copies) == 1
-            and self.copies[0].chunk_pos == 0
-            and self.copies[0].nbytes == self.chunk.raw_length
-        )
 
 
 class _Runs:
@@ -63,6 +34,20 @@ class _Runs:
         self.ints: tuple[list[int], ...] = ([], [], [], [])
         self.arrays: list[tuple[np.ndarray, ...]] = []
 
+    def add_flat(self, target: int, raw_offset: int, start: int, stop: int, want: FlatRange | Part, size: int) -> int:
+        """The one run two flat ranges of a tensor share at most: elements ``[start, stop)``,
+        stored at raw byte ``raw_offset``, against ``want`` (stored from byte 0 of target
+        ``target``); ``size`` bytes an element. Returns the elements it adds."""
+        lo, hi = max(start, want.start), min(stop, want.stop)
+        if lo >= hi:
+            return 0
+        starts, lengths, dest, pos = self.ints
+        starts.append(raw_offset + (lo - start) * size)
+        lengths.append((hi - lo) * size)
+        dest.append(target)
+        pos.append((lo - want.start) * size)
+        return hi - lo
+
     def columns(self) -> list[np.ndarray]:
         cols = [np.array(c, dtype=np.int64) for c in self.ints]
         if self.arrays:
@@ -70,25 +55,10 @@ class _Runs:
         return cols
 
 
-def plan_reads(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | Part]]) -> list[ChunkRead]:
-    """Chunks to fetch for ``targets`` (a saved tensor and the part of it wanted, stored
-    contiguously in the target; or a flat range of it), each chunk once, in file order.
-    Every wanted element must be in the checkpoint exactly once.
-
-    The runs of every target are gathered per file (:func:`gather_runs`), then cut at the
-    chunks' bounds in one vectorized pass a file (:func:`file_reads`): array calls per
-    piece were most of a warm load's time."""
-    by_file = gather_runs(targets)
-    out: list[ChunkRead] = []
-    for file in sorted(by_file):
-        out += file_reads(file, manifest.files[file], by_file[file])
-    return out
-
-
 def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str, list[np.ndarray]]:
     """The runs ``targets`` want, by data file: four int64 columns (raw byte start, length,
     target index, byte position in the target). Needs only the manifest's plan, not the
-    files' chunk tables (:func:`file_reads` then cuts them at the chunks' bounds)."""
+    files' chunk tables (:func:`cut_runs` then cuts them at the chunks' bounds)."""
     by_file: dict[str, _Runs] = {}
     sizes: dict = {}
     for t, (saved, want) in enumerate(targets):
@@ -100,17 +70,10 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
             if spans is not None:  # a flat layout: each writer's piece a flat range, one run at most
                 found = 0
                 for file, start, stop, raw_offset in spans:
-                    lo, hi = max(start, want.start), min(stop, want.stop)
                     acc = by_file.get(file)
                     if acc is None:
                         acc = by_file[file] = _Runs()
-                    if lo < hi:
-                        starts, lengths, dest, pos = acc.ints
-                        starts.append(raw_offset + (lo - start) * size)
-                        lengths.append((hi - lo) * size)
-                        dest.append(t)
-                        pos.append((lo - want.start) * size)
-                        found += hi - lo
+                    found += acc.add_flat(t, raw_offset, start, stop, want, size)
                 if found != want.stop - want.start:
                     _not_covered(saved, want, found)
                 continue
@@ -122,14 +85,7 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
             if acc is None:
                 acc = by_file[piece.file] = _Runs()
             if flat_want and piece.box is None:  # two flat ranges of the tensor share at most one run
-                lo, hi = max(piece.start, want.start), min(piece.stop, want.stop)
-                if lo < hi:
-                    starts, lengths, dest, pos = acc.ints
-                    starts.append(piece.raw_offset + (lo - piece.start) * size)
-                    lengths.append((hi - lo) * size)
-                    dest.append(t)
-                    pos.append((lo - want.start) * size)
-                    found += hi - lo
+                found += acc.add_flat(t, piece.raw_offset, piece.start, piece.stop, want, size)
                 continue
             shared = runs(Part(piece.box or whole(shape), piece.start, piece.stop), want)
             if len(shared):
@@ -148,20 +104,6 @@ def _not_covered(saved: SavedTensor, want: FlatRange | Part, found: int) -> None
         f"tensor {saved.name!r}: the checkpoint's pieces hold {found} of the {len(want)} elements wanted "
         f"({want}); the checkpoint does not cover every element exactly once"
     )
-
-
-def file_reads(file: str, entry: FileEntry, columns: list[np.ndarray]) -> list[ChunkRead]:
-    """:func:`gather_runs`' runs of ``file`` cut at its chunks' bounds: the chunks they touch,
-    in file order, each with its copies in the order the runs came (one object a chunk and a
-    copy: for inspection and tests; a load plans with :func:`file_plan`)."""
-    chunk, chunk_pos, nbytes, dest, dest_pos = cut_runs(file, entry, *columns)
-    if not len(chunk):
-        return []
-    copies = list(map(Copy, chunk_pos.tolist(), nbytes.tolist(), dest.tolist(), dest_pos.tolist()))
-    cuts = (np.flatnonzero(np.diff(chunk)) + 1).tolist()
-    ids = chunk.tolist()
-    chunks = entry.chunks
-    return [ChunkRead(file, chunks[ids[a]], tuple(copies[a:b])) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
 
 
 def cut_runs(file: str, entry: FileEntry, starts: np.ndarray, nbytes: np.ndarray, dest: np.ndarray,
@@ -307,8 +249,10 @@ class Request(NamedTuple):
 
 def plan_requests(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | Part]],
                   max_bytes: int, group_bytes: int | None = None) -> list[Request]:
-    """The reads a load of ``targets`` makes (see :func:`plan_reads`), as :func:`coalesce`
-    groups them: the same chunks and byte ranges, without an object a chunk. With
+    """The reads a load of ``targets`` makes (a saved tensor and the part of it wanted,
+    stored contiguously in the target; or a flat range of it; every wanted element must be
+    in the checkpoint exactly once): the chunks it touches, each once, in file order,
+    merged into ranged reads (:func:`requests`), without an object a chunk. With
     ``group_bytes``, each request also carries its :class:`Scatter` and its read groups
     (:func:`read_groups`)."""
     by_file = gather_runs(targets)
@@ -321,8 +265,8 @@ def plan_requests(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange
 
 
 def requests(plan: FilePlan, max_bytes: int) -> list[Request]:
-    """``plan``'s touched chunks merged as :func:`coalesce` merges them: runs of chunks
-    touching in the file, cut where a request would pass ``max_bytes`` (one chunk may)."""
+    """``plan``'s touched chunks merged into ranged reads: runs of chunks touching in the
+    file, cut where a request would pass ``max_bytes`` (one chunk may)."""
     if not len(plan.ids):
         return []
     offsets = plan.entry.offsets[plan.ids]
@@ -410,38 +354,3 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
     return [Request(plan, a, b, offset, length, lists, packed[b] > packed[a], sinks[b] - sinks[a], places[a],
                     ((b, places[b]),) if len(ends) == 1 else tuple([(e, places[e]) for e in ends]))
             for (_, a, b, offset, length, *_), ends in zip(reqs, group_ends)]
-
-
-@dataclass(frozen=True)
-class Fetch:
-    """One ranged read of consecutive stored chunks of one file."""
-
-    file: str
-    offset: int
-    length: int
-    reads: tuple[ChunkRead, ...]
-
-
-def coalesce(reads: list[ChunkRead], max_bytes: int) -> list[Fetch]:
-    """Merge reads of adjacent chunks (same file, touching byte ranges) into fetches of at
-    most ``max_bytes`` (a single chunk may exceed it)."""
-    fetches: list[Fetch] = []
-    run: list[ChunkRead] = []
-
-    def flush() -> None:
-        if run:
-            start = run[0].chunk.offset
-            end = run[-1].chunk.offset + run[-1].chunk.length
-            fetches.append(Fetch(run[0].file, start, end - start, tuple(run)))
-
-    for cr in reads:
-        if run:
-            last = run[-1]
-            touching = cr.file == last.file and cr.chunk.offset == last.chunk.offset + last.chunk.length
-            if touching and cr.chunk.offset + cr.chunk.length - run[0].chunk.offset <= max_bytes:
-                run.append(cr)
-                continue
-            flush()
-        run = [cr]
-    flush()
-    return fetches
