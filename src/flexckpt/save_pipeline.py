@@ -39,8 +39,8 @@ from flexckpt.manifest import (
 )
 from flexckpt.plan import RankPlan, WritePlan, make_write_plan, part_of_world
 from flexckpt.staging import StagingBuffer, staging_device
+from flexckpt.storage import makedirs
 from flexckpt.structure import Walk, fingerprint
-from flexckpt.tier.inventory import makedirs
 from flexckpt.writer import RawSums, encode_per_rank, table_bytes, values_bytes, write_data_file
 from flexshard import part_of
 

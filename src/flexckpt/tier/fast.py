@@ -56,12 +56,12 @@ from flexckpt.save_pipeline import Attempts
 from flexckpt.savers import await_peers
 from flexckpt.stages import union_structure
 from flexckpt.staging import StagingBuffer, copies_for
-from flexckpt.storage import Storage
+from flexckpt.storage import Storage, makedirs
 from flexckpt.structure import excluder, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import (
     Decision, Held, check_copy, choose, compat_fingerprint, compat_union, done_name, file_lengths,
-    MAX_DONE_BYTES, makedirs, remove_bundle,
+    MAX_DONE_BYTES, remove_bundle,
     remove_paths, scan, set_aside, set_aside_before,
 )
 from flexckpt.tier.owner import folder_id, hold, release, remove_if_unowned
