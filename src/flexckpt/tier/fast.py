@@ -723,10 +723,6 @@ class FastTier:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _barrier(self) -> None:
-        if self.group is not None:
-            self._all_gather(None)
-
     def _target_compat(self, fps: list[str], w: Any) -> str:
         """The union of the target ranks' structures (:func:`compat_union`): their common
         fingerprint, or, when they differ (pipeline stages), from one structure per
