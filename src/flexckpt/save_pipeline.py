@@ -85,7 +85,8 @@ class SaveJob:
     staged_ok: bool = False  # the buffer holds the state (set before the fence is released)
     sums: RawSums | None = None  # its chunk checksums, shared with a fast save of its bytes (uncompressed only)
     chunks: list = field(default_factory=list)
-    line: list = field(default_factory=list)  # [fingerprint, table checksum, table bytes, stored bytes]
+    line: list = field(default_factory=list)  # its record: [fingerprint, table checksum, table bytes, stored bytes,
+    #                                           values checksum ("" without values), values bytes]
     tree: Any = None  # the coordinator's: the state's container tree, for the manifest (flexckpt.tree)
 
 
