@@ -152,6 +152,7 @@ def part_roundtrip(device: torch.device, small: bool = False) -> Iterator[dict]:
     from torch.distributed.tensor import Shard as DShard, distribute_tensor
 
     from flexckpt import Checkpointer
+    from flexckpt.staging import copies_for
     from flexshard import BlockShard, ShardedOptimizer, ShardedTensor, ShardingConfig
 
     g = torch.Generator().manual_seed(0)
@@ -176,7 +177,7 @@ def part_roundtrip(device: torch.device, small: bool = False) -> Iterator[dict]:
             save_s = time.perf_counter() - t0
             h.wait_staged()
             h.result()
-            copies = type(ckpt._copies[device]).__name__
+            copies = type(copies_for(device)).__name__  # how a save stages from this device (the one place that decides)
             target = {
                 "w": torch.zeros_like(state["w"]), "h": torch.zeros_like(state["h"]),
                 "f8": torch.zeros_like(state["f8"]), "i": torch.zeros_like(state["i"]),

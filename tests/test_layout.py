@@ -291,3 +291,9 @@ def test_layout_from_json_kept_layouts_never_answer_json_of_another_type():
     assert layout_from_json(mesh) == layout_from_json(dict(mesh)) == MeshLayout((2, 2), ("S0", "R"))
     with pytest.raises(ValueError, match="holds ints"):
         layout_from_json({**mesh, "mesh": [2, True]})
+
+
+def test_global_numel_still_answers_but_warns_naming_its_replacement():
+    t = ShardedTensor.from_global(torch.zeros(6, 4), Shard(0), rank=0, world_size=2)
+    with pytest.warns(DeprecationWarning, match=r"math\.prod\(t\.global_shape\)"):
+        assert t.global_numel == 24 == math.prod(t.global_shape)

@@ -322,6 +322,14 @@ def test_async_mode_disabled_commits_in_save_and_async_returns_before(tmp_path):
     manager.close()
 
 
+def test_save_future_exception_waits_for_the_save_through_the_handles_public_wait(tmp_path):
+    manager, _, _ = _manager(tmp_path, interval=1)
+    assert manager.save(1)
+    future = manager.save_future
+    assert future.exception(timeout=60) is None and future.done()  # waited: no poll needed
+    manager.close()
+
+
 def _dcp_manager(loader, folder: str):
     """torchtitan's own manager (DCP, synchronous) around the loader and stand-ins."""
     import torch

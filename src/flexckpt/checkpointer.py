@@ -102,8 +102,8 @@ class Checkpointer(SavePipeline, Committer):
         stage_delay: seconds the staging copy waits after save() returns (cut short by the
             fence), so that it does not compete for cores and memory bandwidth with the
             other ranks' save() calls, which data-parallel ranks make within about a
-            millisecond of each other. Measured on 2 cores, world 2: p99 trainer wait 3.4 ms
-            without the pause, 0.6 ms with 3 ms.
+            millisecond of each other; default 3 ms (figures: bench/RESULTS.md, "What changed
+            since the first run").
         stall_timeout: seconds any one storage call may go without progress (bytes moved)
             before it is given up; the save then fails on its handle with ``SaveError`` and
             training goes on (None: wait for ever).

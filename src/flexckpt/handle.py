@@ -49,6 +49,12 @@ class SaveHandle:
         """This rank's part is finished (on rank 0: the checkpoint is committed)."""
         return self._done.is_set()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until this rank's part is finished, failed or not (:meth:`done`); returns
+        False on timeout. Unlike :meth:`result` it neither raises the save's error (see
+        :meth:`exception`) nor waits for another rank to commit."""
+        return self._done.wait(timeout)
+
     def exception(self) -> BaseException | None:
         return self._error
 

@@ -39,8 +39,8 @@ from flexckpt.manifest import (
 )
 from flexckpt.plan import RankPlan, WritePlan, make_write_plan, part_of_world
 from flexckpt.staging import StagingBuffer, staging_device
+from flexckpt.storage import makedirs
 from flexckpt.structure import Walk, fingerprint
-from flexckpt.tier.inventory import makedirs
 from flexckpt.writer import RawSums, encode_per_rank, table_bytes, values_bytes, write_data_file
 from flexshard import part_of
 
@@ -85,7 +85,8 @@ class SaveJob:
     staged_ok: bool = False  # the buffer holds the state (set before the fence is released)
     sums: RawSums | None = None  # its chunk checksums, shared with a fast save of its bytes (uncompressed only)
     chunks: list = field(default_factory=list)
-    line: list = field(default_factory=list)  # [fingerprint, table checksum, table bytes, stored bytes]
+    line: list = field(default_factory=list)  # its record: [fingerprint, table checksum, table bytes, stored bytes,
+    #                                           values checksum ("" without values), values bytes]
     tree: Any = None  # the coordinator's: the state's container tree, for the manifest (flexckpt.tree)
 
 

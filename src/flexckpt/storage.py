@@ -422,6 +422,18 @@ class Storage:
             self.fs.invalidate_cache(path)
 
 
+def makedirs(storage: Storage, rel: str) -> None:
+    """``storage.makedirs`` that survives another process removing an empty parent meanwhile
+    (fast-tier folders are removed while other ranks create theirs beside them)."""
+    for _ in range(10):
+        try:
+            storage.makedirs(rel)
+            return
+        except FileNotFoundError:
+            continue
+    storage.makedirs(rel)
+
+
 class RangeReader:
     """Byte ranges of one file, read into caller memory where the backend allows."""
 

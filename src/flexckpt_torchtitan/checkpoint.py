@@ -68,7 +68,7 @@ class _CommitFuture(Future):
         return self.handle.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self.handle._done.wait(timeout)
+        self.handle.wait(timeout)
         return self.handle.exception()
 
 

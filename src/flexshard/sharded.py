@@ -2,6 +2,7 @@
 which piece it is."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -64,6 +65,9 @@ class ShardedTensor:
 
     @property
     def global_numel(self) -> int:
+        """Deprecated: use ``math.prod(t.global_shape)``."""
+        warnings.warn("ShardedTensor.global_numel is deprecated; use math.prod(t.global_shape)",
+                      DeprecationWarning, stacklevel=2)
         return numel(self.global_shape)
 
     @classmethod

@@ -59,13 +59,13 @@ def _import_for_world(args: argparse.Namespace, import_dcp: Any) -> Any:
     import math
     import tempfile
 
-    from flexckpt.cli import _writable_folder, cmd_reshard
+    from flexckpt.reshard import cmd_reshard, writable_folder
     from flexshard.world import ranks
 
     if args.mesh is not None and math.prod(args.mesh) != args.world:
         raise CheckpointError(f"--mesh {args.mesh} spans {ranks(math.prod(args.mesh))}, --world is {args.world}; "
                               "make them agree")
-    _writable_folder(args.url)
+    writable_folder(args.url)
     with tempfile.TemporaryDirectory(prefix="flexckpt-import-", dir=args.tmp_dir) as tmp:
         r = import_dcp(args.dcp_dir, tmp, args.step, budget=_budget(args), progress=sys.stderr.isatty())
         budget = None if args.budget_mib is None else _budget(args)
@@ -114,7 +114,7 @@ def _command(sub: Any, name: str, fn: Any, src: str, dst: str, help: str, descri
 
 
 def add_parsers(sub: Any) -> None:
-    from flexckpt.cli import parse_mesh
+    from flexckpt.reshard import parse_mesh
 
     p = _command(sub, "import-dcp", cmd_import_dcp, "dcp_dir", "url",
              help="a torch.distributed.checkpoint folder as a flexckpt checkpoint",

@@ -56,12 +56,12 @@ from flexckpt.save_pipeline import Attempts
 from flexckpt.savers import await_peers
 from flexckpt.stages import union_structure
 from flexckpt.staging import StagingBuffer, copies_for
-from flexckpt.storage import Storage
+from flexckpt.storage import Storage, makedirs
 from flexckpt.structure import excluder, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import (
     Decision, Held, check_copy, choose, compat_fingerprint, compat_union, done_name, file_lengths,
-    MAX_DONE_BYTES, makedirs, remove_bundle,
+    MAX_DONE_BYTES, remove_bundle,
     remove_paths, scan, set_aside, set_aside_before,
 )
 from flexckpt.tier.owner import folder_id, hold, release, remove_if_unowned
@@ -104,7 +104,7 @@ class _FastJob:
     plain: dict
     lanes: dict
     per_rank: dict
-    cuda: Any
+    copy: Any  # the staging copy of srcs into the buffer, CPU or CUDA (None when shared holds the bytes)
     keyed: dict = field(default_factory=dict)  # bytes values by key (carried in the marker, as records carry them)
     shared: Any = None  # the persistent save of the same step whose staged buffer this save reads
     release: Any = None  # lets go of that buffer (once, after the node's data file is written)
@@ -319,13 +319,13 @@ class FastTier:
         lanes = {k: orjson.Fragment(v) for k, v in lanes.items()}
         attempt = self._attempts.next(step)
         handle = SaveHandle(step, None, attempt, fence_of=None if shared is None else shared.handle)
-        cuda = self._copier(entry) if shared is None else None
+        copy = self._copier(entry) if shared is None else None
         self._busy.set()
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=f"flexckpt-tier-r{self.rank}", daemon=True)
             self._thread.start()
         release = None if shared is None else functools.partial(ckpt._pool.release, shared.buffer)
-        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, cuda, keyed, shared, release,
+        self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, copy, keyed, shared, release,
                                 self._branch))
         return handle
 
@@ -369,7 +369,7 @@ class FastTier:
             try:
                 self._buffer.ensure(e.rank_plan.nbytes, pin=_on_gpu(e))
                 dsts = self._buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
-                job.cuda(dsts, job.srcs)
+                job.copy(dsts, job.srcs)
             finally:
                 job.srcs = None
                 h._staged.set()
@@ -722,10 +722,6 @@ class FastTier:
         out: list = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-    def _barrier(self) -> None:
-        if self.group is not None:
-            self._all_gather(None)
 
     def _target_compat(self, fps: list[str], w: Any) -> str:
         """The union of the target ranks' structures (:func:`compat_union`): their common

@@ -224,17 +224,6 @@ def remove_bundle(storage: Storage, step: int, doc_name: str, files: list[str]) 
             pass
 
 
-def makedirs(storage: Storage, rel: str) -> None:
-    """``makedirs`` that survives another process removing an empty parent meanwhile."""
-    for _ in range(10):
-        try:
-            storage.makedirs(rel)
-            return
-        except FileNotFoundError:
-            continue
-    storage.makedirs(rel)
-
-
 REMOVED = ".removed"  # a node's tier folder: step folders set aside, their files being removed
 
 

@@ -34,9 +34,6 @@ class Received:
         self._starts.insert(i, offset)
         self._spans.insert(i, (offset, buf, ready))
 
-    def bytes_held(self) -> int:
-        return sum(b.nbytes for _o, b, _r in self._spans)
-
     def _pieces(self, offset: int, n: int):
         """(buffer, start, stop) covering bytes [offset, offset + n), in order."""
         pos, stop = offset, offset + n
