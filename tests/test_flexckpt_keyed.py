@@ -126,10 +126,10 @@ def test_a_repeated_lane_and_repeated_bytes_across_record_groups_merge_when_equa
     import flexckpt.checkpointer as ckmod
     import flexckpt.commit as commit
     import flexckpt.committer as committer
-    import flexckpt.manifest as manifest
+    import flexckpt.names as names
     import flexckpt.save_pipeline as save_pipeline
 
-    for module in (ckmod, commit, committer, manifest, save_pipeline):  # group leaders merge first, then rank 0 merges the groups
+    for module in (ckmod, commit, committer, names, save_pipeline):  # group leaders merge first, then rank 0 merges the groups
         monkeypatch.setattr(module, "GROUP", 2)
     states = lambda r: {"data": ByLane({"7": {"doc": 1}}), "x": b"one copy", "own": {f"r{r}": bytes([r])}}  # noqa: E731
     assert _save(tmp_path, 5, states) == [1] * 5

@@ -22,7 +22,6 @@ import dataclasses
 import itertools
 import math
 import re
-import reprlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +35,25 @@ from flexckpt.checksum import ALGORITHM, checksum
 from flexckpt.chunktable import MAX_TABLE_BYTES, ChunkTable, parse_table
 from flexckpt.dtypes import dtype_from_name, dtype_name, itemsize
 from flexckpt.errors import ManifestError
+# the seal and the names live in flexckpt.jsondoc and flexckpt.names (imported from here too)
+from flexckpt.jsondoc import SEAL_FIELD, fail, get_field, get_int, parse_json, seal, show, unseal
+from flexckpt.names import (
+    GROUP,
+    MANIFEST,
+    attempt_id,
+    attempt_run_id,
+    check_run_id,
+    committed_name,
+    data_name,
+    failed_name,
+    group_name,
+    keyed_name,
+    parse_step_dir,
+    record_name,
+    step_dir,
+    table_name,
+    values_name,
+)
 from flexckpt.plan import READ_RULES_VERSIONS, RULES_VERSION, PlanRules, WritePlan
 from flexckpt.stall import bounded
 from flexckpt.structure import TensorSpec
@@ -51,7 +69,6 @@ RECORD_FORMAT = "flexckpt-record"
 #    with the tags of flexckpt.plain (dtype, device, path, enum, class, dataclass, dict)
 VERSION = 4
 READ_VERSIONS = (1, 2, 3, 4)
-MANIFEST = "manifest.json"
 CODECS = ("none", "zstd")
 
 MAX_MANIFEST_BYTES = 256 << 20  # parsing costs about 11 bytes of memory a byte
@@ -62,83 +79,11 @@ MAX_FILE_BYTES = 1 << 50
 MAX_WORLD = 1 << 20
 MAX_TIME = 253402300799  # 9999-12-31 23:59:59 UTC
 
-_STEP_DIR = re.compile(r"^step-(\d{12})$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX = re.compile(r"[0-9a-f]*")
-_ATTEMPT = re.compile(r"([A-Za-z0-9_-]{1,64})\.[0-9a-f]{8}\.[0-9]{1,9}")
 MAX_CHUNKS_PER_FILE = 1 << 22
 MAX_ZSTD_RATIO = 1 << 15  # a zstd block of 128 KiB of one byte value stores in 4 bytes
-
-
-def step_dir(step: int) -> str:
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**12:
-        raise ValueError(f"step must be an int in [0, 10**12), got {step!r}")
-    return f"step-{step:012d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    m = _STEP_DIR.match(name)
-    return int(m.group(1)) if m else None
-
-
-def check_run_id(run_id: object) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
-        raise ValueError(f"run id must match {_RUN_ID.pattern}, got {_show(run_id)}")
-    return run_id
-
-
-# -- version 2: every file of a save attempt in the attempt's own folder ---------------------
-GROUP = 64  # ranks per record group: a group leader gathers its group's records
-
-
-def attempt_id(run_id: str, session: str, n: int) -> str:
-    """``RUN.SESSION.N``: the ``n``-th save of a step by this job launch (``session``, 8 hex
-    digits, drawn once per launch). Every rank counts its saves of a step the same way."""
-    out = f"{run_id}.{session}.{n}"
-    if not _ATTEMPT.fullmatch(out):
-        raise ValueError(f"attempt id {out!r} must match {_ATTEMPT.pattern}")
-    return out
-
-
-def attempt_run_id(attempt: str) -> str | None:
-    """The run id of an attempt folder's name, or None if the name is not an attempt's."""
-    m = _ATTEMPT.fullmatch(attempt)
-    return m.group(1) if m else None
-
-
-def data_name(attempt: str, rank: int) -> str:
-    return f"{attempt}/r{rank:05d}.data"
-
-
-def table_name(attempt: str, rank: int) -> str:
-    return f"{attempt}/r{rank:05d}.table"
-
-
-def record_name(attempt: str, rank: int) -> str:
-    return f"{attempt}/rec/g{rank // GROUP:05d}/r{rank:05d}.json"
-
-
-def group_name(attempt: str, group: int) -> str:
-    return f"{attempt}/grp/g{group:05d}.json"
-
-
-def values_name(attempt: str, rank: int) -> str:
-    return f"{attempt}/r{rank:05d}.values"
-
-
-def keyed_name(attempt: str) -> str:
-    """The bytes values of a save, each once (written by rank 0 before the commit)."""
-    return f"{attempt}/keyed.values"
-
-
-def failed_name(attempt: str) -> str:
-    return f"{attempt}/failed"
-
-
-def committed_name(attempt: str) -> str:
-    return f"{attempt}/committed"
 
 
 class RankEntry(NamedTuple):
@@ -341,7 +286,7 @@ class TableFiles(Mapping):
     def __getitem__(self, name: str) -> FileEntry:
         rank = self._names.get(name)
         if rank is None:
-            raise ManifestError(f"the plan reads {_show(name)}, but the manifest lists no data stored for that rank")
+            raise ManifestError(f"the plan reads {show(name)}, but the manifest lists no data stored for that rank")
         with self._lock:
             entry = self._entries.get(rank)
         if entry is None:
@@ -508,88 +453,16 @@ class Manifest:
         return sum(c.length for f in self.files.values() for c in f.chunks)
 
 
-# -- validation of untrusted documents ---------------------------------------------------------
-_SHOW = reprlib.Repr()
-_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 3, 80, 80, 6, 6
-
-
-def _show(value: Any) -> str:
-    """A short repr of an untrusted value: bounded in length and depth (an int nested a
-    thousand lists deep must not raise RecursionError in an error message)."""
-    return _SHOW.repr(value)
-
-
-def _fail(where: str, msg: str) -> ManifestError:
-    return ManifestError(f"invalid checkpoint {where}: {msg}")
-
-
-def _get(doc: dict, key: str, kind: type | tuple, where: str) -> Any:
-    if key not in doc:
-        raise _fail(where, f"missing field {_show(key)}")
-    value = doc[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise _fail(where, f"field {_show(key)} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
-    return value
-
-
-def _int(value: Any, lo: int, hi: int, what: str, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise _fail(where, f"{what} must be an int in [{lo}, {hi}], got {_show(value)}")
-    return value
-
-
-def parse_json(data: bytes, where: str) -> dict:
-    try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError as e:
-        raise _fail(where, f"not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise _fail(where, f"expected a JSON object, got {type(doc).__name__}")
-    return doc
-
-
-# -- the manifest's own checksum ----------------------------------------------------------------
-SEAL_FIELD = "manifest_checksum"
-_SEAL = b'{"' + SEAL_FIELD.encode() + b'":"'
-_SEAL_HEX = re.compile(rb"[0-9a-f]{16}")
-
-
-def seal(body: bytes) -> bytes:
-    """The manifest as written: ``body`` (a JSON object as orjson writes it) with the
-    checksum of exactly those bytes as its first field. Load verifies it before parsing,
-    so a flipped byte anywhere (a plain value, a shape, a lane cursor) fails the load, as a
-    flipped byte of a data file does."""
-    if not body.startswith(b"{") or body.startswith(b"{}"):
-        raise ValueError("a manifest body is a non-empty JSON object")
-    return _SEAL + checksum(body).encode() + b'",' + body[1:]
-
-
-def unseal(data: bytes, where: str = "manifest") -> tuple[bytes, bool]:
-    """The document without its checksum field, and whether it had one (checked; a
-    manifest written before flexckpt sealed them has none and is returned as it is)."""
-    if not data.startswith(_SEAL):
-        return data, False
-    end = len(_SEAL) + 16
-    want = data[len(_SEAL) : end]
-    if not _SEAL_HEX.fullmatch(want) or data[end : end + 2] != b'",':
-        raise _fail(where, f"{SEAL_FIELD} must be 16 hex digits followed by the other fields")
-    body = b"{" + data[end + 2 :]
-    got = checksum(body)
-    if got.encode() != want:
-        raise _fail(where, f"its checksum is {got}, the {SEAL_FIELD} it records is {want.decode()}: the manifest is "
-                           f"damaged or was edited")
-    return body, True
 
 
 def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
     """A manifest read back: its checksum (if it has one) verified, then every field."""
     if len(data) > MAX_MANIFEST_BYTES:
-        raise _fail(where, f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+        raise fail(where, f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     body, sealed = unseal(data, where)
     manifest = _parse_document(body, where)
     if not sealed and manifest.version >= 3:  # v3 came with the checksum: one without it was stripped
-        raise _fail(where, f"a version-{manifest.version} manifest must begin with its {SEAL_FIELD}, and this one has "
+        raise fail(where, f"a version-{manifest.version} manifest must begin with its {SEAL_FIELD}, and this one has "
                            f"none: it was edited or damaged")
     return dataclasses.replace(manifest, sealed=True) if sealed else manifest
 
@@ -597,48 +470,48 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
 def _parse_document(data: bytes, where: str) -> Manifest:
     doc = parse_json(data, where)
     if SEAL_FIELD in doc:
-        raise _fail(where, f"{SEAL_FIELD} is not the document's first field (the manifest was rewritten)")
+        raise fail(where, f"{SEAL_FIELD} is not the document's first field (the manifest was rewritten)")
     if doc.get("format") != FORMAT:
-        raise _fail(where, f"format is {_show(doc.get('format'))}, expected {_show(FORMAT)}")
+        raise fail(where, f"format is {show(doc.get('format'))}, expected {show(FORMAT)}")
     version = doc.get("version")
     if version not in READ_VERSIONS or isinstance(version, bool):
-        raise _fail(where, f"version {_show(version)} is not supported (this flexckpt reads {list(READ_VERSIONS)})")
+        raise fail(where, f"version {show(version)} is not supported (this flexckpt reads {list(READ_VERSIONS)})")
     if doc.get("checksum") != ALGORITHM:
-        raise _fail(where, f"checksum algorithm {_show(doc.get('checksum'))} is not supported (expected {ALGORITHM})")
-    step = _int(doc.get("step"), 0, 10**12 - 1, "step", where)
+        raise fail(where, f"checksum algorithm {show(doc.get('checksum'))} is not supported (expected {ALGORITHM})")
+    step = get_int(doc.get("step"), 0, 10**12 - 1, "step", where)
     try:
         run_id = check_run_id(doc.get("run_id"))
     except ValueError as e:
-        raise _fail(where, str(e)) from None
-    world = _int(doc.get("world_size"), 1, MAX_WORLD, "world_size", where)
-    wall = _get(doc, "time", (int, float), where)
+        raise fail(where, str(e)) from None
+    world = get_int(doc.get("world_size"), 1, MAX_WORLD, "world_size", where)
+    wall = get_field(doc, "time", (int, float), where)
     if not 0 <= wall <= MAX_TIME:  # NaN fails too
-        raise _fail(where, f"time {_show(wall)} is not seconds since 1970 before the year 10000")
-    fp = _get(doc, "fingerprint", str, where)
+        raise fail(where, f"time {show(wall)} is not seconds since 1970 before the year 10000")
+    fp = get_field(doc, "fingerprint", str, where)
     if version >= 2:
         return _parse_v2(doc, step, run_id, world, float(wall), fp, where, version)
-    files = {name: _parse_file(name, entry, where) for name, entry in _get(doc, "files", dict, where).items()}
+    files = {name: _parse_file(name, entry, where) for name, entry in get_field(doc, "files", dict, where).items()}
     tensors = {
-        name: _parse_tensor(name, entry, files, where) for name, entry in _get(doc, "tensors", dict, where).items()
+        name: _parse_tensor(name, entry, files, where) for name, entry in get_field(doc, "tensors", dict, where).items()
     }
-    plain = _get(doc, "plain", dict, where)
-    lanes = _get(doc, "lanes", dict, where)
+    plain = get_field(doc, "plain", dict, where)
+    lanes = get_field(doc, "lanes", dict, where)
     for path, mapping in lanes.items():
         if not isinstance(mapping, dict):
-            raise _fail(where, f"lanes of {_show(path)} must be an object keyed by lane")
-    per_rank = _get(doc, "per_rank", dict, where)
+            raise fail(where, f"lanes of {show(path)} must be an object keyed by lane")
+    per_rank = get_field(doc, "per_rank", dict, where)
     for path, values in per_rank.items():
         if not isinstance(values, list) or len(values) != world:
-            raise _fail(where, f"per-rank values of {_show(path)} must be a list of {world} entries")
+            raise fail(where, f"per-rank values of {show(path)} must be a list of {world} entries")
     return Manifest(step, run_id, world, float(wall), fp, files, tensors, plain, lanes, per_rank)
 
 
 def _parse_values(doc: dict, where: str) -> tuple[dict, dict]:
-    plain = _get(doc, "plain", dict, where)
-    lanes = _get(doc, "lanes", dict, where)
+    plain = get_field(doc, "plain", dict, where)
+    lanes = get_field(doc, "lanes", dict, where)
     for path, mapping in lanes.items():
         if not isinstance(mapping, dict):
-            raise _fail(where, f"lanes of {_show(path)} must be an object keyed by lane")
+            raise fail(where, f"lanes of {show(path)} must be an object keyed by lane")
     return plain, lanes
 
 
@@ -646,43 +519,43 @@ def _parse_rules(raw: Any, where: str, version: int) -> PlanRules:
     rules_version = (raw.get("version") if isinstance(raw, dict) and raw.get("version") in (3, RULES_VERSION)
                      else RULES_VERSION) if version >= 3 else 2
     if not isinstance(raw, dict) or raw.get("version") != rules_version or rules_version not in READ_RULES_VERSIONS:
-        raise _fail(where, f"plan rules {_show(raw)} are not version {rules_version} (the rules this flexckpt computes "
+        raise fail(where, f"plan rules {show(raw)} are not version {rules_version} (the rules this flexckpt computes "
                            f"for a version-{version} manifest)")
     if set(raw) != {"version", "align", "chunk_bytes", "min_chunk", "chunks_per_piece", "hybrid_part_bytes"}:
-        raise _fail(where, f"plan rules have fields {sorted(raw)}")
-    align = _int(raw["align"], 1, 4096, "rules align", where)
+        raise fail(where, f"plan rules have fields {sorted(raw)}")
+    align = get_int(raw["align"], 1, 4096, "rules align", where)
     if align & (align - 1):
-        raise _fail(where, f"rules align {align} is not a power of two")
-    chunk = _int(raw["chunk_bytes"], align, MAX_CHUNK_BYTES, "rules chunk_bytes", where)
-    min_chunk = _int(raw["min_chunk"], align, MAX_CHUNK_BYTES, "rules min_chunk", where)
-    per_piece = _int(raw["chunks_per_piece"], 1, 1 << 16, "rules chunks_per_piece", where)
-    part = _int(raw["hybrid_part_bytes"], align, MAX_CHUNK_BYTES, "rules hybrid_part_bytes", where)
+        raise fail(where, f"rules align {align} is not a power of two")
+    chunk = get_int(raw["chunk_bytes"], align, MAX_CHUNK_BYTES, "rules chunk_bytes", where)
+    min_chunk = get_int(raw["min_chunk"], align, MAX_CHUNK_BYTES, "rules min_chunk", where)
+    per_piece = get_int(raw["chunks_per_piece"], 1, 1 << 16, "rules chunks_per_piece", where)
+    part = get_int(raw["hybrid_part_bytes"], align, MAX_CHUNK_BYTES, "rules hybrid_part_bytes", where)
     return PlanRules(chunk, rules_version, align, min_chunk, per_piece, part)
 
 
 def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: str, where: str, version: int) -> Manifest:
-    attempt = _get(doc, "attempt", str, where)
+    attempt = get_field(doc, "attempt", str, where)
     if attempt_run_id(attempt) != run_id:
-        raise _fail(where, f"attempt {_show(attempt[:80])} is not an attempt of run {_show(run_id)}")
+        raise fail(where, f"attempt {show(attempt[:80])} is not an attempt of run {show(run_id)}")
     rules = _parse_rules(doc.get("rules"), where, version)
     codec = doc.get("codec")
     if codec not in CODECS:
-        raise _fail(where, f"codec {_show(codec)} is not one of {CODECS}")
+        raise fail(where, f"codec {show(codec)} is not one of {CODECS}")
     fields = []  # (name, dtype, shape, layout) a tensor: the plan's key, TensorSpecs only for a new plan
-    for name, entry in _get(doc, "tensors", dict, where).items():
+    for name, entry in get_field(doc, "tensors", dict, where).items():
         dtype, shape, layout = _tensor_fields(name, entry, where)
         if entry.keys() != _V2_TENSOR_FIELDS:
-            raise _fail(where, f"tensor {_show(name)} has fields {sorted(entry)}, expected dtype, shape and layout")
+            raise fail(where, f"tensor {show(name)} has fields {sorted(entry)}, expected dtype, shape and layout")
         if version < 3 and isinstance(layout, MeshLayout):
-            raise _fail(where, f"tensor {_show(name)} has a mesh layout, which a version-{version} manifest cannot hold")
+            raise fail(where, f"tensor {show(name)} has a mesh layout, which a version-{version} manifest cannot hold")
         fields.append((name, dtype, shape, layout))
     try:
         plan = _write_plan(fields, world, rules)
     except (ValueError, OverflowError) as e:  # OverflowError: sizes past int64 (a block of 2**62)
-        raise _fail(where, str(e) or type(e).__name__) from None
-    raw_ranks = _get(doc, "ranks", list, where)
+        raise fail(where, str(e) or type(e).__name__) from None
+    raw_ranks = get_field(doc, "ranks", list, where)
     if len(raw_ranks) != world:
-        raise _fail(where, f"ranks lists {len(raw_ranks)} entries for a world of {world}")
+        raise fail(where, f"ranks lists {len(raw_ranks)} entries for a world of {world}")
     ranks = []
     for r, e in enumerate(raw_ranks):
         ok = (
@@ -692,16 +565,16 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
             and (_HEX16.fullmatch(e[3]) is not None if e[4] else e[3] == "")
         )
         if not ok:
-            raise _fail(where, f"rank {r} entry must be [table checksum (16 hex), table bytes, stored bytes, values "
-                               f"checksum, values bytes], got {_show(e)}")
+            raise fail(where, f"rank {r} entry must be [table checksum (16 hex), table bytes, stored bytes, values "
+                               f"checksum, values bytes], got {show(e)}")
         ranks.append(RankEntry(*e))
     ranks_t = tuple(ranks)
     source = PlanPieces(plan, attempt)
     tensors = {s.name: _saved_tensor(s, source) for s in plan.specs}
     plain, lanes = _parse_values(doc, where)
-    keys = _get(doc, "per_rank", list, where)
+    keys = get_field(doc, "per_rank", list, where)
     if not all(isinstance(k, str) for k in keys):
-        raise _fail(where, "per_rank must list value names")
+        raise fail(where, "per_rank must list value names")
     files = TableFiles(plan, attempt, codec, ranks_t)
     keyed = _parse_keyed(doc.get("keyed", {}), where)
     tree = doc.get("tree") if version >= 4 else None
@@ -739,7 +612,7 @@ def _parse_keyed(raw: Any, where: str) -> dict[str, tuple[int, int, str]]:
     """The index of the bytes values file: each key's ``[offset, length, checksum]``; the
     values must lie one after the other from byte 0, each at most MAX_BYTES_VALUE."""
     if not isinstance(raw, dict):
-        raise _fail(where, "keyed must be an object of bytes values by key")
+        raise fail(where, "keyed must be an object of bytes values by key")
     out = {}
     for key, e in raw.items():
         ok = (
@@ -748,26 +621,26 @@ def _parse_keyed(raw: Any, where: str) -> dict[str, tuple[int, int, str]]:
             and type(e[2]) is str and _HEX16.fullmatch(e[2]) is not None
         )
         if not ok:
-            raise _fail(where, f"bytes value {_show(key)} must be [offset, length (at most {MAX_BYTES_VALUE}), "
-                               f"checksum (16 hex)], got {_show(e)}")
+            raise fail(where, f"bytes value {show(key)} must be [offset, length (at most {MAX_BYTES_VALUE}), "
+                               f"checksum (16 hex)], got {show(e)}")
         out[key] = (e[0], e[1], e[2])
     pos = 0
     for key, (offset, length, _) in sorted(out.items(), key=lambda kv: (kv[1][0], kv[1][1])):
         if offset != pos:
-            raise _fail(where, f"bytes value {_show(key)} starts at byte {offset}, not {pos} where the one before ends")
+            raise fail(where, f"bytes value {show(key)} starts at byte {offset}, not {pos} where the one before ends")
         pos += length
     return out
 
 
 def _parse_file(name: str, entry: Any, where: str) -> FileEntry:
     if not _FILE_NAME.match(name) or ".." in name:
-        raise _fail(where, f"file name {_show(name)} is not a plain file name inside the checkpoint folder")
+        raise fail(where, f"file name {show(name)} is not a plain file name inside the checkpoint folder")
     if not isinstance(entry, dict):
-        raise _fail(where, f"file {_show(name)} must be an object")
-    nbytes = _int(entry.get("nbytes"), 0, MAX_FILE_BYTES, f"file {_show(name)} nbytes", where)
+        raise fail(where, f"file {show(name)} must be an object")
+    nbytes = get_int(entry.get("nbytes"), 0, MAX_FILE_BYTES, f"file {show(name)} nbytes", where)
     raw_chunks = entry.get("chunks")
     if not isinstance(raw_chunks, list):
-        raise _fail(where, f"file {_show(name)} chunks must be a list")
+        raise fail(where, f"file {show(name)} chunks must be a list")
     chunks = []
     checks = []
     raw_pos = pos = 0
@@ -790,28 +663,28 @@ def _parse_file(name: str, entry: Any, where: str) -> FileEntry:
         chunks.append(StoredChunk(raw_offset, raw_length, offset, length, codec, check))
     if checks and not _HEX.fullmatch("".join(checks)):
         bad = next(c for c in checks if not _HEX16.match(c))
-        raise _fail(where, f"file {_show(name)}: checksum {_show(bad)} is not 16 hex digits")
+        raise fail(where, f"file {show(name)}: checksum {show(bad)} is not 16 hex digits")
     if raw_pos != nbytes:
-        raise _fail(where, f"file {_show(name)} chunks cover {raw_pos} bytes, not its {nbytes}")
+        raise fail(where, f"file {show(name)} chunks cover {raw_pos} bytes, not its {nbytes}")
     return FileEntry(name, nbytes, tuple(chunks))
 
 
 def _explain_bad_chunk(name: str, i: int, c: Any, raw_pos: int, pos: int, where: str) -> None:
-    what = f"file {_show(name)} chunk {i}"
+    what = f"file {show(name)} chunk {i}"
     if not isinstance(c, list) or len(c) != 6:
-        raise _fail(where, f"{what} must be [raw_offset, raw_length, offset, length, codec, checksum]")
+        raise fail(where, f"{what} must be [raw_offset, raw_length, offset, length, codec, checksum]")
     raw_offset, raw_length, offset, length, codec, check = c
-    _int(raw_offset, 0, MAX_FILE_BYTES, f"{what} raw_offset", where)
-    _int(raw_length, 1, MAX_CHUNK_BYTES, f"{what} raw_length", where)
-    _int(offset, 0, MAX_FILE_BYTES, f"{what} offset", where)
-    _int(length, 0, MAX_CHUNK_BYTES, f"{what} length", where)
+    get_int(raw_offset, 0, MAX_FILE_BYTES, f"{what} raw_offset", where)
+    get_int(raw_length, 1, MAX_CHUNK_BYTES, f"{what} raw_length", where)
+    get_int(offset, 0, MAX_FILE_BYTES, f"{what} offset", where)
+    get_int(length, 0, MAX_CHUNK_BYTES, f"{what} length", where)
     if codec not in CODECS:
-        raise _fail(where, f"{what} codec {_show(codec)} is not one of {CODECS}")
+        raise fail(where, f"{what} codec {show(codec)} is not one of {CODECS}")
     if not isinstance(check, str) or not _HEX16.match(check):
-        raise _fail(where, f"{what} checksum {_show(check)} is not 16 hex digits")
+        raise fail(where, f"{what} checksum {show(check)} is not 16 hex digits")
     if raw_offset != raw_pos or offset != pos:
-        raise _fail(where, f"{what} does not follow the previous chunk (gap or overlap)")
-    raise _fail(where, f"{what} is uncompressed but stores {length} bytes for {raw_length}")
+        raise fail(where, f"{what} does not follow the previous chunk (gap or overlap)")
+    raise fail(where, f"{what} is uncompressed but stores {length} bytes for {raw_length}")
 
 
 _V2_TENSOR_FIELDS = frozenset(("dtype", "shape", "layout"))
@@ -832,24 +705,24 @@ def _saved_tensor(spec: TensorSpec, source: PlanPieces) -> SavedTensor:
 def _tensor_fields(name: str, entry: Any, where: str) -> tuple[torch.dtype, tuple[int, ...], Layout]:
     """A tensor's dtype, shape and layout, validated (of any version)."""
     if not name or len(name) > 4096:
-        raise _fail(where, f"tensor name {_show(name[:80])} is empty or too long")
+        raise fail(where, f"tensor name {show(name[:80])} is empty or too long")
     if not isinstance(entry, dict):
-        raise _fail(where, f"tensor {_show(name)} must be an object")
+        raise fail(where, f"tensor {show(name)} must be an object")
     try:
         dtype = dtype_from_name(entry.get("dtype"))
         layout = layout_from_json(entry.get("layout"))
     except (ValueError, TypeError, RecursionError) as e:
-        raise _fail(where, f"tensor {_show(name)}: {str(e)[:200]}") from None
+        raise fail(where, f"tensor {show(name)}: {str(e)[:200]}") from None
     shape_raw = entry.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > 64:
-        raise _fail(where, f"tensor {_show(name)} shape must be a list of at most 64 ints")
+        raise fail(where, f"tensor {show(name)} shape must be a list of at most 64 ints")
     # every dimension exactly an int in [0, MAX_NUMEL], checked in C; the message only on failure
     if shape_raw and not (_INT_ONLY.issuperset(map(type, shape_raw)) and min(shape_raw) >= 0 and max(shape_raw) <= MAX_NUMEL):
-        shape = tuple(_int(s, 0, MAX_NUMEL, f"tensor {_show(name)} dimension", where) for s in shape_raw)
+        shape = tuple(get_int(s, 0, MAX_NUMEL, f"tensor {show(name)} dimension", where) for s in shape_raw)
     shape = tuple(shape_raw)
     numel = math.prod(shape)
     if numel > MAX_NUMEL:
-        raise _fail(where, f"tensor {_show(name)} has {numel} elements, more than {MAX_NUMEL}")
+        raise fail(where, f"tensor {show(name)} has {numel} elements, more than {MAX_NUMEL}")
     return dtype, shape, layout
 
 
@@ -860,20 +733,20 @@ def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str
     size = itemsize(dtype)
     pieces_raw = entry.get("pieces")
     if not isinstance(pieces_raw, list):
-        raise _fail(where, f"tensor {_show(name)} pieces must be a list")
+        raise fail(where, f"tensor {show(name)} pieces must be a list")
     saved = []
     for i, p in enumerate(pieces_raw):
-        what = f"tensor {_show(name)} piece {i}"
+        what = f"tensor {show(name)} piece {i}"
         if not isinstance(p, list) or len(p) != 4:
-            raise _fail(where, f"{what} must be [file, start, stop, raw_offset]")
+            raise fail(where, f"{what} must be [file, start, stop, raw_offset]")
         file = p[0]
         if type(file) is not str or file not in files:
-            raise _fail(where, f"{what} names file {_show(file)}, which the manifest does not list")
-        start = _int(p[1], 0, numel, f"{what} start", where)
-        stop = _int(p[2], start, numel, f"{what} stop", where)
-        raw_offset = _int(p[3], 0, MAX_FILE_BYTES, f"{what} raw_offset", where)
+            raise fail(where, f"{what} names file {show(file)}, which the manifest does not list")
+        start = get_int(p[1], 0, numel, f"{what} start", where)
+        stop = get_int(p[2], start, numel, f"{what} stop", where)
+        raw_offset = get_int(p[3], 0, MAX_FILE_BYTES, f"{what} raw_offset", where)
         if raw_offset + (stop - start) * size > files[file].nbytes:
-            raise _fail(where, f"{what} ends past the end of {_show(file)}")
+            raise fail(where, f"{what} ends past the end of {show(file)}")
         saved.append(SavedPiece(file, start, stop, raw_offset))
     # every element saved exactly once: the non-empty pieces, by start, tile [0, numel)
     pos, tiled = 0, True
@@ -881,7 +754,7 @@ def _parse_tensor(name: str, entry: Any, files: dict[str, FileEntry], where: str
         tiled = tiled and p.start == pos
         pos = p.stop if tiled else pos
     if not tiled or pos != numel:
-        raise _fail(where, f"tensor {_show(name)} pieces do not cover its {numel} elements exactly once "
+        raise fail(where, f"tensor {show(name)} pieces do not cover its {numel} elements exactly once "
                            f"(a gap or an overlap at element {pos})")
     return SavedTensor(name, dtype, shape, layout, tuple(saved))
 
@@ -890,12 +763,12 @@ def parse_record(data: bytes, where: str) -> dict:
     """A per-rank record (or a group's records gathered by its leader): checked for shape
     here; its meaning is checked by the coordinator."""
     if len(data) > MAX_RECORD_BYTES:
-        raise _fail(where, f"{len(data)} bytes, more than the {MAX_RECORD_BYTES} allowed")
+        raise fail(where, f"{len(data)} bytes, more than the {MAX_RECORD_BYTES} allowed")
     doc = parse_json(data, where)
     if doc.get("format") != RECORD_FORMAT or doc.get("version") != VERSION:
-        raise _fail(where, f"not a version-{VERSION} flexckpt record")
+        raise fail(where, f"not a version-{VERSION} flexckpt record")
     for key, kind in (("run_id", str), ("attempt", str), ("ranks", dict), ("lanes", dict), ("keyed", dict)):
-        _get(doc, key, kind, where)
+        get_field(doc, key, kind, where)
     for key in ("step", "world_size"):
-        _int(doc.get(key), 0, MAX_FILE_BYTES, key, where)
+        get_int(doc.get(key), 0, MAX_FILE_BYTES, key, where)
     return doc
