@@ -64,7 +64,8 @@ from flexckpt.commit import (
     record_doc,
     wait_for,
 )
-from flexckpt.manifest import GROUP, group_name, parse_manifest, record_name, step_dir
+from flexckpt.manifest import GROUP, group_name, record_name, step_dir
+from flexckpt.manifest_parse import parse_manifest
 from flexckpt.plan import WritePlan, make_write_plan, part_of_world, sharded_loads
 from flexckpt.storage import Storage
 from flexckpt.structure import TensorSpec

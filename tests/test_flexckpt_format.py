@@ -187,7 +187,8 @@ def test_pieces_in_are_the_pieces_each_rank_wrote_that_hold_the_wanted_elements(
     every rank's own plan: a flat range, the same range as a part of the whole tensor, and
     a box (of a flat layout: the pieces holding the flat span from its first element to
     its last)."""
-    from flexckpt.manifest import PlanPieces, SavedPiece, _saved_tensor, data_name
+    from flexckpt.manifest import PlanPieces, SavedPiece, data_name
+    from flexckpt.manifest_parse import _saved_tensor
     from flexckpt.manifest import SavedTensor
     from flexshard import Box, Part
     from flexshard.box import whole

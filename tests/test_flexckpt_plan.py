@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from flexckpt.checksum import checksum
 from flexckpt.errors import ManifestError
-from flexckpt.manifest import unseal, parse_manifest
+from flexckpt.manifest import unseal
+from flexckpt.manifest_parse import parse_manifest
 from flexckpt.plan import ALIGN, make_write_plan
 from flexckpt.readplan import gather_runs
 from flexckpt.structure import TensorSpec

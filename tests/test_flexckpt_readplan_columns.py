@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from flexckpt.checksum import digest, digest_parts
 from flexckpt.errors import ManifestError
-from flexckpt.manifest import FileEntry, StoredChunk, parse_manifest
+from flexckpt.manifest import FileEntry, StoredChunk
+from flexckpt.manifest_parse import parse_manifest
 from flexckpt.readplan import SINK, file_plan, gather_runs, plan_requests, read_groups, requests, scatter
 from flexckpt.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Part, Replicate, Shard
@@ -221,7 +222,8 @@ def test_a_version_2_flat_want_gathers_the_runs_the_pieces_give(shapes, src_worl
     """gather_runs' shortcut for a flat range of a version-2 tensor (the plan's writers as
     tuples, no piece objects) against the same tensor with its pieces listed (the general
     path): the same runs in each file."""
-    from flexckpt.manifest import PlanPieces, _saved_tensor
+    from flexckpt.manifest import PlanPieces
+    from flexckpt.manifest_parse import _saved_tensor
     from flexckpt.plan import make_write_plan
     from flexshard import HybridShard
 
@@ -252,7 +254,8 @@ def test_a_version_2_flat_want_gathers_the_runs_the_pieces_give(shapes, src_worl
 
 
 def test_a_version_2_flat_want_the_pieces_do_not_cover_is_refused_naming_the_tensor():
-    from flexckpt.manifest import PlanPieces, _saved_tensor
+    from flexckpt.manifest import PlanPieces
+    from flexckpt.manifest_parse import _saved_tensor
     from flexckpt.plan import make_write_plan
 
     plan = make_write_plan([TensorSpec("w", torch.float32, (10, 4), Shard(0))], 2, 64)

@@ -43,13 +43,12 @@ from flexckpt.manifest import (
     failed_name,
     group_name,
     keyed_name,
-    parse_manifest,
-    parse_record,
     parse_step_dir,
     record_name,
     step_dir,
     table_name,
 )
+from flexckpt.manifest_parse import parse_manifest, parse_record
 from flexckpt.plan import WritePlan
 from flexckpt.storage import Storage
 

@@ -47,8 +47,9 @@ from flexckpt.commit import keyed_entries, read_manifest, write_keyed
 from flexckpt.load import PendingLoad
 from flexckpt.checksum import ALGORITHM
 from flexckpt.manifest import (
-    FORMAT, VERSION, SavedTensor, data_name, keyed_name, parse_manifest, seal, step_dir, table_name, values_name,
+    FORMAT, VERSION, SavedTensor, data_name, keyed_name, seal, step_dir, table_name, values_name,
 )
+from flexckpt.manifest_parse import parse_manifest
 from flexckpt.errors import SaveError
 from flexckpt.handle import SaveHandle
 from flexckpt.plan import part_of_world
