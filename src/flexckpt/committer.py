@@ -25,7 +25,7 @@ from flexckpt.commit import (
     write_keyed,
 )
 from flexckpt.errors import SaveError, expected_failure
-from flexckpt.manifest import GROUP, attempt_run_id, committed_name, group_name, step_dir, table_name
+from flexckpt.names import GROUP, attempt_run_id, committed_name, group_name, step_dir, table_name
 from flexckpt.plan import WritePlan
 from flexckpt.save_pipeline import PlanEntry, SaveJob
 from flexckpt.stages import has_partial, union_structure

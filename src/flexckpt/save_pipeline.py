@@ -27,7 +27,7 @@ from flexckpt.checksum import checksum
 from flexckpt.commit import keyed_entries, record_doc
 from flexckpt.errors import SaveError
 from flexckpt.handle import SaveHandle
-from flexckpt.manifest import (
+from flexckpt.names import (
     GROUP,
     attempt_id,
     committed_name,

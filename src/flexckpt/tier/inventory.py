@@ -26,7 +26,7 @@ import orjson
 
 from flexckpt.checksum import checksum, digest
 from flexckpt.chunktable import parse_table
-from flexckpt.manifest import data_name, parse_step_dir, step_dir, table_name, values_name
+from flexckpt.names import data_name, parse_step_dir, step_dir, table_name, values_name
 from flexckpt.storage import Storage
 from flexckpt.structure import excluder, fingerprint
 
