@@ -360,3 +360,16 @@ def test_load_dict_gives_back_every_plain_value_without_warning_that_it_left_the
             got = ck.load_dict()
     assert got["epoch"] == 3 and got["h"] == {"lr": 0.1}
     assert [r.getMessage() for r in caplog.records if "left out" in r.getMessage()] == []
+
+
+def test_load_dict_of_an_empty_url_says_there_is_nothing_to_load_yet(tmp_path):
+    from flexckpt.errors import LoadError
+
+    ck = Checkpointer(str(tmp_path / "empty"), rank=0, world_size=1)
+    try:
+        with pytest.raises(LoadError, match=r"^no committed checkpoint under .*empty: nothing to load yet"):
+            ck.load_dict()
+        with pytest.raises(LoadError, match=r"^step 3 is not a committed checkpoint under .*; committed: \[\]"):
+            ck.load_dict(step=3)
+    finally:
+        ck.close()

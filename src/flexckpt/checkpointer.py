@@ -364,9 +364,11 @@ class Checkpointer(SavePipeline, Committer):
         """``step``, or the newest committed step; LoadError if it is not committed."""
         steps = self.steps()
         chosen = (steps[-1] if steps else None) if step is None else step
-        if chosen is None or chosen not in steps:
-            raise LoadError(f"step {step if step is not None else '(newest)'} is not a committed checkpoint under "
-                            f"{self.storage.url}; committed: {steps}")
+        if chosen is None:
+            raise LoadError(f"no committed checkpoint under {self.storage.url}: nothing to load yet (save one first, "
+                            f"or check the URL)")
+        if chosen not in steps:
+            raise LoadError(f"step {step} is not a committed checkpoint under {self.storage.url}; committed: {steps}")
         return chosen
 
     # -- checking --------------------------------------------------------------------------------
