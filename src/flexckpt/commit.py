@@ -28,15 +28,11 @@ import orjson
 
 from flexckpt.checksum import checksum
 from flexckpt.errors import ManifestError, SaveError, expected_failure
-from flexckpt.manifest import (
+from flexckpt.manifest import MAX_MANIFEST_BYTES, RECORD_FORMAT, VERSION, Manifest, RankEntry, SavedTensor
+from flexckpt.manifest_parse import parse_manifest, parse_record
+from flexckpt.names import (
     GROUP,
     MANIFEST,
-    MAX_MANIFEST_BYTES,
-    RECORD_FORMAT,
-    VERSION,
-    Manifest,
-    RankEntry,
-    SavedTensor,
     attempt_run_id,
     committed_name,
     data_name,
@@ -48,7 +44,6 @@ from flexckpt.manifest import (
     step_dir,
     table_name,
 )
-from flexckpt.manifest_parse import parse_manifest, parse_record
 from flexckpt.plan import WritePlan
 from flexckpt.storage import Storage
 
