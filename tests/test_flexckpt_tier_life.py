@@ -216,8 +216,8 @@ def test_two_machines_under_one_node_name_are_named_and_their_steps_set_aside_on
 # -- 5: a restart's start-up housekeeping ------------------------------------------------------------
 def test_a_restart_reads_no_manifest_of_a_step_holding_only_its_committed_attempt_and_never_waits_for_reclaim(
         tmp_path, monkeypatch):
-    import flexckpt.checkpointer as checkpointer
     import flexckpt.commit as commit
+    import flexckpt.committer as committer
 
     ck = _ck(tmp_path)
     for step in (1, 2, 3):
@@ -233,8 +233,8 @@ def test_a_restart_reads_no_manifest_of_a_step_holding_only_its_committed_attemp
     real_read = commit.read_manifest
     monkeypatch.setattr(commit, "read_manifest", lambda storage, step: reads.append(step) or real_read(storage, step))
     gate = threading.Event()  # the store's housekeeping is slow (a large store): it waits for the gate
-    real_reclaim = checkpointer.reclaim_at_start
-    monkeypatch.setattr(checkpointer, "reclaim_at_start", lambda *a, **k: (gate.wait(120), real_reclaim(*a, **k))[1])
+    real_reclaim = committer.reclaim_at_start
+    monkeypatch.setattr(committer, "reclaim_at_start", lambda *a, **k: (gate.wait(120), real_reclaim(*a, **k))[1])
     built = []
     starter = threading.Thread(target=lambda: built.append(_ck(tmp_path)), daemon=True)
     starter.start()

@@ -159,33 +159,34 @@ def _lineage_of(files: list[str]) -> str | None:
 
 
 class FastTier:
-    def __init__(self, config: LocalTier, ckpt: Any) -> None:
+    def __init__(self, config: LocalTier, host: Any, staging: Any) -> None:
         self.config = config
-        self.rank, self.world = ckpt.rank, ckpt.world_size
-        self.run_id, self.session = ckpt.run_id, ckpt.session
-        self.lineage = config.resolved_lineage(ckpt.storage.url)
+        self._host, self._staging = host, staging
+        self.rank, self.world = host.rank, host.world_size
+        self.run_id, self.session = host.run_id, host.session
+        self.lineage = config.resolved_lineage(host.storage.url)
         self.node = node_name()
         self.dir = config.dir.replace("{node}", self.node)  # "{node}": one folder a node on one machine (tests)
         os.makedirs(self.dir, exist_ok=True)
         self.group = None
         self.store = None
         self.timeout = float(config.timeout)
-        self._run_store = ckpt.storage
-        run = this_launch(ckpt.storage) if self.rank == 0 else None
+        self._run_store = host.storage
+        run = this_launch(host.storage) if self.rank == 0 else None
         gathered = [(self.node, run)]
         if self.world > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("a fast tier with more than one rank needs torch.distributed initialized")
-            if ckpt.group is not None and dist.get_world_size(ckpt.group) != dist.get_world_size():
+            if host.group is not None and dist.get_world_size(host.group) != dist.get_world_size():
                 raise ValueError(
                     f"a fast tier spans the whole job (its gloo group is made by every rank); this Checkpointer's "
-                    f"process_group has {dist.get_world_size(ckpt.group)} of {dist.get_world_size()} ranks: drop local= "
+                    f"process_group has {dist.get_world_size(host.group)} of {dist.get_world_size()} ranks: drop local= "
                     f"or process_group="
                 )
-            ranks = None if ckpt.group is None else dist.get_process_group_ranks(ckpt.group)
+            ranks = None if host.group is None else dist.get_process_group_ranks(host.group)
             self.global_ranks = list(range(self.world)) if ranks is None else list(ranks)
             # this job's keys in its store (the tier folder's name needs the gather below)
-            keys = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}".encode()).hexdigest()[:16]
+            keys = PREFIX + hashlib.sha256(f"{self.lineage}\0{host.storage.url}".encode()).hexdigest()[:16]
             self.store = dist.PrefixStore(f"{keys}/{self.session}", dist.distributed_c10d._get_default_store())
             await_peers(self.store, self.global_ranks[self.rank], self.global_ranks, self.timeout,
                         "a fast tier (local=, LocalTier.timeout)")
@@ -199,7 +200,7 @@ class FastTier:
         # the run folder's identity (made with its first fast save) and this launch's number: a
         # tier outlives no removal of its run folder, and launches never tie
         self.folder_run_id, self.launch, self._run_written = gathered[0][1]
-        name = PREFIX + hashlib.sha256(f"{self.lineage}\0{ckpt.storage.url}\0{self.folder_run_id}".encode()).hexdigest()[:16]
+        name = PREFIX + hashlib.sha256(f"{self.lineage}\0{host.storage.url}\0{self.folder_run_id}".encode()).hexdigest()[:16]
         self.root = os.path.join(os.path.abspath(self.dir), name)
         hold(self.root)  # for this tier's life: no other job sweeps it while this process lives
         self._held = True
@@ -283,7 +284,7 @@ class FastTier:
             )
 
     # -- saving --------------------------------------------------------------------------------
-    def save(self, ckpt: Any, step: int, state: dict) -> Any:
+    def save(self, step: int, state: dict) -> Any:
         if self._closed:
             raise RuntimeError("this fast tier is closed")
         step_dir(step)
@@ -292,21 +293,21 @@ class FastTier:
             log.info("flexckpt fast tier: step %d skipped (the previous fast save is still in flight; %d skipped)",
                      step, self.skipped)
             return None
-        shared = ckpt._share_staged(step, state)  # the persistent save of this step: its capture and bytes
+        shared = self._staging.share_staged(step, state)  # the persistent save of this step: its capture and bytes
         if shared is not None:
             entry, srcs, plain, lanes, per_rank, keyed = (shared.entry, None, shared.plain, shared.lanes,
                                                           shared.per_rank, shared.keyed)
         else:
             w = walk(state, self.rank, self.world)
-            entry = ckpt._plan_for(w)
-            srcs, plain, lanes, per_rank = ckpt._capture(w, entry)  # now: the pipeline moves on
+            entry = self._staging.plan_for(w)
+            srcs, plain, lanes, per_rank = self._staging.capture(w, entry)  # now: the pipeline moves on
             keyed = dict(w.keyed)
         if not self._space_checked:
             try:
                 self._check_space(entry.rank_plan.nbytes)
             except BaseException:
                 if shared is not None:
-                    ckpt._pool.release(shared.buffer)
+                    self._staging.release(shared.buffer)
                 raise
             self._space_checked = True
         if not self._run_written and self.rank == 0:  # the run folder's record: made with rank 0's first fast save
@@ -314,7 +315,7 @@ class FastTier:
                 write_run_folder(self._run_store, self.folder_run_id, self.launch)
             except BaseException:
                 if shared is not None:
-                    ckpt._pool.release(shared.buffer)
+                    self._staging.release(shared.buffer)
                 raise
             self._run_written = True
         lanes = {k: orjson.Fragment(v) for k, v in lanes.items()}
@@ -325,7 +326,7 @@ class FastTier:
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=f"flexckpt-tier-r{self.rank}", daemon=True)
             self._thread.start()
-        release = None if shared is None else functools.partial(ckpt._pool.release, shared.buffer)
+        release = None if shared is None else functools.partial(self._staging.release, shared.buffer)
         self._jobs.put(_FastJob(step, attempt, handle, entry, srcs, plain, lanes, per_rank, copy, keyed, shared, release,
                                 self._branch))
         return handle
@@ -588,9 +589,9 @@ class FastTier:
             mine = None
         return max((s for s in self._all_gather(mine) if s is not None), default=None)
 
-    def recover(self, ckpt: Any, state: dict, strict: bool, exclude: tuple[str, ...] = ()) -> int | None:
-        """Restore the newest step complete across the surviving nodes; None when the
-        persistent store must serve the load (the reason is in ``last_recovery``).
+    def recover(self, state: dict, strict: bool, exclude: tuple[str, ...] = ()) -> tuple[int, Any] | None:
+        """Restore the newest step complete across the surviving nodes: the step and the
+        load's ``LoadStats``; None when the persistent store must serve the load (the reason is in ``last_recovery``).
         ``exclude`` as ``load()`` takes it: those leaves are left out of the structure
         compared and of the load."""
         t0 = time.perf_counter()
@@ -600,7 +601,7 @@ class FastTier:
             w = full.without(gone)
             fp = compat_fingerprint(w.structure_json())
             held = scan(self.storage)
-            persistent = ckpt.steps() if self.rank == 0 else []
+            persistent = self._host.steps() if self.rank == 0 else []
             mine = (self.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent, fp, "",
                     self.folder_id)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
@@ -641,10 +642,10 @@ class FastTier:
         asks: dict[int, list[Ask]] = {}
         self._into: dict[tuple[str, int], np.ndarray] = {}  # asked ranges received straight into a target
         try:
-            manifest = self._store_manifest(ckpt, decision) if decision.missing else self._manifest(decision, w)
+            manifest = self._store_manifest(self._host, decision) if decision.missing else self._manifest(decision, w)
             manifest.files.bind(view, step_dir(decision.step))
             pending = PendingLoad(view, manifest, full, self.rank, self.world, strict, gone)
-            asks, report.parts = self._plan_sources(decision, manifest, pending, gathered, ckpt, view)
+            asks, report.parts = self._plan_sources(decision, manifest, pending, gathered, self._host, view)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
             error, asks = exc, {}
         transfers = assign(self._all_gather(asks), decision.holders)
@@ -660,7 +661,7 @@ class FastTier:
         if error is None:
             try:
                 assert pending is not None
-                pending.read(ckpt.read_threads)  # this node's files are read while the peers' ranges arrive
+                pending.read(self._host.read_threads)  # this node's files are read while the peers' ranges arrive
             except Exception as exc:  # noqa: BLE001
                 error = exc
         t4 = time.perf_counter()
@@ -702,12 +703,11 @@ class FastTier:
                 self._inherited = [(h.step, done_name(h.attempt, h.rank, h.world), list(h.doc["files"]))
                                    for h in scan(self.storage)]
         pending.apply()
-        ckpt.last_load_stats = pending.stats
         report.timings["finish_s"] = time.perf_counter() - t6
         report.seconds = time.perf_counter() - t0
         self.last_recovery = report
         log.info("flexckpt fast tier: restored step %d (%s); parts: %s", decision.step, decision.reason, report.parts)
-        return decision.step
+        return decision.step, pending.stats
 
     def _sweep(self, paths: list[str]) -> None:
         """Remove set-aside step folders on a thread of their own (``close()`` waits for it)."""
