@@ -200,12 +200,10 @@ class SavePipeline:
         self.pool.clear()
 
     def abandon(self) -> None:
-        """End the threads without finishing the saves still queued: each fails on its
-        handle (the Checkpointer was freed without close(); a save a thread is working on
-        finishes)."""
+        """End the threads without finishing the saves in flight: each fails on its handle
+        at its next stage (the Checkpointer was freed without close())."""
         self._dropped.set()
-        for q in (self._stage_q, self._write_q, self._commit_q):
-            q.put(None)
+        self._stage_q.put(None)
 
     # -- the threads -----------------------------------------------------------------------------
     def _ensure_threads(self) -> None:
@@ -291,9 +289,10 @@ class SavePipeline:
 
 
 def serve(work: Callable[[Any], None], inbox: queue.Queue, outbox: queue.Queue | None, dropped: threading.Event) -> None:
-    """A background thread: hand each job from ``inbox`` to ``work``. None (from
-    ``finish`` or ``abandon``) stops it and is passed down the line; once ``dropped`` is
-    set, the jobs still queued fail on their handles instead."""
+    """A background thread: hand each job from ``inbox`` to ``work``. None (from ``finish``
+    or ``abandon``, after every job queued before it) stops it and is passed down the line;
+    once ``dropped`` is set, the jobs that reach it fail on their handles instead: their
+    ``result()`` would otherwise wait for ever."""
     while True:
         job = inbox.get()
         try:
@@ -302,28 +301,16 @@ def serve(work: Callable[[Any], None], inbox: queue.Queue, outbox: queue.Queue |
                     outbox.put(None)
                 return
             if dropped.is_set():
-                abandon(job, inbox)
-                return
-            work(job)
+                job.handle._fail(SaveError(DROPPED))
+            else:
+                work(job)
         finally:
             job = None  # hold nothing while waiting for the next job
             inbox.task_done()
 
 
-def abandon(job: Any, inbox: queue.Queue) -> None:
-    """Fail the saves a Checkpointer freed without close() left in ``inbox``: their
-    ``result()`` would otherwise wait for ever."""
-    error = SaveError("the Checkpointer was freed without close() before this save finished; keep a reference to "
-                      "it and call close() (or use it in a with block) to finish its saves")
-    while job is not None:
-        handle = getattr(job, "handle", None)
-        if handle is not None:
-            handle._fail(error)
-        try:
-            job = inbox.get_nowait()
-        except queue.Empty:
-            return
-        inbox.task_done()
+DROPPED = ("the Checkpointer was freed without close() before this save finished; keep a reference to it and call "
+           "close() (or use it in a with block) to finish its saves")
 
 
 def stop_on_collect(pipeline: SavePipeline, at_exit: Any) -> None:
