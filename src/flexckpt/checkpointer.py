@@ -28,16 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexckpt.agree import agree_step, first_failed_rank
 from flexckpt.codec import parse_compression
 from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.committer import Committer
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError
 from flexckpt.handle import InFlight, SaveHandle
-from flexckpt.load import LoadStats, PendingLoad
+from flexckpt.load import LoadStats
 from flexckpt.manifest import GROUP, step_dir
 from flexckpt.rebuild import load_dict
+from flexckpt.restore import load_committed
 from flexckpt.save_job import SaveSettings
 from flexckpt.save_pipeline import SavePipeline, stop_on_collect
 from flexckpt.savers import Savers, run_ids, who_saves
@@ -372,33 +372,12 @@ class Checkpointer:
                 step_restored, self.last_load_stats = restored
                 return step_restored
         w = walk(state, self.rank, self.world_size)
-        chosen = self._agree_step(step, before=None)
-        while True:
-            error: BaseException | None = None
-            pending = None
-            try:
-                manifest = read_manifest(self.storage, chosen)
-                pending = PendingLoad(self.storage, manifest, w, self.rank, self.world_size, strict, gone)
-                pending.read(self.read_threads)
-            except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
-                error = exc
-            failed_rank = self._first_failed_rank(error is not None)
-            if failed_rank is None:
-                assert pending is not None
-                pending.apply()
-                self.last_load_stats = pending.stats
-                if self.tier is not None and (step is not None or not strict):
-                    self.tier.abandon(aside=step is not None)  # no tier step may outrank what the run saves next
-                return chosen
-            if error is not None and fallback:  # handled, not raised: say what failed (raised: never logged too)
-                log.warning("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)
-            if not fallback:
-                if error is not None:
-                    raise error
-                raise LoadError(f"load of step {chosen} failed on rank {failed_rank}; see that rank's error")
-            previous = chosen
-            chosen = self._agree_step(None, before=previous)
-            log.warning("flexckpt: load of step %d failed; falling back to step %d", previous, chosen)
+        chosen, self.last_load_stats = load_committed(
+            self.storage, w, rank=self.rank, world_size=self.world_size, group=self.group, step=step,
+            strict=strict, gone=gone, read_threads=self.read_threads, fallback=fallback)
+        if self.tier is not None and (step is not None or not strict):
+            self.tier.abandon(aside=step is not None)  # no tier step may outrank what the run saves next
+        return chosen
 
     def load_dict(self, step: int | None = None, *, device: "str | torch.device" = "cpu",
                   exclude: tuple = ()) -> dict:
@@ -421,12 +400,6 @@ class Checkpointer:
         manifest = read_manifest(self.storage, chosen)
         return load_dict(self.storage, manifest, self.rank, self.world_size, torch.device(device), gone,
                          self.read_threads)
-
-    def _agree_step(self, step: int | None, before: int | None) -> int:
-        return agree_step(self.rank, self.world_size, self.group, self.steps, self.storage.url, step, before)
-
-    def _first_failed_rank(self, failed: bool) -> int | None:
-        return first_failed_rank(self.rank, self.world_size, self.group, failed)
 
 
 def check_arguments(*, keep_last: int | None, chunk_bytes: int, stage_delay: float, read_only: bool,
