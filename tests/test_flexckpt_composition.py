@@ -75,8 +75,8 @@ def test_a_fast_save_of_a_new_state_where_a_freed_one_lived_stages_its_own_copy(
         address = id(saved)
         h = ck.save(5, saved)
         del saved
-        # a freed dict's memory is the next dict's (CPython's free list): on main, the first
-        # new dict lived at the saved state's address; now the pipeline holds that state
+        # a freed dict's memory is the next dict's (CPython's free list): on main, the first new
+        # dict lived at the saved state's address; now the save holds its state until it is written
         candidates = [{} for _ in range(100)]
         other = next((d for d in candidates if id(d) == address), candidates[0])
         other["w"] = torch.full((256,), 2.0)
@@ -87,3 +87,17 @@ def test_a_fast_save_of_a_new_state_where_a_freed_one_lived_stages_its_own_copy(
         target = {"w": torch.zeros(256)}
         assert ck.load(target) == 5 and ck.tier.last_recovery.source == "tier"
         assert torch.equal(target["w"], torch.full((256,), 2.0))
+
+
+def test_a_checkpointer_with_a_fast_tier_dropped_without_close_is_freed(tmp_path):
+    # the tier's thread holds the tier, and the tier its host: through a weak proxy only, so
+    # the tier never keeps the Checkpointer alive
+    tier = LocalTier(dir=str(tmp_path / "node" / "{node}"), replicas=0, keep_last=2, lineage="dropped", stale_after=0)
+    ck = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, local=tier, fsync=False)
+    state = {"w": torch.arange(256.0)}
+    ck.save(1, state).result(30)
+    assert ck.save_local(1, state).result(30) == 1  # the tier's thread is running
+    ref = weakref.ref(ck)
+    del ck
+    gc.collect()
+    assert ref() is None

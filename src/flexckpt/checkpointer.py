@@ -185,7 +185,9 @@ class Checkpointer:
         since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
         self._committer = Committer(settings, self._in_flight, keep_last=keep_last, since=since)
         self._pipeline = SavePipeline(settings, self._committer, self._in_flight, max_in_flight)
-        self.tier = None if local is None else FastTier(local, host=self, staging=self._pipeline)
+        # the tier's host is this facade through a weak proxy: the tier's thread must not keep a
+        # Checkpointer dropped without close() alive
+        self.tier = None if local is None else FastTier(local, host=weakref.proxy(self), staging=self._pipeline)
 
     def _start_reclaim(self) -> threading.Thread | None:
         """The coordinator removes the files of saves cut short before this launch on a thread

@@ -75,6 +75,9 @@ class SaveJob:
     attempt: str = ""
     keyed: dict[str, bytes] = field(default_factory=dict)  # this rank's bytes values, by key
     lease: int = 0  # the buffer's acquisition that holds this save (BufferPool.share)
+    # the state object saved, held (not its id(): a freed state's id may come back as another
+    # object's) until the buffer is released: a fast save of the same step and state shares it
+    state: Any = None
     staged_ok: bool = False  # the buffer holds the state (set before the fence is released)
     sums: RawSums | None = None  # its chunk checksums, shared with a fast save of its bytes (uncompressed only)
     chunks: list = field(default_factory=list)

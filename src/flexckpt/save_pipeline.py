@@ -83,9 +83,7 @@ class SavePipeline:
         self._threads: list[threading.Thread] = []
         self._dropped = threading.Event()  # its Checkpointer was freed without close()
         self._lock = threading.Lock()
-        # the last save's job and the very state object it saved (held, not its id(): a freed
-        # state's id may come back as another object's, which must never share these bytes)
-        self._last_save: tuple[SaveJob, dict] | None = None
+        self._last_save: SaveJob | None = None
 
     # -- on the calling thread -------------------------------------------------------------------
     def save(self, step: int, state: dict) -> SaveHandle:
@@ -107,12 +105,12 @@ class SavePipeline:
         buffer = self.pool.acquire()  # waits while max_in_flight saves are staged but not written
         handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
         job = SaveJob(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt, keyed=dict(w.keyed),
-                      lease=buffer.lease,
+                      lease=buffer.lease, state=state,
                       sums=RawSums() if s.compression.codec == "none" else None,
                       tree=w.tree if s.is_coordinator else None)
         self.in_flight.add(handle)
         with self._lock:
-            self._last_save = (job, state)  # a fast save of the same step and state takes its bytes (share_staged)
+            self._last_save = job  # a fast save of the same step and state takes its bytes (share_staged)
         self._stage_q.put(job)
         return handle
 
@@ -167,10 +165,9 @@ class SavePipeline:
         fast tier, which gives it back with :meth:`release` once it has copied the bytes;
         the next staging into the buffer waits for that). None otherwise."""
         with self._lock:
-            last = self._last_save
-        if last is None or last[0].step != step or last[1] is not state:
+            job = self._last_save
+        if job is None or job.step != step or job.state is not state:
             return None
-        job = last[0]
         return job if self.pool.share(job.buffer, job.lease) else None
 
     def release(self, buffer: StagingBuffer) -> None:
@@ -237,6 +234,7 @@ class SavePipeline:
             self._copies[e.device].copy(dsts, job.srcs, job.ready)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
             self.pool.release(job.buffer)
+            job.state = None
             self.committer.report_failure(job, exc, "staging")
             return
         finally:
@@ -267,6 +265,7 @@ class SavePipeline:
             return
         finally:
             self.pool.release(job.buffer)
+            job.state = None  # no fast save can share the buffer now
         try:
             table = table_bytes(rank=self.rank, attempt=job.attempt, codec=s.compression.codec, chunks=job.chunks)
             self.storage.put_atomic(f"{step_dir(job.step)}/{table_name(job.attempt, self.rank)}", table,
