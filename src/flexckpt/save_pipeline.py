@@ -252,7 +252,8 @@ class SavePipeline:
             e = job.entry
             rank_plan = e.rank_plan
             folder = f"{step_dir(job.step)}/{job.attempt}"
-            with self.committer.folders_lock:  # and another rank's retention (a process) may rmdir the empty step folder
+            # and another rank's retention (a process) may rmdir the empty step folder
+            with self.committer.folders_lock:
                 makedirs(self.storage, folder)
             if rank_plan.nbytes:
                 job.chunks = write_data_file(
@@ -287,7 +288,8 @@ class SavePipeline:
             self.committer.hand_in(job)
 
 
-def serve(work: Callable[[Any], None], inbox: queue.Queue, outbox: queue.Queue | None, dropped: threading.Event) -> None:
+def serve(work: Callable[[Any], None], inbox: queue.Queue, outbox: queue.Queue | None,
+          dropped: threading.Event) -> None:
     """A background thread: hand each job from ``inbox`` to ``work``. None (from ``finish``
     or ``abandon``, after every job queued before it) stops it and is passed down the line;
     once ``dropped`` is set, the jobs that reach it fail on their handles instead: their
