@@ -29,7 +29,7 @@ import orjson
 import torch
 
 from flexckpt.checksum import ALGORITHM
-from flexckpt.dtypes import dtype_name, itemsize
+from flexckpt.dtypes import dtype_name
 from flexckpt.jsondoc import SEAL_FIELD, seal, unseal
 from flexckpt.names import (
     GROUP,
