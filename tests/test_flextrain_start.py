@@ -89,6 +89,23 @@ def test_a_changed_fingerprinted_field_is_named_and_a_performance_one_is_not():
         "settings (ranks, device, data.micro_batch, optim.placement, ckpt_every, data.workers) may change.")
 
 
+def test_a_run_saved_from_another_install_of_the_bundled_corpora_resumes_and_another_file_does_not():
+    # the default sources are absolute paths into the installed package: a run folder made from
+    # a checkout must resume from a wheel install (or a moved venv), whose paths differ
+    saved_cfg = load_config().to_dict()
+    elsewhere = "/opt/venv/lib/python3.12/site-packages/flextrain/corpus"
+    saved_cfg["data"]["sources"] = {"prose": f"{elsewhere}/kjv.jsonl.zst", "code": f"{elsewhere}/python_stdlib.jsonl.zst"}
+    saved = json.dumps(saved_cfg)
+    assert resume_refusal(saved, load_config()) == ""
+    swapped = load_config(sets=[f'data.sources={{"prose": "{CORPUS}/python_stdlib.jsonl.zst", '
+                                f'"code": "{CORPUS}/python_stdlib.jsonl.zst"}}'])
+    assert "  data.sources.prose: saved '<bundled corpus kjv.jsonl.zst>', now '<bundled corpus python_stdlib" \
+        in resume_refusal(saved, swapped)
+    mine = load_config(sets=['data.sources={"prose": "/data/kjv.jsonl.zst", "code": "/data/py.jsonl.zst"}'])
+    assert "data.sources.prose: saved '<bundled corpus kjv.jsonl.zst>', now '/data/kjv.jsonl.zst'" \
+        in resume_refusal(saved, mine)
+
+
 def test_resolve_gives_a_new_config_and_leaves_the_given_one_as_it_was():
     cfg = load_config()
     before = copy.deepcopy(cfg.to_dict())
