@@ -3,18 +3,22 @@ size), the saved pieces that intersect it, turned into the stored chunks to fetc
 byte copies to make from each. Pieces on both sides are parts of boxes
 (:mod:`flexshard.box`): a flat range is the whole tensor's box. Each shared stretch that is
 contiguous in both the saved piece and the target is one run; a chunk is fetched once,
-whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O.
+whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O
+(the chunk entries come in, read by :func:`flexckpt.tables.file_entries`).
 
 A load plans over columns (:func:`plan_requests`: a file's chunks, the runs cut at their
 bounds, each touched chunk tiled by segments, the fetch loop's plain lists), never one
-object a chunk or a copy. It is the one read planner: the load, the fast tier's range
-planning (:mod:`flexckpt.tier.fetchplan`) and the restore prediction
-(:mod:`flexckpt.restore_plan`) all call :func:`plan_requests`."""
+object a chunk or a copy. It is the one read planner: the load (:func:`gather_runs`, then
+:func:`plan_file_requests` over the entries it read), the fast tier's range planning
+(:mod:`flexckpt.tier.fetchplan`) and the restore prediction (:mod:`flexckpt.restore_plan`)
+all plan through :func:`plan_file_requests`. :func:`plan_requests`, the short form, takes
+the entries from ``manifest.files`` (give it a mapping that holds them, as the tier's
+planning-only view does: a version-2 manifest's own reads any table it lacks)."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -255,10 +259,16 @@ def plan_requests(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange
     merged into ranged reads (:func:`requests`), without an object a chunk. With
     ``group_bytes``, each request also carries its :class:`Scatter` and its read groups
     (:func:`read_groups`)."""
-    by_file = gather_runs(targets)
+    return plan_file_requests(gather_runs(targets), manifest.files, max_bytes, group_bytes)
+
+
+def plan_file_requests(by_file: dict[str, list[np.ndarray]], entries: Mapping[str, FileEntry], max_bytes: int,
+                       group_bytes: int | None = None) -> list[Request]:
+    """:func:`plan_requests` of the runs :func:`gather_runs` gave, over ``entries``, the
+    chunk entries of (at least) the files in ``by_file``."""
     out: list[Request] = []
     for file in sorted(by_file):
-        plan = file_plan(file, manifest.files[file], by_file[file])
+        plan = file_plan(file, entries[file], by_file[file])
         reqs = requests(plan, max_bytes)
         out += reqs if group_bytes is None else scatter(plan, reqs, group_bytes)
     return out
