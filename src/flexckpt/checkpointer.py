@@ -190,7 +190,7 @@ class Checkpointer(SavePipeline, Committer):
         if self.is_coordinator:  # after the collectives above: the other ranks fail at their first call
             self.storage.probe()  # a store that cannot work fails here, in one line (one listing)
         self.last_load_stats: LoadStats | None = None
-        self.tier = None if local is None else FastTier(local, self)
+        self.tier = None if local is None else FastTier(local, host=self, staging=self)
         self._pool = BufferPool(max_in_flight)
         self._plan_key: list | None = None
         self._plan_entry: PlanEntry | None = None
@@ -266,8 +266,8 @@ class Checkpointer(SavePipeline, Committer):
                                f"without read_only to save")
         step_dir(step)  # validates the step
         w = walk(state, self.rank, self.world_size)
-        entry = self._plan_for(w)
-        srcs, plain, lanes, per_rank = self._capture(w, entry)
+        entry = self.plan_for(w)
+        srcs, plain, lanes, per_rank = self.capture(w, entry)
         attempt = self._attempts.next(step)  # the same save on every rank (see Attempts)
         waiter = None if self.is_coordinator else functools.partial(self._wait_for_commit, attempt=attempt)
         handle = SaveHandle(step, waiter, attempt)
@@ -285,7 +285,7 @@ class Checkpointer(SavePipeline, Committer):
                       tree=w.tree if self.is_coordinator else None)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
-            self._last_save = job  # a fast save of the same step and state takes its bytes (_share_staged)
+            self._last_save = job  # a fast save of the same step and state takes its bytes (share_staged)
         self._stage_q.put(job)
         handle.save_seconds = time.perf_counter() - t0
         return handle
@@ -300,7 +300,7 @@ class Checkpointer(SavePipeline, Committer):
         calls, as it must not before the fence."""
         if self.tier is None:
             raise ValueError("save_local needs a fast tier: Checkpointer(url, local=LocalTier(...))")
-        return self.tier.save(self, step, state)
+        return self.tier.save(step, state)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every save started so far has finished on this rank, retention after
@@ -418,9 +418,10 @@ class Checkpointer(SavePipeline, Committer):
         self.wait()
         if self.tier is not None and step is None and strict:  # load(step=...) and partial loads bypass it
             self.tier.wait()
-            restored = self.tier.recover(self, state, strict, exclude)
+            restored = self.tier.recover(state, strict, exclude)
             if restored is not None:
-                return restored
+                self.last_load_stats = restored[1]
+                return restored[0]
         w = walk(state, self.rank, self.world_size)
         chosen = self._agree_step(step, before=None)
         while True:

@@ -1,8 +1,8 @@
 """The save pipeline: what a save takes on the training thread, and the threads that
 carry it to storage.
 
-A save is walked and planned on the training thread (``_plan_for``, cached while the
-state's structure stays the same), its sources and values captured (``_capture``), and
+A save is walked and planned on the training thread (``plan_for``, cached while the
+state's structure stays the same), its sources and values captured (``capture``), and
 queued as a ``SaveJob``. Threads (started on the first save), one queue between each:
   stager  - copies this rank's pieces into a staging buffer, then releases the fence;
   writer  - chunks, compresses, checksums and writes the rank's file, then its record
@@ -23,7 +23,6 @@ from typing import Any
 import orjson
 import torch
 
-from flexckpt.checksum import checksum
 from flexckpt.commit import keyed_entries, record_doc
 from flexckpt.errors import SaveError
 from flexckpt.handle import SaveHandle
@@ -34,14 +33,12 @@ from flexckpt.names import (
     data_name,
     record_name,
     step_dir,
-    table_name,
-    values_name,
 )
 from flexckpt.plan import RankPlan, WritePlan, make_write_plan, part_of_world
 from flexckpt.staging import StagingBuffer, staging_device
 from flexckpt.storage import makedirs
 from flexckpt.structure import Walk, fingerprint
-from flexckpt.writer import RawSums, encode_per_rank, table_bytes, values_bytes, write_data_file
+from flexckpt.writer import RawSums, encode_per_rank, write_data_file, write_rank_files
 from flexshard import part_of
 
 
@@ -110,7 +107,7 @@ class SavePipeline:
     made in ``Checkpointer.__init__``): planning and capture on the training thread, then
     the staging and writing threads."""
 
-    def _plan_for(self, w: Walk) -> PlanEntry:
+    def plan_for(self, w: Walk) -> PlanEntry:
         if w.key == self._plan_key and self._plan_entry is not None:
             return self._plan_entry
         structure = w.structure_json()
@@ -142,7 +139,7 @@ class SavePipeline:
         self._plan_key, self._plan_entry = w.key, entry
         return entry
 
-    def _capture(self, w: Walk, entry: PlanEntry) -> tuple[list, dict, dict, dict]:
+    def capture(self, w: Walk, entry: PlanEntry) -> tuple[list, dict, dict, dict]:
         """What a save takes on the calling thread: the source of each piece this rank
         writes, and the plain (the coordinator's), per-lane and per-rank values encoded now
         (the pipeline moves on after the call)."""
@@ -153,7 +150,7 @@ class SavePipeline:
         per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
         return srcs, plain, lanes, per_rank
 
-    def _share_staged(self, step: int, state: dict) -> SaveJob | None:
+    def share_staged(self, step: int, state: dict) -> SaveJob | None:
         """The last ``save()``'s job when it saved ``step`` from this very ``state`` object
         and its buffer still holds that save: the buffer then has one more holder (the
         fast tier, which releases it once it has copied the bytes; the next staging into
@@ -163,6 +160,10 @@ class SavePipeline:
         if job is None or job.step != step or job.state_id != id(state):
             return None
         return job if self._pool.share(job.buffer, job.lease) else None
+
+    def release(self, buffer: StagingBuffer) -> None:
+        """Let go of a staging buffer :meth:`share_staged` handed out (once)."""
+        self._pool.release(buffer)
 
     def _ensure_threads(self) -> None:
         with self._lock:  # two threads' first saves must start one set of threads, not two
@@ -222,15 +223,10 @@ class SavePipeline:
         finally:
             self._pool.release(job.buffer)
         try:
-            table = table_bytes(rank=self.rank, attempt=job.attempt, codec=self.compression.codec, chunks=job.chunks)
-            self.storage.put_atomic(f"{step_dir(job.step)}/{table_name(job.attempt, self.rank)}", table,
-                                    fsync=self.fsync)
-            values = values_bytes(job.per_rank)
-            if values:  # this rank's own values: a file that only this rank reads back
-                self.storage.put_atomic(f"{step_dir(job.step)}/{values_name(job.attempt, self.rank)}", values,
-                                        fsync=self.fsync)
-            job.line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in job.chunks),
-                        checksum(values) if values else "", len(values)]
+            job.line = write_rank_files(
+                self.storage, step_dir(job.step), rank=self.rank, attempt=job.attempt, fingerprint=e.fingerprint,
+                codec=self.compression.codec, chunks=job.chunks, per_rank=job.per_rank, fsync=self.fsync,
+            ).line
         except BaseException as exc:  # noqa: BLE001
             self._report_failure(job, exc, "writing its chunk table")
             return
