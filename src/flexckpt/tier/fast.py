@@ -26,7 +26,6 @@ import queue
 import shutil
 import threading
 import time
-import uuid
 from typing import Any
 
 import orjson
@@ -47,7 +46,7 @@ from flexckpt.tier.inventory import (
     set_aside_before,
 )
 from flexckpt.tier.keep import Holdings
-from flexckpt.tier.owner import folder_id, hold, release, remove_if_unowned
+from flexckpt.tier.owner import folder_id, hold, release, remove_if_unowned, this_launch, write_run_folder
 from flexckpt.tier.placement import node_name, nodes_of, partners, sources
 from flexckpt.tier.recover import Recovery, StepRecovery
 from flexckpt.tier.save import CarriedStructure, FastJob, staged_stream, write_own
@@ -58,34 +57,6 @@ from flexshard.world import ranks as n_ranks
 log = logging.getLogger("flexckpt")
 
 PREFIX = "flexckpt-tier-"
-
-
-RUN_FOLDER = "fast-tier.json"  # in the run's persistent folder: its identity and its launches with a fast tier
-
-
-def this_launch(storage: Storage) -> tuple[str, int, bool]:
-    """``(id, launch, written)``: the run folder ``storage``'s identity and this launch's
-    number among those with a fast tier, from its ``fast-tier.json``, counted up there
-    (``written``); without one (a new folder, or one removed and made again: the tiers of
-    the earlier folder are not this one's), a new random id and launch 1, written with
-    the first fast save (a refused start leaves the folder as it was)."""
-    try:
-        raw = storage.read_bytes(RUN_FOLDER, limit=1 << 16)
-    except FileNotFoundError:
-        return uuid.uuid4().hex, 1, False
-    try:
-        doc = orjson.loads(raw)
-        run, launch = str(doc["id"]), int(doc["launches"]) + 1
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{storage.path(RUN_FOLDER)} is not a fast tier's record of its run folder ({exc}); remove "
-                         f"it to start the fast tier afresh (its steps of this run folder are then not restored)") from None
-    write_run_folder(storage, run, launch)
-    return run, launch, True
-
-
-def write_run_folder(storage: Storage, run: str, launches: int) -> None:
-    storage.makedirs("")
-    storage.put_atomic(RUN_FOLDER, orjson.dumps({"id": run, "launches": launches}), fsync=False)
 
 
 def _lineage_of(files: list[str]) -> str | None:
