@@ -324,7 +324,7 @@ def _install_profile() -> _Timers:
 
     timers = _Timers()
     timers.wrap(ck, "walk", "walk(state)")
-    timers.wrap(ck.Checkpointer, "_plan_for", "plan lookup")
+    timers.wrap(ck.Checkpointer, "plan_for", "plan lookup")
     timers.wrap(stg.BufferPool, "acquire", "buffer acquire (waits while max_in_flight are busy)")
     timers.wrap(stg.HostCopies, "copy", "stage copy")
     timers.wrap(stg.StreamCopies, "copy", "stage copy (device)")
