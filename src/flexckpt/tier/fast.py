@@ -72,6 +72,10 @@ def _lineage_of(files: list[str]) -> str | None:
 
 
 class FastTier:
+    """One rank's fast tier. Construction is collective on every rank (the tier's gloo
+    group, the nodes' names, the run folder's identity); ``save`` never is; ``recover``,
+    ``abandon(aside=True)`` and ``newest_held`` are, as ``load()`` is."""
+
     def __init__(self, config: LocalTier, host: TierHost, staging: StagedSaves) -> None:
         self.config = config
         self.host, self.staging = host, staging
@@ -375,6 +379,7 @@ class FastTier:
         self.holdings.wrote(doc)
 
     def wait(self, timeout: float | None = None) -> None:
+        """Until this rank's fast save in flight, if any, is done (TimeoutError after ``timeout`` s)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._busy.is_set():
             if deadline is not None and time.monotonic() > deadline:

@@ -150,5 +150,6 @@ def this_launch(storage: Storage) -> tuple[str, int, bool]:
 
 
 def write_run_folder(storage: Storage, run: str, launches: int) -> None:
+    """The run folder's record: its id and the launches with a fast tier so far."""
     storage.makedirs("")
     storage.put_atomic(RUN_FOLDER, orjson.dumps({"id": run, "launches": launches}), fsync=False)

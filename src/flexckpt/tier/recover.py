@@ -24,13 +24,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from flexckpt.commit import build_manifest, read_manifest, write_keyed
+from flexckpt.commit import SavedPlan, build_manifest, read_manifest, write_keyed
 from flexckpt.dtypes import dtype_from_name
 from flexckpt.load import PendingLoad
 from flexckpt.manifest import Manifest
 from flexckpt.manifest_parse import parse_manifest
 from flexckpt.names import keyed_name, step_dir, table_name, values_name
-from flexckpt.plan import PlanRules, WritePlan
+from flexckpt.plan import PlanRules
 from flexckpt.stages import union_structure
 from flexckpt.storage import Storage, makedirs
 from flexckpt.structure import TensorSpec, Walk, excluder, walk
@@ -417,22 +417,23 @@ def tier_manifest(storage: Storage, d: Decision) -> Manifest:
     for r in range(d.world):
         for path, mapping in docs[r]["lanes"].items():
             lanes.setdefault(path, {}).update(mapping)
-    fp = first["saved_fingerprint"]
-    specs = [TensorSpec(name, dtype_from_name(t["dtype"]), tuple(t["shape"]), layout_from_json(t["layout"]))
-             for name, t in first["tensors"].items()]
     entries = {r: docs[r]["line"] for r in range(d.world)}
     if len({line[0] for line in entries.values()}) > 1:
         carried = {doc["line"][0]: doc["structure"] for doc in docs.values() if isinstance(doc.get("structure"), dict)}
         union = union_structure(entries, d.step, first["line"][0], first["structure"], carried, d.world)
         assert union is not None  # the lines differ
         specs, _structure, fp = union
+    else:
+        fp = first["saved_fingerprint"]
+        specs = [TensorSpec(name, dtype_from_name(t["dtype"]), tuple(t["shape"]), layout_from_json(t["layout"]))
+                 for name, t in first["tensors"].items()]
     keyed = _merged_keyed(d)
     index = None
     if keyed:
         makedirs(storage, f"{step_dir(d.step)}/{d.attempt}")
         index = write_keyed(storage, d.step, d.attempt, keyed, False)
     built = build_manifest(
-        step=d.step, run_id=first["run_id"], attempt=d.attempt, plan=WritePlan(specs, d.world, PlanRules(**first["rules"])),
+        step=d.step, run_id=first["run_id"], attempt=d.attempt, plan=SavedPlan(tuple(specs), d.world, PlanRules(**first["rules"])),
         fingerprint=fp, codec="none", entries=entries, plain=first["plain"], lanes=lanes,
         per_rank_keys=first["per_rank_keys"], keyed=index,
     )
