@@ -12,7 +12,7 @@ import numpy as np
 import orjson
 import torch
 
-import flexckpt.checksum as checksums
+import flexckpt.checksum as checksums  # the chunk table's and values' checksums (``checksum``: the chunks')
 from flexckpt.checksum import checksum
 from flexckpt.chunktable import ChunkTable
 from flexckpt.codec import Compression, compress

@@ -226,7 +226,8 @@ class StepRecovery:
         return pending, transfers, error
 
     def drain(self, sends: list, incoming: list[Incoming]) -> BaseException | None:
-        """Even after a failure: every posted receive and send completes, so the pairs stay in step."""
+        """Even after a failure: every posted receive and send completes, so the pairs stay in
+        step; then the sends (and their mapped ranges) and the targets asked for are let go."""
         try:
             for box in incoming:
                 box.wait_all()
@@ -235,6 +236,7 @@ class StepRecovery:
         except Exception as exc:  # noqa: BLE001
             return exc
         finally:
+            sends.clear()
             self.into = {}
         return None
 
