@@ -22,7 +22,13 @@ from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
 from flexckpt.tier.inventory import choose, scan
 from flexckpt.tier.seam import StagedSaves, TierHost
-from test_flexckpt_tier import make_state
+
+
+def make_state(step: int, zero: bool = False) -> dict:
+    """One rank's state (a world of one): a tensor, a plain value, a per-rank value."""
+    w = torch.arange(4096, dtype=torch.float32) * step
+    return {"w": torch.zeros_like(w) if zero else w, "meta": {"step": -1 if zero else step},
+            "rng": PerRank({"seed": -1 if zero else step})}
 
 
 def _members(protocol: type) -> list[str]:
@@ -53,14 +59,14 @@ def test_a_fast_tier_saves_and_recovers_through_the_protocols_alone(tmp_path):
     host, staging = _Only(ck, _members(TierHost)), _Only(ck, _members(StagedSaves))
     tier = FastTier(LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="seam"), host=host, staging=staging)
     try:
-        state = make_state(0, 1, 3)
+        state = make_state(3)
         ck.save(3, state).result(60)
         assert tier.save(3, state).result(60) == 3  # shares the persistent save's staged buffer
-        assert tier.save(4, make_state(0, 1, 4)).result(60) == 4  # stages its own
-        target = make_state(0, 1, 0, zero=True)
+        assert tier.save(4, make_state(4)).result(60) == 4  # stages its own
+        target = make_state(0, zero=True)
         step, stats = tier.recover(target, True)
         assert step == 4 and stats is not None and tier.last_recovery.source == "tier"
-        assert torch.equal(target["w"].local, make_state(0, 1, 4)["w"].local)
+        assert torch.equal(target["w"], make_state(4)["w"]) and target["rng"].value == {"seed": 4}
         assert target["meta"] == {"step": 4}
     finally:
         tier.close()
@@ -85,11 +91,10 @@ def test_the_tiers_files_and_manifest_are_those_of_the_shared_writer_and_builder
     t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="same")
     ck = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="same", local=t)
     try:
-        state = make_state(0, 1, 5)
-        state["rng"] = PerRank({"seed": 5})  # a per-rank values file too
+        state = make_state(5)  # with a per-rank value: a values file too
         ck.save(5, state).result(60)
         ck.save_local(5, state).result(60)
-        ck.save_local(6, {**make_state(0, 1, 6), "rng": PerRank({"seed": 6})}).result(60)  # staged by the tier alone
+        ck.save_local(6, make_state(6)).result(60)  # staged by the tier alone
         assert wrote == [0, 0]
         store = read_manifest(ck.storage, 5)
         held = [h for h in scan(ck.tier.storage) if h.step == 5]
@@ -115,8 +120,7 @@ def test_the_tiers_files_and_manifest_are_those_of_the_shared_writer_and_builder
             doc.pop("tree", None)
         assert ours == theirs
         assert abs(m.time - time.time()) < 60
-        target = make_state(0, 1, 0, zero=True)
-        target["rng"] = PerRank({"seed": 0})
+        target = make_state(0, zero=True)
         assert ck.load(target) == 6 and built == [5, 6]  # a recovery builds its manifest the same way
         assert target["rng"].value == {"seed": 6} and target["meta"] == {"step": 6}
     finally:
@@ -130,7 +134,7 @@ def test_a_tier_data_file_is_written_by_the_shared_writer(tmp_path, monkeypatch)
     t = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="raw")
     ck = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="raw", local=t)
     try:
-        ck.save_local(2, make_state(0, 1, 2)).result(60)
+        ck.save_local(2, make_state(2)).result(60)
         assert len(raw) == 1 and raw[0][0].endswith(".data") and raw[0][1] == {"fsync": False, "direct": False}
         assert Storage(ck.tier.root, None, None).exists(raw[0][0])
     finally:
