@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import flexckpt.tier.fast as fast
+import flexckpt.tier.save as fast_save
 from flexckpt import Checkpointer
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import Held, choose, scan
@@ -147,17 +148,17 @@ def test_a_fast_save_that_fills_the_tmpfs_removes_its_files_says_so_and_the_tier
                                                                                           caplog):
     ck = _ck(tmp_path)
     ck.save_local(1, make_state(0, 1, 1)).result(60)
-    real = fast.write_node_file
+    real = fast_save.write_raw
     full = {"on": True}
 
-    def filling(storage, rel, stream, nbytes):
+    def filling(storage, rel, stream, nbytes, **kw):
         if not full["on"]:
-            return real(storage, rel, stream, nbytes)
+            return real(storage, rel, stream, nbytes, **kw)
         with open(storage.path(rel), "wb") as f:  # part of the file lands, then the tmpfs is full
             f.write(bytes(stream[: nbytes // 2]))
         raise OSError(errno.ENOSPC, "No space left on device", storage.path(rel))
 
-    monkeypatch.setattr(fast, "write_node_file", filling)
+    monkeypatch.setattr(fast_save, "write_raw", filling)
     caplog.set_level(logging.WARNING, logger="flexckpt")
     for n, step in enumerate((2, 3, 4), start=1):
         h = ck.save_local(step, make_state(0, 1, step))

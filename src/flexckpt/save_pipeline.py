@@ -28,17 +28,16 @@ from typing import Any, Callable
 import orjson
 import torch
 
-from flexckpt.checksum import checksum
 from flexckpt.committer import Committer
 from flexckpt.errors import SaveError
 from flexckpt.handle import InFlight, SaveHandle
-from flexckpt.names import GROUP, attempt_id, data_name, step_dir, table_name, values_name
+from flexckpt.names import GROUP, attempt_id, data_name, step_dir
 from flexckpt.plan import make_write_plan, part_of_world
 from flexckpt.save_job import PlanEntry, SaveJob, SaveSettings
 from flexckpt.staging import BufferPool, StagingBuffer, copies_for, staging_device
 from flexckpt.storage import makedirs
 from flexckpt.structure import Walk, fingerprint, walk
-from flexckpt.writer import RawSums, encode_per_rank, table_bytes, values_bytes, write_data_file
+from flexckpt.writer import RawSums, encode_per_rank, write_data_file, write_rank_files
 from flexshard import part_of
 
 __all__ = ["Attempts", "PlanEntry", "SaveJob", "SavePipeline"]
@@ -268,15 +267,10 @@ class SavePipeline:
             self.pool.release(job.buffer)
             job.state = None  # no fast save can share the buffer now
         try:
-            table = table_bytes(rank=self.rank, attempt=job.attempt, codec=s.compression.codec, chunks=job.chunks)
-            self.storage.put_atomic(f"{step_dir(job.step)}/{table_name(job.attempt, self.rank)}", table,
-                                    fsync=s.fsync)
-            values = values_bytes(job.per_rank)
-            if values:  # this rank's own values: a file that only this rank reads back
-                self.storage.put_atomic(f"{step_dir(job.step)}/{values_name(job.attempt, self.rank)}", values,
-                                        fsync=s.fsync)
-            job.line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in job.chunks),
-                        checksum(values) if values else "", len(values)]
+            job.line = write_rank_files(
+                self.storage, step_dir(job.step), rank=self.rank, attempt=job.attempt, fingerprint=e.fingerprint,
+                codec=s.compression.codec, chunks=job.chunks, per_rank=job.per_rank, fsync=s.fsync,
+            ).line
         except BaseException as exc:  # noqa: BLE001
             self.committer.report_failure(job, exc, "writing its chunk table")
             return
