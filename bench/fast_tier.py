@@ -116,9 +116,9 @@ def load_worker(rank, world, cfg, which):
         RangeReader.read_into, RangeReader.read_scatter, Storage.read_bytes = read_into, read_scatter, read_bytes
         # a store reads a fetch in one request; only a local folder is read in groups of
         # chunks (load.READ_GROUP_BYTES), and this model's folder stands for a store
-        import flexckpt.load
+        import flexckpt.load.pending
 
-        flexckpt.load.READ_GROUP_BYTES = 1 << 62
+        flexckpt.load.pending.READ_GROUP_BYTES = 1 << 62
     specs = H.state_specs(cfg["mib"], cfg["tensors"], world)
     ck = Checkpointer(cfg["store"], local=_tier(cfg, os.environ["FLEXCKPT_NODE"]), read_threads=4)
     local, state = _state(specs, rank, world, 0)

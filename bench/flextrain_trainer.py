@@ -50,12 +50,12 @@ def memcpy_seconds(nbytes: int, repeat: int = 20) -> float:
 
 
 def rank_state_bytes(run: Path) -> int:
-    from flexckpt.commit import read_manifest
-    from flexckpt.storage import Storage
-    from flexckpt.dtypes import itemsize
+    from flexckpt import read_manifest
+    from flexckpt import Storage
+    from flexckpt.state.dtypes import itemsize
 
     storage = Storage(str(run / "ckpt"))
-    from flexckpt.commit import committed_steps
+    from flexckpt import committed_steps
     m = read_manifest(storage, committed_steps(storage)[-1])
     per_rank = [0] * m.world_size
     for t in m.tensors.values():

@@ -152,7 +152,7 @@ def part_roundtrip(device: torch.device, small: bool = False) -> Iterator[dict]:
     from torch.distributed.tensor import Shard as DShard, distribute_tensor
 
     from flexckpt import Checkpointer
-    from flexckpt.staging import copies_for
+    from flexckpt.save.staging import copies_for
     from flexshard import BlockShard, ShardedOptimizer, ShardedTensor, ShardingConfig
 
     g = torch.Generator().manual_seed(0)
@@ -237,9 +237,9 @@ def gpu_state(total_bytes: int, device: torch.device, tensors: int = 32) -> dict
 
 
 def part_staging(device: torch.device, small: bool = False) -> Iterator[dict]:
-    from flexckpt.plan import make_write_plan
-    from flexckpt.staging import StagingBuffer, copies_for
-    from flexckpt.structure import walk
+    from flexckpt.format.write_plan import make_write_plan
+    from flexckpt.save.staging import StagingBuffer, copies_for
+    from flexckpt.state.structure import walk
 
     total = (8 << 20) if small else (2 << 30)
     state = gpu_state(total, device)

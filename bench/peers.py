@@ -317,10 +317,10 @@ class _Timers:
 
 
 def _install_profile() -> _Timers:
-    import flexckpt.committer as committer
-    import flexckpt.save_pipeline as pipeline
-    import flexckpt.staging as stg
-    import flexckpt.writer as wr
+    import flexckpt.save.committer as committer
+    import flexckpt.save.pipeline as pipeline
+    import flexckpt.save.staging as stg
+    import flexckpt.save.writer as wr
 
     timers = _Timers()
     timers.wrap(pipeline, "walk", "walk(state)")

@@ -52,8 +52,12 @@ import numpy as np
 import orjson
 import torch
 
-from flexckpt import ByLane, Checkpointer, PerRank
-from flexckpt.commit import (
+from flexckpt import ByLane, Checkpointer, PerRank, Storage
+from flexckpt.format.chunktable import _HEADER
+from flexckpt.format.manifest import GROUP, group_name, record_name, step_dir
+from flexckpt.format.manifest_parse import parse_manifest
+from flexckpt.format.write_plan import WritePlan, make_write_plan, part_of_world, sharded_loads
+from flexckpt.save.commit import (
     build_manifest,
     check_fingerprints,
     commit,
@@ -64,12 +68,7 @@ from flexckpt.commit import (
     record_doc,
     wait_for,
 )
-from flexckpt.manifest import GROUP, group_name, record_name, step_dir
-from flexckpt.manifest_parse import parse_manifest
-from flexckpt.plan import WritePlan, make_write_plan, part_of_world, sharded_loads
-from flexckpt.storage import Storage
-from flexckpt.structure import TensorSpec
-from flexckpt.chunktable import _HEADER
+from flexckpt.state.structure import TensorSpec
 from flexshard import BlockShard, HybridShard, MeshLayout, Replicate, ShardedTensor, part_of
 
 TODAY = {  # issue 10's measurements of c0aceba (make_write_plan on one rank), for the table
@@ -120,8 +119,8 @@ def own_stage(specs: list[TensorSpec], world: int, rank: int) -> list[TensorSpec
 def union_cost(world: int) -> tuple[float, int]:
     """Rank 0's union of the ``tp`` variant's stage structures (one per stage, as the records
     carry them), checked, and the union's plan with rank 0's part: seconds, tensors."""
-    from flexckpt.stages import union_structure
-    from flexckpt.structure import fingerprint
+    from flexckpt.save.stage_union import union_structure
+    from flexckpt.state.structure import fingerprint
     specs = structure(world, "tp")
     pp, _fsdp, _tp = tp_degrees(world)
     per = world // pp
@@ -160,12 +159,12 @@ def structure(world: int, variant: str, d: int = 4096, ffn: int = 16384, vocab: 
 # -- plan per rank ---------------------------------------------------------------------------
 def write_balance(world: int, variant: str) -> float:
     """Most bytes any rank writes, over the mean (total / W)."""
-    from flexckpt.dtypes import itemsize
+    from flexckpt.state.dtypes import itemsize
     plan = make_write_plan(structure(world, variant), world, CHUNK)
     loads = sharded_loads(plan.specs, world, plan.rules)
     for i, r in plan.replicated_writer.items():
         loads[r] += plan.specs[i].numel * itemsize(plan.specs[i].dtype)
-    from flexckpt.plan import _mesh_loads
+    from flexckpt.format.write_plan import _mesh_loads
     for spec, geo in zip(plan.specs, plan._geometry):  # a stage's tensors: left out of the balancer's loads
         if part_of_world(spec.layout, world):
             np.add.at(loads, *_mesh_loads(spec.layout, spec.shape, geo.first, geo.replicas, itemsize(spec.dtype)))

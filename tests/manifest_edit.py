@@ -4,7 +4,7 @@ import os
 
 import orjson
 
-from flexckpt.manifest import MANIFEST, SEAL_FIELD, seal, step_dir
+from flexckpt.format.manifest import MANIFEST, SEAL_FIELD, seal, step_dir
 
 
 def _edit_manifest(root, step, edit):

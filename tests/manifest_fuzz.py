@@ -34,10 +34,10 @@ import orjson
 import torch
 
 from flexckpt import ByLane, Checkpointer, CheckpointError, PerRank
-from flexckpt.checksum import checksum
 from flexckpt import cli, storage as storage_module
-from flexckpt.commit import read_manifest
-from flexckpt.manifest import seal, unseal
+from flexckpt.format.checksum import checksum
+from flexckpt.format.manifest import seal, unseal
+from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
 from flexshard import BlockShard, HybridShard, Owned, Replicate, Shard, ShardedTensor
 

@@ -8,10 +8,10 @@ import orjson
 import torch
 from hypothesis import strategies as st
 
-from flexckpt.checksum import ALGORITHM, checksum
-from flexckpt.manifest import FORMAT, FileEntry, Manifest, SavedPiece, SavedTensor, StoredChunk, seal
-from flexckpt.plan import make_write_plan
-from flexckpt.structure import TensorSpec
+from flexckpt.format.checksum import ALGORITHM, checksum
+from flexckpt.format.manifest import FORMAT, FileEntry, Manifest, SavedPiece, SavedTensor, StoredChunk, seal
+from flexckpt.format.write_plan import make_write_plan
+from flexckpt.state.structure import TensorSpec
 from flexshard import BlockShard, Owned, Replicate, Shard
 
 LAYOUTS = [Replicate(), Shard(0), Owned(0), BlockShard(4)]

@@ -1,8 +1,8 @@
 """The reference read planner the property tests compare the load's own planner against
-(:func:`flexckpt.readplan.plan_requests`): the same plan, one object a chunk
+(:func:`flexckpt.load.read_plan.plan_requests`): the same plan, one object a chunk
 (:class:`ChunkRead`) and a copy (:class:`Copy`), and :func:`coalesce` grouping the chunks
-into ranged reads (:class:`Fetch`). It shares the runs (:func:`flexckpt.readplan.gather_runs`)
-and their cut at the chunks' bounds (:func:`flexckpt.readplan.cut_runs`) with the load; the
+into ranged reads (:class:`Fetch`). It shares the runs (:func:`flexckpt.load.read_plan.gather_runs`)
+and their cut at the chunks' bounds (:func:`flexckpt.load.read_plan.cut_runs`) with the load; the
 objects are built from them here. A helper module: no tests of its own."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flexckpt.manifest import FileEntry, Manifest, SavedTensor, StoredChunk
-from flexckpt.readplan import cut_runs, gather_runs
+from flexckpt.format.manifest import FileEntry, Manifest, SavedTensor, StoredChunk
+from flexckpt.load.read_plan import cut_runs, gather_runs
 from flexshard import FlatRange, Part
 
 

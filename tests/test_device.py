@@ -51,8 +51,8 @@ def test_backend_must_move_the_parameters_device():
 import threading  # noqa: E402
 
 from flexckpt import Checkpointer  # noqa: E402
-import flexckpt.save_pipeline as save_pipeline  # noqa: E402
-from flexckpt.staging import HostCopies, StreamCopies, copies_for, staging_device  # noqa: E402
+import flexckpt.save.pipeline as save_pipeline  # noqa: E402
+from flexckpt.save.staging import HostCopies, StreamCopies, copies_for, staging_device  # noqa: E402
 
 
 class FakeStreams:

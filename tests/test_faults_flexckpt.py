@@ -15,9 +15,9 @@ import torch
 
 from fault_proxy import FaultProxy
 from flexckpt import Checkpointer, SaveError
-from flexckpt.manifest import attempt_id, check_run_id, data_name, step_dir
-from flexckpt.stall import StorageStalled
+from flexckpt.format.manifest import attempt_id, check_run_id, data_name, step_dir
 from flexckpt.storage import OutsideRoot, Storage
+from flexckpt.storage_stall import StorageStalled
 from flexshard.spawn import run_workers
 
 
@@ -311,7 +311,7 @@ def test_s3_an_endpoint_that_always_fails_fails_the_save_after_bounded_retries(p
 
 
 def _relaunch(rank, world, root, version):
-    from flexckpt.commit import read_manifest
+    from flexckpt.save.commit import read_manifest
 
     ck = Checkpointer(root)  # run id from FLEXCKPT_RUN_ID, the world from torch.distributed
     state = {"w": torch.full((1000,), float(version)), "v": version}

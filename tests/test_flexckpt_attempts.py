@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flexckpt import Checkpointer, SaveError
-from flexckpt.commit import read_manifest
-from flexckpt.manifest import seal, unseal
+from flexckpt.format.manifest import seal, unseal
+from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
 from flexshard import Shard, ShardedTensor
 
@@ -238,7 +238,7 @@ def test_two_live_jobs_at_different_steps_fail_loudly_and_delete_nothing_of_each
 def test_the_live_job_check_lists_only_the_step_folders_it_has_not_listed_before(tmp_path, monkeypatch):
     # it listed every step folder at every commit: on an object store, LIST requests growing
     # with the steps kept (keep_last=None keeps them all)
-    import flexckpt.committer as committer
+    import flexckpt.save.committer as committer
     listed, inside = [], []
     real_list, real_check = Storage.list_names, committer.other_live_job
 
@@ -267,7 +267,7 @@ def test_the_live_job_check_lists_only_the_step_folders_it_has_not_listed_before
 
 
 def test_retention_removes_only_this_runs_failed_saves_and_stale_folders(tmp_path):
-    from flexckpt.commit import apply_retention
+    from flexckpt.save.commit import apply_retention
 
     root = tmp_path
     with Checkpointer(str(root), rank=0, world_size=1, run_id="me", commit_timeout=60) as ck:
@@ -375,8 +375,8 @@ def test_retention_never_removes_the_folder_a_save_is_creating(tmp_path, monkeyp
     # here: the writer stops between the two mkdirs until retention ran (or is held off).
     import threading
 
-    import flexckpt.committer as cpmod
-    from flexckpt.manifest import step_dir
+    import flexckpt.save.committer as cpmod
+    from flexckpt.format.manifest import step_dir
 
     ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=2, commit_timeout=30)
     parent_made, retention_ran, held_off = threading.Event(), threading.Event(), threading.Event()
@@ -429,9 +429,9 @@ def test_retention_leaves_a_step_with_a_save_in_flight_alone(tmp_path, monkeypat
     # committing while attempt 2 is in flight. Retention must not take attempt 2's folder.
     import threading
 
-    import flexckpt.committer as cpmod
-    import flexckpt.save_pipeline as pipemod
-    from flexckpt.manifest import step_dir
+    import flexckpt.save.committer as cpmod
+    import flexckpt.save.pipeline as pipemod
+    from flexckpt.format.manifest import step_dir
 
     ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=1, commit_timeout=30)
     if first == 7:
@@ -477,8 +477,8 @@ def test_another_ranks_writer_survives_retention_removing_its_empty_step_folder(
     # empty folder; rank 1 makes it again instead of failing with ENOENT
     import threading
 
-    import flexckpt.committer as cpmod
-    from flexckpt.manifest import step_dir
+    import flexckpt.save.committer as cpmod
+    from flexckpt.format.manifest import step_dir
 
     cps = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job", keep_last=1, commit_timeout=30)
            for r in range(W)]

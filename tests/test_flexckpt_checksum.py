@@ -6,7 +6,7 @@ import pytest
 import torch
 import xxhash
 
-from flexckpt.checksum import checksum, checksum_int
+from flexckpt.format.checksum import checksum, checksum_int
 from flexckpt.tier.inventory import check_copy, file_lengths
 from flexckpt.tier.transport import digest
 
@@ -29,8 +29,8 @@ def test_checksum_equals_xxh3_of_the_whole_and_streamed_in_pieces(n):
 
 def _copy(nbytes: int = 3 * PIECE + 100, chunk: int = PIECE):
     """A saved rank's files as a fast save writes them (data, table, values), and its marker."""
-    from flexckpt.manifest import StoredChunk, data_name, table_name, values_name
-    from flexckpt.writer import table_bytes, values_bytes
+    from flexckpt.format.manifest import StoredChunk, data_name, table_name, values_name
+    from flexckpt.save.writer import table_bytes, values_bytes
 
     data = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
     chunks = [StoredChunk(o, min(chunk, nbytes - o), o, min(chunk, nbytes - o), "none",

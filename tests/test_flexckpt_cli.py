@@ -8,7 +8,7 @@ from flexckpt import ByLane, Checkpointer
 from flexckpt.cli import main
 import orjson
 
-from flexckpt.manifest import MANIFEST, step_dir
+from flexckpt.format.manifest import MANIFEST, step_dir
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor
 
 GLOBAL = {"emb": torch.randn(300, 16), "norm": torch.randn(16), "w": torch.randn(64, 64), "m": torch.randn(1000)}
@@ -60,7 +60,7 @@ def test_reshard_rewrites_for_a_new_world_that_loads_without_resharding(tmp_path
     _save(tmp_path / "src")
     assert main(["reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--world", "3", "--layout", "model/norm=shard"]) == 0
     with Checkpointer(str(tmp_path / "dst")) as ck:
-        from flexckpt.commit import read_manifest
+        from flexckpt.save.commit import read_manifest
 
         m = read_manifest(ck.storage, 5)
     assert m.world_size == 3 and m.tensors["model/norm"].layout == Shard(0)
@@ -281,12 +281,12 @@ def test_an_unwritable_destination_is_one_line_with_no_logged_tracebacks(cmd, de
 
 def test_errors_the_library_logs_during_a_command_that_succeeds_are_shown_one_line_each(saved, tmp_path, monkeypatch,
                                                                                        capsys):
-    import flexckpt.committer
+    import flexckpt.save.committer
 
     def reclaim_at_start(*args, **kwargs):
         raise OSError("disk on fire (test)")
 
-    monkeypatch.setattr(flexckpt.committer, "reclaim_at_start", reclaim_at_start)
+    monkeypatch.setattr(flexckpt.save.committer, "reclaim_at_start", reclaim_at_start)
     assert main(["reshard", str(saved / "src"), str(tmp_path / "dst"), "--world", "2"]) == 0
     lines = capsys.readouterr().err.splitlines()
     assert lines and all(line.startswith("flexckpt: reclaiming unfinished saves under ") and line.endswith(" failed")

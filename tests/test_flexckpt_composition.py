@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-import flexckpt.save_pipeline as save_pipeline
 from flexckpt import Checkpointer
 from flexckpt.errors import SaveError
-from flexckpt.save_pipeline import SavePipeline
+from flexckpt.save.pipeline import SavePipeline
+import flexckpt.save.pipeline as save_pipeline
 from flexckpt.tier import LocalTier
 
 TIER_SRC = Path(save_pipeline.__file__).resolve().parent / "tier"

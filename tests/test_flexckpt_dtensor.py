@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import flexshard
 from flexckpt import Checkpointer
 from flexshard import Shard, ShardedTensor
+import flexshard
 from scenario_group import run_scenarios
 from collective_counts import communication, install_counters
 from fsdp_states import _fresh_state, _fsdp, _full, _same, _train
@@ -144,7 +144,7 @@ def _hsdp_mapping(rank: int, world: int) -> list[str]:
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor import Shard as DShard
 
-    from flexckpt.dtensor import dtensor_leaf
+    from flexckpt.state.dtensor import dtensor_leaf
 
     class StandIn:
         def __init__(self, group_size: int, block_size: int | None = None) -> None:
@@ -303,8 +303,8 @@ def _leaf_cache(rank: int, world: int) -> list:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard as DShard
 
-    from flexckpt.dtensor import _LEAVES
-    from flexckpt.structure import walk
+    from flexckpt.state.dtensor import _LEAVES
+    from flexckpt.state.structure import walk
 
     mesh = init_device_mesh("cpu", (world,))
     dt = DTensor.from_local(torch.arange(6.0).reshape(3, 2) + 10 * rank, mesh, [DShard(0)], run_check=False)
@@ -330,7 +330,7 @@ import sys, tempfile
 import torch
 import torch.distributed as dist
 import flexckpt
-from flexckpt.structure import walk
+from flexckpt.state.structure import walk
 assert "torch.distributed.tensor" not in sys.modules, "import flexckpt pulled in torch.distributed.tensor"
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor

@@ -99,8 +99,8 @@ def test_import_dcp_onto_a_full_disk_fails_at_once_in_one_line_and_leaves_nothin
 
 def test_an_error_raised_by_load_is_not_also_logged(tmp_path, caplog):
     from flexckpt import ChecksumError
-    from flexckpt.commit import read_manifest
-    from flexckpt.manifest import data_name, step_dir
+    from flexckpt.save.commit import read_manifest
+    from flexckpt.format.manifest import data_name, step_dir
 
     with Checkpointer(str(tmp_path), chunk_bytes=256) as ck:
         ck.save(1, {"w": torch.arange(200.0)}).result()
@@ -128,7 +128,7 @@ def test_a_listing_that_fails_is_raised_with_its_cause_not_logged(tmp_path, capl
 def test_a_failure_marker_whose_message_does_not_fit_is_written_empty_and_still_read(small_disk):
     """Another process's ranks learn of the failure from the marker alone: on a full disk it
     is written empty rather than not at all (which left them waiting for commit_timeout)."""
-    from flexckpt import commit
+    from flexckpt.save import commit
     from flexckpt.storage import Storage
 
     disk = small_disk(1 << 20)

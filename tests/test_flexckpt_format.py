@@ -52,11 +52,11 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from flexckpt import ManifestError  # noqa: E402
 from flexckpt.cli import main as cli_main  # noqa: E402
-from flexckpt.commit import build_manifest, gather, lead_group, mark_failed, record_doc  # noqa: E402
-from flexckpt.manifest import GROUP, MANIFEST, group_name, record_name, step_dir  # noqa: E402
-from flexckpt.plan import PlanRules, WritePlan, make_write_plan, sharded_loads  # noqa: E402
+from flexckpt.format.manifest import GROUP, MANIFEST, group_name, record_name, step_dir  # noqa: E402
+from flexckpt.format.write_plan import PlanRules, WritePlan, make_write_plan, sharded_loads  # noqa: E402
+from flexckpt.save.commit import build_manifest, gather, lead_group, mark_failed, record_doc  # noqa: E402
+from flexckpt.state.structure import TensorSpec  # noqa: E402
 from flexckpt.storage import Storage  # noqa: E402
-from flexckpt.structure import TensorSpec  # noqa: E402
 from flexshard import FlatRange, HybridShard, Owned, Replicate, Shard  # noqa: E402
 
 V2_TENSORS = {
@@ -181,9 +181,9 @@ def test_pieces_in_are_the_pieces_each_rank_wrote_that_hold_the_wanted_elements(
     every rank's own plan: a flat range, the same range as a part of the whole tensor, and
     a box (of a flat layout: the pieces holding the flat span from its first element to
     its last)."""
-    from flexckpt.manifest import PlanPieces, SavedPiece, data_name
-    from flexckpt.manifest_parse import _saved_tensor
-    from flexckpt.manifest import SavedTensor
+    from flexckpt.format.manifest import PlanPieces, SavedPiece, data_name
+    from flexckpt.format.manifest_parse import _saved_tensor
+    from flexckpt.format.manifest import SavedTensor
     from flexshard import Box, Part
     from flexshard.box import whole
 
@@ -285,7 +285,7 @@ def test_group_leaders_gather_records_so_rank_0_reads_one_per_group(tmp_path):
 
 
 def test_hybrid_shard_parts_round_trip_when_pieces_are_cut_small(tmp_path, monkeypatch):
-    import flexckpt.save_pipeline as ckmod
+    import flexckpt.save.pipeline as ckmod
 
     monkeypatch.setattr(ckmod, "make_write_plan", lambda specs, w, c: WritePlan(specs, w, PlanRules(c, hybrid_part_bytes=64)))
     world = 4

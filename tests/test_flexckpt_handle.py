@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from flexckpt.handle import SaveHandle
+from flexckpt.save.handle import SaveHandle
 
 
 def test_wait_returns_false_until_the_save_finishes_and_does_not_raise_its_error():

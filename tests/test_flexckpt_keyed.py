@@ -24,10 +24,10 @@ from flexckpt import (
     TruncatedFile,
     UnsupportedState,
 )
-from flexckpt.commit import read_manifest
-from flexckpt.manifest import keyed_name, step_dir
+from flexckpt.format.manifest import keyed_name, step_dir
+from flexckpt.save.commit import read_manifest
+from flexckpt.state.values import MAX_BYTES_VALUE
 from flexckpt.storage import Storage
-from flexckpt.values import MAX_BYTES_VALUE
 from flexshard import Shard, ShardedTensor
 from manifest_edit import _edit_manifest
 
@@ -124,10 +124,10 @@ def test_unequal_copies_of_a_key_fail_the_save_naming_the_key_and_ranks(tmp_path
 
 def test_a_repeated_lane_and_repeated_bytes_across_record_groups_merge_when_equal(tmp_path, monkeypatch):
     import flexckpt.checkpointer as ckmod
-    import flexckpt.commit as commit
-    import flexckpt.committer as committer
-    import flexckpt.names as names
-    import flexckpt.save_pipeline as save_pipeline
+    import flexckpt.save.commit as commit
+    import flexckpt.save.committer as committer
+    import flexckpt.format.names as names
+    import flexckpt.save.pipeline as save_pipeline
 
     for module in (ckmod, commit, committer, names, save_pipeline):  # group leaders merge first, then rank 0 merges the groups
         monkeypatch.setattr(module, "GROUP", 2)

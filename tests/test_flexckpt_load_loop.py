@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-import flexckpt.load as load_mod
 from flexckpt import Checkpointer, ChecksumError
-from flexckpt.manifest import step_dir
-from flexckpt.stall import StorageStalled, bounded_all, progress
+from flexckpt.format.manifest import step_dir
+import flexckpt.load.pending as load_mod
 from flexckpt.storage import RangeReader
+from flexckpt.storage_stall import StorageStalled, bounded_all, progress
 from flexshard import Shard, ShardedTensor
 
 

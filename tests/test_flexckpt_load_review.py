@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 
-import flexckpt.load as load_mod
 from flexckpt import Checkpointer, ChecksumError
+import flexckpt.load.pending as load_mod
 from flexckpt.storage import RangeReader
 from flexshard import BlockShard, HybridShard, Owned, Replicate, Shard, ShardedTensor
 from flexshard.mesh_layout import MeshLayout

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from flexckpt import Checkpointer
-from flexckpt.plan import PlanRules, WritePlan, sharded_loads
-from flexckpt.structure import TensorSpec
+from flexckpt.format.write_plan import PlanRules, WritePlan, sharded_loads
+from flexckpt.state.structure import TensorSpec
 from flexshard import Box, MeshLayout, Part, Shard, ShardedTensor, flat_part, part_of, runs
 from flexshard.box import box_part
 
@@ -83,7 +83,7 @@ def test_torchtitan_fsdp_tp_placements_give_every_rank_one_box_uneven_rows_inclu
 def test_a_lone_strided_shard_and_partial_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="strided set of indices along dim 0.*redistribute"):
         MeshLayout((2,), ("SS0:2",)).box((8, 6), 2, 0)
-    from flexckpt.dtensor import _code
+    from flexckpt.state.dtensor import _code
     with pytest.raises(ValueError, match="redistribute it first"):
         _code(Partial())
     with pytest.raises(ValueError, match="placement 'X0' is not R, S<dim> or SS<dim>:<split_factor>"):
@@ -343,7 +343,7 @@ def test_sharded_tensor_with_a_mesh_layout_holds_its_box():
 # -- the tools take a mesh and placements as a target -------------------------------------------
 def test_plan_and_reshard_take_a_target_mesh_and_placements(tmp_path, capsys):
     from flexckpt.cli import main
-    from flexckpt.commit import read_manifest
+    from flexckpt.save.commit import read_manifest
     from flexckpt.restore_plan import restore_plan
     from flexckpt.storage import Storage
 
@@ -477,7 +477,7 @@ def test_an_empty_piece_of_any_shape_is_taken_as_the_rank_s_empty_box():
     A non-empty piece of the wrong shape is still refused."""
     from torch.distributed.tensor import Shard as DShard
 
-    from flexckpt.dtensor import dtensor_leaf
+    from flexckpt.state.dtensor import dtensor_leaf
 
     def leaf(local):
         def make(mesh):

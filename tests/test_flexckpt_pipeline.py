@@ -241,11 +241,11 @@ def test_group_records_carry_one_structure_per_stage_and_rank_0_builds_the_union
     every record group (64 ranks) straddles two stages: each group's record carries the
     structures of its ranks once per fingerprint (2, not 64), and the union rank 0 builds
     from them holds every stage's keys, with each element written by exactly one rank."""
-    from flexckpt.commit import gather, keyed_entries, lead_group, record_doc
-    from flexckpt.manifest import GROUP, group_name, record_name, step_dir
-    from flexckpt.stages import union_structure
+    from flexckpt.save.commit import gather, keyed_entries, lead_group, record_doc
+    from flexckpt.format.manifest import GROUP, group_name, record_name, step_dir
+    from flexckpt.save.stage_union import union_structure
     from flexckpt.storage import Storage
-    from flexckpt.structure import fingerprint
+    from flexckpt.state.structure import fingerprint
 
     world, attempt, run = 256, "run.s.1", "run"
     stage_of = lambda r: ((r + 32) // 64) % 4  # noqa: E731 - stage 0 also holds ranks 224..255
@@ -281,7 +281,7 @@ def test_group_records_carry_one_structure_per_stage_and_rank_0_builds_the_union
     assert len(seen) == 4 and len(entries) == world
     specs, structure, _fp = union_structure(entries, 1, fingerprint(structures[0]), structures[0], seen, world)
     assert [s.name for s in specs] == [f"layers.{s}.w" for s in range(4)]
-    from flexckpt.plan import PlanRules, WritePlan
+    from flexckpt.format.write_plan import PlanRules, WritePlan
     plan = WritePlan(specs, world, PlanRules(1 << 20))
     for i, spec in enumerate(plan.specs):
         writers = [r for r in range(world) for p in plan.rank_plan(r).pieces if p.spec_index == i]
@@ -297,7 +297,7 @@ def test_a_stage_structure_is_sent_again_until_a_save_carrying_it_commits(tmp_pa
     """Rank 0's first commit fails before it reads any record: the next save's records carry
     the stages' structures again (a rank stops sending its structure only once it sees a
     save that carried it committed), so that save commits with the union."""
-    import flexckpt.committer as checkpointer_module
+    import flexckpt.save.committer as checkpointer_module
 
     real, calls = checkpointer_module.gather, []
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from flexckpt.checksum import checksum
 from flexckpt.errors import ManifestError
-from flexckpt.manifest import unseal
-from flexckpt.manifest_parse import parse_manifest
-from flexckpt.plan import ALIGN, make_write_plan
-from flexckpt.readplan import gather_runs
-from flexckpt.structure import TensorSpec
+from flexckpt.format.checksum import checksum
+from flexckpt.format.manifest import unseal
+from flexckpt.format.manifest_parse import parse_manifest
+from flexckpt.format.write_plan import ALIGN, make_write_plan
+from flexckpt.load.read_plan import gather_runs
+from flexckpt.state.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Replicate, Shard
 from manifest_v1_writer import random_specs, save_in_memory, shapes_st, v1_manifest_bytes
 from readplan_reference import coalesce, file_reads, plan_reads

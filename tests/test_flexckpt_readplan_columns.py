@@ -11,12 +11,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from flexckpt.checksum import digest, digest_parts
 from flexckpt.errors import ManifestError
-from flexckpt.manifest import FileEntry, StoredChunk
-from flexckpt.manifest_parse import parse_manifest
-from flexckpt.readplan import SINK, file_plan, gather_runs, plan_requests, read_groups, requests, scatter
-from flexckpt.structure import TensorSpec
+from flexckpt.format.checksum import digest, digest_parts
+from flexckpt.format.manifest import FileEntry, StoredChunk
+from flexckpt.format.manifest_parse import parse_manifest
+from flexckpt.load.read_plan import SINK, file_plan, gather_runs, plan_requests, read_groups, requests, scatter
+from flexckpt.state.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Part, Replicate, Shard
 from flexshard.box import whole
 from manifest_v1_writer import random_specs, save_in_memory, shapes_st, v1_manifest_bytes
@@ -222,9 +222,9 @@ def test_a_version_2_flat_want_gathers_the_runs_the_pieces_give(shapes, src_worl
     """gather_runs' shortcut for a flat range of a version-2 tensor (the plan's writers as
     tuples, no piece objects) against the same tensor with its pieces listed (the general
     path): the same runs in each file."""
-    from flexckpt.manifest import PlanPieces
-    from flexckpt.manifest_parse import _saved_tensor
-    from flexckpt.plan import make_write_plan
+    from flexckpt.format.manifest import PlanPieces
+    from flexckpt.format.manifest_parse import _saved_tensor
+    from flexckpt.format.write_plan import make_write_plan
     from flexshard import HybridShard
 
     specs = random_specs(shapes, src_world)
@@ -254,9 +254,9 @@ def test_a_version_2_flat_want_gathers_the_runs_the_pieces_give(shapes, src_worl
 
 
 def test_a_version_2_flat_want_the_pieces_do_not_cover_is_refused_naming_the_tensor():
-    from flexckpt.manifest import PlanPieces
-    from flexckpt.manifest_parse import _saved_tensor
-    from flexckpt.plan import make_write_plan
+    from flexckpt.format.manifest import PlanPieces
+    from flexckpt.format.manifest_parse import _saved_tensor
+    from flexckpt.format.write_plan import make_write_plan
 
     plan = make_write_plan([TensorSpec("w", torch.float32, (10, 4), Shard(0))], 2, 64)
     saved = _saved_tensor(plan.specs[0], PlanPieces(plan, "run.1"))

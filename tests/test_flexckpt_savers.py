@@ -134,7 +134,7 @@ def test_a_missing_rank_ends_in_a_timeout_that_names_it(tmp_path):
 
 
 def test_ranks_names_the_saving_ranks_and_refuses_what_it_cannot_do():
-    from flexckpt.savers import Savers, _check_ranks, run_ids, who_saves
+    from flexckpt.save.savers import Savers, _check_ranks, run_ids, who_saves
 
     # no torch.distributed: a group of one
     assert who_saves(None, None, [0], None) == Savers(0, 1, True, True, (), (0,), False)

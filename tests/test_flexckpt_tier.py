@@ -544,10 +544,10 @@ def test_asked_ranges_are_the_chunks_the_ordinary_load_reads_and_land_in_their_t
     """A step saved by 1 rank, read as rank 1 of 2: the ranges asked of each data file are
     what the ordinary load reads of it (counted through the storage layer), and each lands
     whole in one stretch of the target, so it can be received there directly."""
-    from flexckpt.commit import read_manifest
-    from flexckpt.load import PendingLoad
-    from flexckpt.structure import walk
-    from flexckpt.tier.fetchplan import ranges_needed
+    from flexckpt.save.commit import read_manifest
+    from flexckpt.load.pending import PendingLoad
+    from flexckpt.state.structure import walk
+    from flexckpt.tier.peer_ranges import ranges_needed
 
     ck = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, chunk_bytes=1024)
     ck.save(3, {"w": ShardedTensor.from_global(global_tensor("w", 3), Shard(0), 0, 1)}).result(60)

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import flexckpt.tier.fast as fast
-import flexckpt.tier.save as fast_save
 from flexckpt import Checkpointer
 from flexckpt.tier import LocalTier
+import flexckpt.tier.fast as fast
 from flexckpt.tier.inventory import Held, choose, scan
+import flexckpt.tier.save as fast_save
 from flexshard.spawn import run_workers
 from tier_states import make_state
 
@@ -217,8 +217,8 @@ def test_two_machines_under_one_node_name_are_named_and_their_steps_set_aside_on
 # -- 5: a restart's start-up housekeeping ------------------------------------------------------------
 def test_a_restart_reads_no_manifest_of_a_step_holding_only_its_committed_attempt_and_never_waits_for_reclaim(
         tmp_path, monkeypatch):
-    import flexckpt.commit as commit
-    import flexckpt.committer as committer
+    import flexckpt.save.commit as commit
+    import flexckpt.save.committer as committer
 
     ck = _ck(tmp_path)
     for step in (1, 2, 3):

@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-import flexckpt.tier.fast as fast
-import flexckpt.writer as writer
 from flexckpt import Checkpointer
 from flexckpt.errors import SaveError
-from flexckpt.manifest import data_name, step_dir, table_name
-from flexckpt.staging import BufferPool, HostCopies
+from flexckpt.format.manifest import data_name, step_dir, table_name
+from flexckpt.save.staging import BufferPool, HostCopies
+import flexckpt.save.writer as writer
 from flexckpt.tier import LocalTier
+import flexckpt.tier.fast as fast
 from flexshard import Shard, ShardedTensor
 
 SHAPES = {"a": (64, 48), "b": (300,), "c": (17, 5)}

@@ -10,17 +10,17 @@ import time
 import orjson
 import torch
 
-import flexckpt.tier.recover as recover
-import flexckpt.tier.save as fast_save
 from flexckpt import Checkpointer, PerRank
-from flexckpt.commit import read_manifest
-from flexckpt.jsondoc import unseal
-from flexckpt.manifest_parse import parse_manifest
-from flexckpt.names import MANIFEST, step_dir, table_name, values_name
+from flexckpt.format.jsondoc import unseal
+from flexckpt.format.manifest_parse import parse_manifest
+from flexckpt.format.names import MANIFEST, step_dir, table_name, values_name
+from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
 from flexckpt.tier.inventory import choose, scan
+import flexckpt.tier.recover as recover
+import flexckpt.tier.save as fast_save
 from flexckpt.tier.seam import StagedSaves, TierHost
 
 

@@ -11,7 +11,7 @@ import torch
 
 from flexckpt import Checkpointer, UnsupportedState
 from flexckpt.rng import load_rng_state, rng_state
-from flexckpt.structure import check_state
+from flexckpt.state.structure import check_state
 
 
 def draws() -> tuple:

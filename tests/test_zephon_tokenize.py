@@ -86,7 +86,7 @@ def test_accumulator_hands_out_documents_in_input_order_when_a_later_chunk_finis
     from zephon_state.accumulator import Accumulator
     from zephon_state.deal import SourceReader
     from zephon_state.mix import exact_shares
-    from zephon_state.plan import Plan
+    from zephon_state.mixture import Plan
     from zephon_state.source import IoOptions
 
     texts = [f"document {i} " + "text " * i for i in range(8)]
@@ -126,7 +126,7 @@ def test_accumulator_tokenizes_only_what_is_asked_for_until_its_readahead_starts
     from zephon_state.accumulator import Accumulator
     from zephon_state.deal import SourceReader
     from zephon_state.mix import exact_shares
-    from zephon_state.plan import Plan
+    from zephon_state.mixture import Plan
     from zephon_state.source import IoOptions
 
     texts = [f"document {i} " + "text " * i for i in range(40)]

@@ -17,7 +17,6 @@ import importlib.metadata
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
 from flexckpt.checkpointer import Checkpointer, SaveHandle
-from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.errors import (
     CheckpointError,
     ChecksumError,
@@ -31,10 +30,11 @@ from flexckpt.errors import (
     TruncatedFile,
     UnsupportedState,
 )
-from flexckpt.load import subset_load
+from flexckpt.load.pending import subset_load
+from flexckpt.save.commit import committed_steps, read_manifest
+from flexckpt.state.structure import check_state
+from flexckpt.state.values import ByLane, PerRank
 from flexckpt.storage import Storage
-from flexckpt.structure import check_state
-from flexckpt.values import ByLane, PerRank
 
 __all__ = [
     "__version__",

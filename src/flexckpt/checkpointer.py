@@ -28,21 +28,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexckpt.codec import parse_compression
-from flexckpt.commit import committed_steps, read_manifest
-from flexckpt.committer import Committer
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError
-from flexckpt.handle import InFlight, SaveHandle
-from flexckpt.load import LoadStats
-from flexckpt.manifest import GROUP, step_dir
-from flexckpt.rebuild import load_dict
-from flexckpt.restore import load_committed
-from flexckpt.save_job import SaveSettings
-from flexckpt.save_pipeline import SavePipeline, stop_on_collect
-from flexckpt.savers import Savers, run_ids, who_saves
+from flexckpt.format.codec import parse_compression
+from flexckpt.format.manifest import GROUP, step_dir
+from flexckpt.load.committed import load_committed
+from flexckpt.load.pending import LoadStats
+from flexckpt.load.rebuild import load_dict
+from flexckpt.save.commit import committed_steps, read_manifest
+from flexckpt.save.committer import Committer
+from flexckpt.save.handle import InFlight, SaveHandle
+from flexckpt.save.job import SaveSettings
+from flexckpt.save.pipeline import SavePipeline, stop_on_collect
+from flexckpt.save.savers import Savers, run_ids, who_saves
+from flexckpt.state.structure import check_state, excluder, walk
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
-from flexckpt.structure import check_state, excluder, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
 from flexshard import current_world
@@ -73,7 +73,7 @@ class Checkpointer:
         run_id: the same string on every rank of this job; by default taken from
             ``FLEXCKPT_RUN_ID`` or torchrun's run id and restart count, else the first saving
             rank's random id, shared here through the process group's key-value store (no
-            collective: see :mod:`flexckpt.savers`).
+            collective: see :mod:`flexckpt.save.savers`).
         rank, world_size: override the ``torch.distributed`` world (both or neither).
         ranks: the ranks of the process group (of ``process_group``, else the default group)
             that save, when not all of them: ``ranks=[0]`` saves from rank 0 alone, as
@@ -385,9 +385,9 @@ class Checkpointer:
                   exclude: tuple = ()) -> dict:
         """The state saved as the newest committed step (or ``step``), rebuilt without a
         template: the same dicts (str and int keys, in order), lists, tuples and plain values
-        (see :mod:`flexckpt.plain`), ``bytes``, and every tensor whole on ``device`` (a
+        (see :mod:`flexckpt.state.plain`), ``bytes``, and every tensor whole on ``device`` (a
         DTensor too; load into a template with :meth:`load` to get pieces). Tensors that
-        shared storage come back as separate tensors. See :mod:`flexckpt.rebuild`.
+        shared storage come back as separate tensors. See :mod:`flexckpt.load.rebuild`.
 
         No collective: each rank reads on its own (pass ``step=`` so that ranks loading
         while a save commits agree). ``exclude`` leaves keys out by key path (a tuple such

@@ -40,20 +40,20 @@ import time
 from collections import Counter
 from typing import Any, Callable, Iterator, NoReturn
 
-from flexckpt.checksum import checksum
 from flexckpt.closed_pipe import reader_gone
-from flexckpt.codec import Compression, decompress_into, parse_compression
 from flexckpt.convert.cli import add_parsers as add_convert_parsers
-from flexckpt.commit import committed_steps, read_manifest
-from flexckpt.dtypes import dtype_name
+from flexckpt.convert.reshard import checked_layouts, cmd_reshard, no_checkpoint, parse_mesh, pick_step, read_step
 from flexckpt.errors import CheckpointError
-from flexckpt.load import read_bytes_values
-from flexckpt.manifest import MAX_WORLD, Manifest, step_dir
-from flexckpt.reshard import checked_layouts, cmd_reshard, no_checkpoint, parse_mesh, pick_step, read_step
+from flexckpt.format.checksum import checksum
+from flexckpt.format.codec import Compression, decompress_into, parse_compression
+from flexckpt.format.manifest import MAX_WORLD, Manifest, step_dir
+from flexckpt.load.pending import read_bytes_values
 from flexckpt.restore_plan import restore_plan
+from flexckpt.save.commit import committed_steps, read_manifest
+from flexckpt.state.dtypes import dtype_name
+from flexckpt.state.structure import decode_plain
+from flexckpt.state.tree import name_path, walk_tree
 from flexckpt.storage import Storage, parse_storage_options, using_storage_options
-from flexckpt.structure import decode_plain
-from flexckpt.tree import name_path, walk_tree
 from flexshard.world import ranks
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from flexckpt.dtypes import itemsize
-from flexckpt.load import FETCH_BYTES  # the load's largest coalesced request: the same fetches
-from flexckpt.manifest import Manifest
-from flexckpt.readplan import plan_requests
+from flexckpt.format.manifest import Manifest
+from flexckpt.load.pending import FETCH_BYTES  # the load's largest coalesced request: the same fetches
+from flexckpt.load.read_plan import plan_requests
+from flexckpt.state.dtypes import itemsize
 from flexshard import Layout, part_of
 
 

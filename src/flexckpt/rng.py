@@ -1,4 +1,4 @@
-"""A process's random number generators as :class:`~flexckpt.values.PerRank` values.
+"""A process's random number generators as :class:`~flexckpt.state.values.PerRank` values.
 
 Python's ``random``, NumPy's global generator, torch's CPU generator and, where CUDA is
 present, every CUDA device's: what trainers save per process (Accelerate's
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from flexckpt.values import PerRank
+from flexckpt.state.values import PerRank
 
 if TYPE_CHECKING:
     from flexckpt.checkpointer import Checkpointer

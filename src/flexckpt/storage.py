@@ -5,7 +5,7 @@ Local filesystems get the exact commit protocol (temporary name, fsync, ``os.rep
 fsync of the folder) and positional reads straight into caller memory; object stores get
 one PUT per small object and ranged GETs.
 
-Every call is bounded by the stall timeout (see ``stall.py``): no progress for that long and
+Every call is bounded by the stall timeout (see ``storage_stall.py``): no progress for that long and
 it raises ``StorageStalled``. Local data files are opened only inside the root: a symbolic
 link that leads out of it is refused (the root itself may be a link).
 """
@@ -24,7 +24,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from flexckpt.errors import CheckpointError, MissingFile, StorageError, TooLarge, TruncatedFile
-from flexckpt.stall import StorageStalled, bounded, progress
+from flexckpt.storage_stall import StorageStalled, bounded, progress
 
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, offsets and lengths on this boundary
 DIRECT_WRITE_BYTES = 64 << 20

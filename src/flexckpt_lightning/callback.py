@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from flexckpt.structure import check_state
+from flexckpt import check_state
 from flexckpt_lightning.checkpoint_io import FlexCheckpointIO
 from flexckpt_lightning.model_parallel import FlexModelParallelStrategy
 

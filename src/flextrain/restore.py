@@ -9,11 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flexckpt import ByLane, Checkpointer
-from flexckpt.commit import committed_steps, read_manifest
-from flexckpt.load import subset_load
+from flexckpt import ByLane, Checkpointer, Storage, committed_steps, read_manifest, subset_load
 from flexckpt.restore_plan import restore_plan
-from flexckpt.storage import Storage
 from flexshard import MuonConfig, ShardingConfig, plan_layouts
 from flexshard.world import ranks
 from zephon_state import global_batch_digest

@@ -26,8 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexckpt import ByLane, Checkpointer, LoadError
-from flexckpt.load import subset_load
+from flexckpt import ByLane, Checkpointer, LoadError, subset_load
 from flexckpt.tier import LocalTier
 from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from flexshard.world import ranks

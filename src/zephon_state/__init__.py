@@ -23,7 +23,7 @@ from .errors import (
 from .holdout import HoldoutConfig
 from .pack import IGNORE, PAD_DOCUMENT
 from .pipeline import Pipeline, PipelineConfig
-from .plan import Mix
+from .mixture import Mix
 from .source import InMemory, JsonLines, Source, SourceReport, TextFiles
 from .storage import CacheOptions, IoOptions
 from .tokenize import load_tokenizer

@@ -7,7 +7,7 @@ cursor. Lanes therefore never depend on one another, nor on how many ranks host 
 """
 from __future__ import annotations
 
-from .plan import Plan
+from .mixture import Plan
 
 
 class SourceReader:

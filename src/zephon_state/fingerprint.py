@@ -17,7 +17,7 @@ import orjson
 from .errors import short
 
 if TYPE_CHECKING:
-    from .plan import Mix, Plan
+    from .mixture import Mix, Plan
     from .tokenize import LoadedTokenizer
 
 VERSION = 1

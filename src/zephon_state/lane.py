@@ -17,7 +17,7 @@ from .deal import SourceReader
 from .errors import StateError
 from .mix import allotment
 from .pack import Rows, pack_best_fit, pack_wrap
-from .plan import Plan
+from .mixture import Plan
 from .shuffle import window_order
 from .stream import Piece, SourceStream
 from .tokenize import LoadedTokenizer, TokenizerPool

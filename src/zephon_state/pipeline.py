@@ -32,7 +32,7 @@ from .errors import ConfigError, FingerprintMismatch, StateError, short
 from .fingerprint import fingerprint, mismatch_message, plan_fields
 from .holdout import HoldoutConfig, split
 from .lane import LaneSetup
-from .plan import Mix, Plan, as_mix, resolve
+from .mixture import Mix, Plan, as_mix, resolve
 from .producer import Producer, Resume, resume_point
 from .source import SourceReport
 from .storage import IoOptions

@@ -59,7 +59,7 @@ def _import_for_world(args: argparse.Namespace, import_dcp: Any) -> Any:
     import math
     import tempfile
 
-    from flexckpt.reshard import cmd_reshard, writable_folder
+    from flexckpt.convert.reshard import cmd_reshard, writable_folder
     from flexshard.world import ranks
 
     if args.mesh is not None and math.prod(args.mesh) != args.world:
@@ -114,7 +114,7 @@ def _command(sub: Any, name: str, fn: Any, src: str, dst: str, help: str, descri
 
 
 def add_parsers(sub: Any) -> None:
-    from flexckpt.reshard import parse_mesh
+    from flexckpt.convert.reshard import parse_mesh
 
     p = _command(sub, "import-dcp", cmd_import_dcp, "dcp_dir", "url",
              help="a torch.distributed.checkpoint folder as a flexckpt checkpoint",

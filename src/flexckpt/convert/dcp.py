@@ -32,12 +32,12 @@ from typing import Any, Callable
 import torch
 
 from flexckpt.checkpointer import Checkpointer
-from flexckpt.errors import CheckpointError
-from flexckpt.offline import OfflineSave
-from flexckpt.structure import walk
+from flexckpt.convert.offline import OfflineSave
 from flexckpt.convert.tensor_stream import (
     DEFAULT_BUDGET, batches, check_new_folder, name_path, open_source, progress_bar, put, read_tensors,
 )
+from flexckpt.errors import CheckpointError
+from flexckpt.state.structure import walk
 from flexshard import Owned, ShardedTensor
 
 DCP_METADATA = ".metadata"

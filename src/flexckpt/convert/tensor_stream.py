@@ -13,7 +13,7 @@ import torch
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.contents import Contents
 from flexckpt.errors import CheckpointError
-from flexckpt.load import subset_load
+from flexckpt.load.pending import subset_load
 
 DEFAULT_BUDGET = 256 << 20
 

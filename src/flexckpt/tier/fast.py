@@ -31,15 +31,15 @@ from typing import Any
 import orjson
 import torch.distributed as dist
 
-from flexckpt.commit import keyed_entries
-from flexckpt.handle import SaveHandle
-from flexckpt.load import LoadStats
-from flexckpt.names import data_name, step_dir, table_name, values_name
-from flexckpt.save_pipeline import Attempts
-from flexckpt.savers import await_peers
-from flexckpt.staging import StagingBuffer, copies_for
+from flexckpt.format.names import data_name, step_dir, table_name, values_name
+from flexckpt.load.pending import LoadStats
+from flexckpt.save.commit import keyed_entries
+from flexckpt.save.handle import SaveHandle
+from flexckpt.save.pipeline import Attempts
+from flexckpt.save.savers import await_peers
+from flexckpt.save.staging import StagingBuffer, copies_for
+from flexckpt.state.structure import walk
 from flexckpt.storage import Storage, makedirs
-from flexckpt.structure import walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import (
     MAX_DONE_BYTES, check_copy, done_name, file_lengths, remove_bundle, remove_paths, scan, set_aside,
@@ -342,7 +342,7 @@ class FastTier:
 
     def _copier(self, e: Any) -> Any:
         """The staging copy for ``e``'s pieces, marked ready here on the training thread:
-        the checkpointer's own staging copies (``flexckpt.staging.copies_for``)."""
+        the checkpointer's own staging copies (``flexckpt.save.staging.copies_for``)."""
         if e.device not in self._copies:
             self._copies[e.device] = copies_for(e.device)
         copies = self._copies[e.device]

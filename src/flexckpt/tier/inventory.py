@@ -24,11 +24,11 @@ from typing import Any
 
 import orjson
 
-from flexckpt.checksum import checksum, digest
-from flexckpt.chunktable import parse_table
-from flexckpt.names import data_name, parse_step_dir, step_dir, table_name, values_name
+from flexckpt.format.checksum import checksum, digest
+from flexckpt.format.chunktable import parse_table
+from flexckpt.format.names import data_name, parse_step_dir, step_dir, table_name, values_name
+from flexckpt.state.structure import excluder, fingerprint
 from flexckpt.storage import Storage
-from flexckpt.structure import excluder, fingerprint
 
 _DONE = re.compile(r"^r(\d{5})-w(\d{5})\.done$")
 MAX_DONE_BYTES = 64 << 20
@@ -117,7 +117,7 @@ def compat_fingerprint(structure: dict) -> str:
 
 
 def without(structure: dict, gone: Any) -> dict:
-    """A structure less the names ``gone`` (an :func:`~flexckpt.structure.excluder`) takes out."""
+    """A structure less the names ``gone`` (an :func:`~flexckpt.state.structure.excluder`) takes out."""
     return {"tensors": [t for t in structure["tensors"] if not gone(t["name"])],
             **{kind: [n for n in structure[kind] if not gone(n)] for kind in ("plain", "lanes", "per_rank")}}
 

@@ -24,21 +24,21 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from flexckpt.commit import SavedPlan, build_manifest, read_manifest, write_keyed
-from flexckpt.dtypes import dtype_from_name
-from flexckpt.load import PendingLoad
-from flexckpt.manifest import Manifest
-from flexckpt.manifest_parse import parse_manifest
-from flexckpt.names import keyed_name, step_dir, table_name, values_name
-from flexckpt.plan import PlanRules
-from flexckpt.stages import union_structure
+from flexckpt.format.manifest import Manifest
+from flexckpt.format.manifest_parse import parse_manifest
+from flexckpt.format.names import keyed_name, step_dir, table_name, values_name
+from flexckpt.format.write_plan import PlanRules
+from flexckpt.load.pending import PendingLoad
+from flexckpt.save.commit import SavedPlan, build_manifest, read_manifest, write_keyed
+from flexckpt.save.stage_union import union_structure
+from flexckpt.state.dtypes import dtype_from_name
+from flexckpt.state.structure import TensorSpec, Walk, excluder, walk
 from flexckpt.storage import Storage, makedirs
-from flexckpt.structure import TensorSpec, Walk, excluder, walk
-from flexckpt.tier.fetchplan import Ask, Transfer, assign, ranges_needed, saved_rank
 from flexckpt.tier.inventory import (
     Decision, Held, choose, compat_fingerprint, compat_union, done_name, scan, set_aside,
 )
 from flexckpt.tier.keep import Holdings
+from flexckpt.tier.peer_ranges import Ask, Transfer, assign, ranges_needed, saved_rank
 from flexckpt.tier.seam import TierHost
 from flexckpt.tier.transport import Incoming, announce, mapped, send_range
 from flexckpt.tier.view import Received, StepView
@@ -407,7 +407,7 @@ class StepRecovery:
 
 def tier_manifest(storage: Storage, d: Decision) -> Manifest:
     """The saved step's manifest, rebuilt from the ranks' markers through the committer's
-    builder (:func:`flexckpt.commit.build_manifest`) and read back as a committed one is:
+    builder (:func:`flexckpt.save.commit.build_manifest`) and read back as a committed one is:
     tensors with their saved layouts from saved rank 0's marker (or, when the saved ranks'
     structures differ, the union of the stages' structures the markers carry, built and
     checked as the persistent commit builds it), the plan rules from rank 0's, a line and

@@ -1,6 +1,6 @@
 """A fast save's pieces (``FastTier.save`` queues the job; its thread runs them): the
 staged stream (the tier's own buffer, or the persistent save's of the same step), this
-rank's files in the node's folder, written through :mod:`flexckpt.writer` as a persistent
+rank's files in the node's folder, written through :mod:`flexckpt.save.writer` as a persistent
 save writes them (uncompressed, never fsynced), and what its marker carries of the
 state's structure."""
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flexckpt.errors import SaveError
-from flexckpt.manifest import SavedTensor
-from flexckpt.names import data_name, step_dir, table_name, values_name
-from flexckpt.plan import part_of_world
-from flexckpt.staging import StagingBuffer
+from flexckpt.format.manifest import SavedTensor
+from flexckpt.format.names import data_name, step_dir, table_name, values_name
+from flexckpt.format.write_plan import part_of_world
+from flexckpt.save.staging import StagingBuffer
+from flexckpt.save.writer import raw_chunks, write_rank_files, write_raw
 from flexckpt.storage import Storage, makedirs
 from flexckpt.tier.inventory import compat_fingerprint
 from flexckpt.tier.transport import mapped
-from flexckpt.writer import raw_chunks, write_rank_files, write_raw
 
 
 @dataclass(eq=False)
@@ -67,7 +67,7 @@ def staged_stream(job: FastJob, buffer: StagingBuffer) -> memoryview:
 
 class OwnFiles(NamedTuple):
     files: dict  # file name (in the step folder) -> its bytes (the data file mapped): what a copy sends
-    line: list  # the rank's record line (flexckpt.writer.write_rank_files)
+    line: list  # the rank's record line (flexckpt.save.writer.write_rank_files)
     chunks: int
 
 
@@ -101,7 +101,7 @@ class CarriedStructure:
     marker carries of it: saved rank 0's, its tensors with their saved layouts, the plan
     rules and its structure; a pipeline stage's lowest rank (the lowest rank of the
     meshes its stage's tensors live on), its structure, from which a recovery builds the
-    union of the stages' as the persistent commit does (:mod:`flexckpt.stages`). Kept
+    union of the stages' as the persistent commit does (:mod:`flexckpt.save.stage_union`). Kept
     while the plan stays the same."""
 
     def __init__(self, rank: int, world: int) -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from flexckpt.save_job import PlanEntry, SaveJob
-    from flexckpt.staging import StagingBuffer
+    from flexckpt.save.job import PlanEntry, SaveJob
+    from flexckpt.save.staging import StagingBuffer
     from flexckpt.storage import Storage
-    from flexckpt.structure import Walk
+    from flexckpt.state.structure import Walk
 
 
 class TierHost(Protocol):

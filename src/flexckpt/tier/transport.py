@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexckpt.checksum import checksum_int
+from flexckpt.format.checksum import checksum_int
 
 log = logging.getLogger("flexckpt")
 

@@ -14,8 +14,8 @@ from typing import Callable
 import numpy as np
 
 from flexckpt.errors import MissingFile, TooLarge
-from flexckpt.stall import progress
 from flexckpt.storage import Storage
+from flexckpt.storage_stall import progress
 
 
 class Received:

@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from flexckpt.checksum import checksum
 from flexckpt.errors import ManifestError
+from flexckpt.format.checksum import checksum
 
 _SHOW = reprlib.Repr()
 _SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 3, 80, 80, 6, 6

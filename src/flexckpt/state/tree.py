@@ -3,7 +3,7 @@ their keys (str or int) in order. The coordinator's walk writes it into the mani
 (version 4, field ``tree``), so a state comes back without a template
 (``Checkpointer.load_dict``) and every leaf has a *key path*, a tuple of str and int
 (``("opt", "state", 0, "exp_avg")``), in place of its internal name (``/``-joined and
-escaped, see :mod:`flexckpt.structure`), which users never see.
+escaped, see :mod:`flexckpt.state.structure`), which users never see.
 
 A node in JSON is ``0`` (a leaf: a tensor, plain, bytes, per-lane or per-rank value, found
 by its name), ``["d", [key, ...], [node, ...]]`` (a dict), ``["l", [node, ...]]`` (a list)
@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from flexckpt.errors import ManifestError
-from flexckpt.plain import MAX_INT, MIN_INT
-from flexckpt.structure import MAX_TREE_DEPTH, child_name
+from flexckpt.state.plain import MAX_INT, MIN_INT
+from flexckpt.state.structure import MAX_TREE_DEPTH, child_name
 
 MAX_TREE_NODES = 1 << 24
 MAX_KEY_CHARS = 4096

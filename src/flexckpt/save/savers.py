@@ -29,7 +29,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from flexckpt.agree import global_rank
-from flexckpt.names import check_run_id
+from flexckpt.format.names import check_run_id
 from flexshard import current_world
 
 KEY_PREFIX = "flexckpt/ids"

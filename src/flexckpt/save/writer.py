@@ -12,14 +12,14 @@ import numpy as np
 import orjson
 import torch
 
-import flexckpt.checksum as checksums  # the chunk table's and values' checksums (``checksum``: the chunks')
-from flexckpt.checksum import checksum
-from flexckpt.chunktable import ChunkTable
-from flexckpt.codec import Compression, compress
-from flexckpt.dtypes import dtype_name
-from flexckpt.manifest import StoredChunk
-from flexckpt.names import table_name, values_name
-from flexckpt.plan import Chunk
+from flexckpt.format.checksum import checksum
+import flexckpt.format.checksum as checksums  # the chunk table's and values' checksums (``checksum``: the chunks')
+from flexckpt.format.chunktable import ChunkTable
+from flexckpt.format.codec import Compression, compress
+from flexckpt.format.manifest import StoredChunk
+from flexckpt.format.names import table_name, values_name
+from flexckpt.format.write_plan import Chunk
+from flexckpt.state.dtypes import dtype_name
 from flexckpt.storage import DIRECT_ALIGN, Storage
 
 

@@ -26,8 +26,8 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from flexckpt.dtypes import itemsize
-from flexckpt.structure import TensorSpec
+from flexckpt.state.dtypes import itemsize
+from flexckpt.state.structure import TensorSpec
 from flexshard import BlockShard, Box, FlatRange, HybridShard, MeshLayout, Owned, Part, Replicate, Shard
 from flexshard.box import bounding_box, box_part, whole
 from flexshard.layout import row_numel

@@ -26,11 +26,11 @@ from typing import Any, Callable, NamedTuple
 
 import orjson
 
-from flexckpt.checksum import checksum
 from flexckpt.errors import ManifestError, SaveError, expected_failure
-from flexckpt.manifest import MAX_MANIFEST_BYTES, RECORD_FORMAT, VERSION, Manifest, RankEntry, SavedTensor
-from flexckpt.manifest_parse import parse_manifest, parse_record
-from flexckpt.names import (
+from flexckpt.format.checksum import checksum
+from flexckpt.format.manifest import MAX_MANIFEST_BYTES, RECORD_FORMAT, VERSION, Manifest, RankEntry, SavedTensor
+from flexckpt.format.manifest_parse import parse_manifest, parse_record
+from flexckpt.format.names import (
     GROUP,
     MANIFEST,
     attempt_run_id,
@@ -44,9 +44,9 @@ from flexckpt.names import (
     step_dir,
     table_name,
 )
-from flexckpt.plan import PlanRules, WritePlan
+from flexckpt.format.write_plan import PlanRules, WritePlan
+from flexckpt.state.structure import TensorSpec
 from flexckpt.storage import Storage
-from flexckpt.structure import TensorSpec
 
 log = logging.getLogger("flexckpt")
 
@@ -67,7 +67,7 @@ def record_doc(
     be already-encoded JSON (bytes), spliced in without re-encoding. ``structure`` (a
     rank's first save with a structure, in a world of at most GROUP ranks or when the rank
     is a pipeline stage's) lets rank 0 name the keys that differ if the fingerprints do, or
-    build the union of the stages' structures (:mod:`flexckpt.stages`). ``keyed`` holds the bytes values by key:
+    build the union of the stages' structures (:mod:`flexckpt.save.stage_union`). ``keyed`` holds the bytes values by key:
     ``[lowest rank holding it, base64 of the bytes]`` (see :func:`keyed_entries`).
     ``structures`` (a group's record): the structures its ranks' records carried, one per
     fingerprint (a pipeline stage's ranks share one), for rank 0's union of them."""
@@ -568,7 +568,7 @@ def remove_other_attempts(storage: Storage, step: int, attempt: str, since: floa
 
 
 def remove_attempt(storage: Storage, step: int, attempt: str) -> None:
-    """All of a failed attempt (an offline tool's, see :mod:`flexckpt.offline`): its folder
+    """All of a failed attempt (an offline tool's, see :mod:`flexckpt.convert.offline`): its folder
     with data, tables, records and marker, and the step's folder when that leaves it empty.
     Never the attempt the step's manifest names."""
     if committed_attempt(storage, step) == attempt:

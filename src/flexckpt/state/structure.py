@@ -5,12 +5,12 @@ with ``state_dict()`` / ``load_state_dict()``.
 A walk turns the state into flat, named leaves. Names are ``/``-joined keys (``%`` and
 ``/`` inside a key are escaped; an int key whose str form the same dict also holds as a
 str key has its first character escaped too: ``{1: a, "1": b}`` names them ``%31`` and
-``1``). Users see key paths, never names (:mod:`flexckpt.tree`). The walk also records the
+``1``). Users see key paths, never names (:mod:`flexckpt.state.tree`). The walk also records the
 *container tree* (:attr:`Walk.tree`): which dicts, lists and tuples hold the leaves, with
 their keys in order, so that a state comes back without a template. The *structure* is what every rank must agree on: tensor
 names, dtypes, global shapes and layouts, and the names of plain, per-lane and per-rank
 values (never their contents). ``bytes`` values are not part of it: ranks hold different
-sets of keys (each data-parallel replica its own), see :mod:`flexckpt.values`.
+sets of keys (each data-parallel replica its own), see :mod:`flexckpt.state.values`.
 
 The walk is also the one judge of what can be checkpointed: every leaf it cannot convert
 is collected (the exception its conversion raised, with the leaf's name) and the walk goes
@@ -28,14 +28,14 @@ from typing import Any, Callable
 import orjson
 import torch
 
-from flexckpt.dtensor import dtensor_leaf, dtensor_type, is_dtensor
-from flexckpt.dtypes import dtype_name
 from flexckpt.errors import UnsupportedState
-from flexckpt.plain import MAX_INT, MIN_INT, SCALARS, decode_plain, encode_plain, is_plain_atom
-from flexckpt.values import MAX_BYTES_VALUE, ByLane, PerRank
+from flexckpt.state.dtensor import dtensor_leaf, dtensor_type, is_dtensor
+from flexckpt.state.dtypes import dtype_name
+from flexckpt.state.plain import MAX_INT, MIN_INT, SCALARS, decode_plain, encode_plain, is_plain_atom
+from flexckpt.state.values import MAX_BYTES_VALUE, ByLane, PerRank
 from flexshard import Layout, Replicate, ShardedTensor
 
-__all__ = ["SCALARS", "decode_plain", "encode_plain"]  # plain values live in flexckpt.plain
+__all__ = ["SCALARS", "decode_plain", "encode_plain"]  # plain values live in flexckpt.state.plain
 
 MAX_TREE_DEPTH = 100  # dicts, lists and tuples nested in a state (checked at save, and in a manifest)
 
@@ -79,14 +79,14 @@ class Walk:
     key: list[tuple] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)  # this rank's local piece, per tensor leaf
     plain: dict[str, Any] = field(default_factory=dict)
-    plain_json: dict[str, Any] = field(default_factory=dict)  # the same, encoded (flexckpt.plain)
+    plain_json: dict[str, Any] = field(default_factory=dict)  # the same, encoded (flexckpt.state.plain)
     plain_slots: dict[str, Slot] = field(default_factory=dict)
     lanes: dict[str, ByLane] = field(default_factory=dict)
     per_rank: dict[str, PerRank] = field(default_factory=dict)
     keyed: dict[str, bytes] = field(default_factory=dict)  # bytes values, by key
     keyed_slots: dict[str, Slot] = field(default_factory=dict)
     errors: list[tuple[str, BaseException]] = field(default_factory=list)  # leaves that cannot be checkpointed
-    tree: Any = None  # the container tree (see flexckpt.tree): ["d", keys, kids] of the state
+    tree: Any = None  # the container tree (see flexckpt.state.tree): ["d", keys, kids] of the state
     statefuls: list[tuple[str, Any, dict]] = field(default_factory=list)  # (name, object, its state dict)
     _specs: list[TensorSpec] | None = None
 

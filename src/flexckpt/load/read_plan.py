@@ -4,13 +4,13 @@ byte copies to make from each. Pieces on both sides are parts of boxes
 (:mod:`flexshard.box`): a flat range is the whole tensor's box. Each shared stretch that is
 contiguous in both the saved piece and the target is one run; a chunk is fetched once,
 whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O
-(the chunk entries come in, read by :func:`flexckpt.tables.file_entries`).
+(the chunk entries come in, read by :func:`flexckpt.format.tables.file_entries`).
 
 A load plans over columns (:func:`plan_requests`: a file's chunks, the runs cut at their
 bounds, each touched chunk tiled by segments, the fetch loop's plain lists), never one
 object a chunk or a copy. It is the one read planner: the load (:func:`gather_runs`, then
 :func:`plan_file_requests` over the entries it read), the fast tier's range planning
-(:mod:`flexckpt.tier.fetchplan`) and the restore prediction (:mod:`flexckpt.restore_plan`)
+(:mod:`flexckpt.tier.peer_ranges`) and the restore prediction (:mod:`flexckpt.restore_plan`)
 all plan through :func:`plan_file_requests`. :func:`plan_requests`, the short form, takes
 the entries from ``manifest.files`` (give it a mapping that holds them, as the tier's
 planning-only view does: a version-2 manifest's own reads any table it lacks)."""
@@ -22,9 +22,9 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from flexckpt.dtypes import itemsize
 from flexckpt.errors import ManifestError
-from flexckpt.manifest import FileEntry, Manifest, SavedTensor
+from flexckpt.format.manifest import FileEntry, Manifest, SavedTensor
+from flexckpt.state.dtypes import itemsize
 from flexshard import FlatRange, Part, runs
 from flexshard.box import whole
 

@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from flexckpt.checksum import ALGORITHM
-from flexckpt.chunktable import MAX_TABLE_BYTES
-from flexckpt.dtypes import dtype_from_name, itemsize
-from flexckpt.jsondoc import SEAL_FIELD, fail, get_field, get_int, parse_json, show, unseal
-from flexckpt.manifest import (
+from flexckpt.format.checksum import ALGORITHM
+from flexckpt.format.chunktable import MAX_TABLE_BYTES
+from flexckpt.format.jsondoc import SEAL_FIELD, fail, get_field, get_int, parse_json, show, unseal
+from flexckpt.format.manifest import (
     CODECS,
     FORMAT,
     MAX_CHUNK_BYTES,
@@ -40,12 +39,13 @@ from flexckpt.manifest import (
     SavedTensor,
     StoredChunk,
 )
-from flexckpt.names import attempt_run_id, check_run_id
-from flexckpt.plan import READ_RULES_VERSIONS, RULES_VERSION, PlanRules, WritePlan
-from flexckpt.structure import TensorSpec
-from flexckpt.tables import TableFiles
-from flexckpt.tree import check_tree
-from flexckpt.values import MAX_BYTES_VALUE
+from flexckpt.format.names import attempt_run_id, check_run_id
+from flexckpt.format.tables import TableFiles
+from flexckpt.format.write_plan import READ_RULES_VERSIONS, RULES_VERSION, PlanRules, WritePlan
+from flexckpt.state.dtypes import dtype_from_name, itemsize
+from flexckpt.state.structure import TensorSpec
+from flexckpt.state.tree import check_tree
+from flexckpt.state.values import MAX_BYTES_VALUE
 from flexshard import Layout, MeshLayout, layout_from_json
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")

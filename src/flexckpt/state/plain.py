@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from flexckpt.values import ByLane, PerRank
+from flexckpt.state.values import ByLane, PerRank
 
 SCALARS = (bool, int, float, str, type(None))
 ATOMS = (torch.dtype, torch.device, pathlib.PurePath, enum.Enum, type)  # besides scalars and dataclasses

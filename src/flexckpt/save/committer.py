@@ -1,6 +1,6 @@
 """The commit side of a save. ``Committer`` runs on the commit thread of a group leader:
 rank 0 gathers the records by reading storage, writes the manifest and applies retention
-(the pure steps are in :mod:`flexckpt.commit`: gather, build, commit, retention); another
+(the pure steps are in :mod:`flexckpt.save.commit`: gather, build, commit, retention); another
 group leader (every GROUP-th rank) gathers its group's records into one. It also makes this
 rank's record (``record``; a rank that leads no group writes it, ``hand_in``), reports any
 rank's failure to the attempt's other ranks (``report_failure``), lets the other ranks wait
@@ -13,7 +13,10 @@ import logging
 import threading
 import time
 
-from flexckpt.commit import (
+from flexckpt.errors import SaveError, expected_failure
+from flexckpt.format.names import GROUP, attempt_run_id, committed_name, group_name, record_name, step_dir, table_name
+from flexckpt.format.write_plan import WritePlan
+from flexckpt.save.commit import (
     AnnouncedFailure,
     apply_retention,
     build_manifest,
@@ -31,12 +34,9 @@ from flexckpt.commit import (
     record_doc,
     write_keyed,
 )
-from flexckpt.errors import SaveError, expected_failure
-from flexckpt.handle import InFlight
-from flexckpt.names import GROUP, attempt_run_id, committed_name, group_name, record_name, step_dir, table_name
-from flexckpt.plan import WritePlan
-from flexckpt.save_job import PlanEntry, SaveJob, SaveSettings
-from flexckpt.stages import has_partial, union_structure
+from flexckpt.save.handle import InFlight
+from flexckpt.save.job import PlanEntry, SaveJob, SaveSettings
+from flexckpt.save.stage_union import has_partial, union_structure
 
 log = logging.getLogger("flexckpt")
 
@@ -112,7 +112,7 @@ class Committer:
 
     def _union_plan(self, e: PlanEntry, entries: dict[int, list], step: int) -> tuple[WritePlan, str]:
         """The plan and fingerprint the manifest holds: rank 0's own, or, when ranks saved
-        different structures (pipeline stages), their union's (see :mod:`flexckpt.stages`),
+        different structures (pipeline stages), their union's (see :mod:`flexckpt.save.stage_union`),
         kept while the set of fingerprints stays the same."""
         fps = frozenset(line[0] for line in entries.values())
         if fps == {e.fingerprint}:
@@ -226,7 +226,7 @@ class Committer:
 
     def reclaim(self) -> None:
         """Files of saves that failed or were cut short before this launch (see
-        :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again.
+        :func:`flexckpt.save.commit.reclaim_at_start`): a restarted job on a full disk saves again.
         The coordinator runs it on a thread of its own, started at construction (a load, a
         fast tier's recovery included, never waits for it; the first save makes its folders
         once it is done, ``close()`` waits for it)."""

@@ -6,7 +6,7 @@ structure stays the same), captures its sources and values (``capture``), takes 
 buffer and queues a ``SaveJob``. Threads (started on the first save), one queue between each:
   stager  - copies this rank's pieces into the staging buffer, then releases the fence;
   writer  - chunks, compresses, checksums and writes the rank's file and chunk table, then
-            hands the job to the committer (:mod:`flexckpt.committer`): a group leader
+            hands the job to the committer (:mod:`flexckpt.save.committer`): a group leader
             queues it for its commit thread, another rank writes its record;
   commit  - group leaders: ``Committer.commit``.
 Each thread holds the pipeline (or the committer), never the ``Checkpointer``; ``abandon``
@@ -28,16 +28,16 @@ from typing import Any, Callable
 import orjson
 import torch
 
-from flexckpt.committer import Committer
 from flexckpt.errors import SaveError
-from flexckpt.handle import InFlight, SaveHandle
-from flexckpt.names import GROUP, attempt_id, data_name, step_dir
-from flexckpt.plan import make_write_plan, part_of_world
-from flexckpt.save_job import PlanEntry, SaveJob, SaveSettings
-from flexckpt.staging import BufferPool, StagingBuffer, copies_for, staging_device
+from flexckpt.format.names import GROUP, attempt_id, data_name, step_dir
+from flexckpt.format.write_plan import make_write_plan, part_of_world
+from flexckpt.save.committer import Committer
+from flexckpt.save.handle import InFlight, SaveHandle
+from flexckpt.save.job import PlanEntry, SaveJob, SaveSettings
+from flexckpt.save.staging import BufferPool, StagingBuffer, copies_for, staging_device
+from flexckpt.save.writer import RawSums, encode_per_rank, write_data_file, write_rank_files
+from flexckpt.state.structure import Walk, fingerprint, walk
 from flexckpt.storage import makedirs
-from flexckpt.structure import Walk, fingerprint, walk
-from flexckpt.writer import RawSums, encode_per_rank, write_data_file, write_rank_files
 from flexshard import part_of
 
 __all__ = ["Attempts", "PlanEntry", "SaveJob", "SavePipeline"]

@@ -1,11 +1,11 @@
 """The chunk tables: the only metadata I/O besides the manifest's own document.
 
 Version 2's (and later) ``manifest.files`` (:class:`TableFiles`, a
-:class:`~flexckpt.manifest.DataFiles`): each rank's chunk table (:mod:`flexckpt.chunktable`),
+:class:`~flexckpt.format.manifest.DataFiles`): each rank's chunk table (:mod:`flexckpt.format.chunktable`),
 read from storage on first use and verified against the manifest's line for that rank,
-and turned into that rank's data file's :class:`~flexckpt.manifest.FileEntry`; and each
+and turned into that rank's data file's :class:`~flexckpt.format.manifest.FileEntry`; and each
 rank's per-rank values file. :func:`file_entries` reads the entries a read plan needs, so
-that the planner (:mod:`flexckpt.readplan`) is given them and does no I/O itself."""
+that the planner (:mod:`flexckpt.load.read_plan`) is given them and does no I/O itself."""
 from __future__ import annotations
 
 import itertools
@@ -15,12 +15,11 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from flexckpt.checksum import checksum
-from flexckpt.chunktable import ChunkTable, parse_table
 from flexckpt.errors import ManifestError
-from flexckpt.jsondoc import show
-from flexckpt.dtypes import itemsize
-from flexckpt.manifest import (
+from flexckpt.format.checksum import checksum
+from flexckpt.format.chunktable import ChunkTable, parse_table
+from flexckpt.format.jsondoc import show
+from flexckpt.format.manifest import (
     MAX_CHUNK_BYTES,
     MAX_CHUNKS_PER_FILE,
     MAX_ZSTD_RATIO,
@@ -29,9 +28,10 @@ from flexckpt.manifest import (
     Manifest,
     RankEntry,
 )
-from flexckpt.names import data_name, table_name, values_name
-from flexckpt.plan import WritePlan
-from flexckpt.stall import bounded
+from flexckpt.format.names import data_name, table_name, values_name
+from flexckpt.format.write_plan import WritePlan
+from flexckpt.state.dtypes import itemsize
+from flexckpt.storage_stall import bounded
 
 
 def file_entries(manifest: Manifest, files: Iterable[str]) -> dict[str, FileEntry]:

@@ -15,15 +15,15 @@ import uuid
 from typing import Any
 
 from flexckpt.checkpointer import Checkpointer
-from flexckpt.commit import committed_steps, read_manifest
-from flexckpt.dtypes import itemsize
+from flexckpt.convert.offline import OfflineSave
 from flexckpt.errors import CheckpointError
-from flexckpt.load import subset_load
-from flexckpt.manifest import Manifest
-from flexckpt.offline import OfflineSave
+from flexckpt.format.manifest import Manifest
+from flexckpt.load.pending import subset_load
 from flexckpt.restore_plan import restore_plan
+from flexckpt.save.commit import committed_steps, read_manifest
+from flexckpt.state.dtypes import itemsize
+from flexckpt.state.values import ByLane, PerRank
 from flexckpt.storage import Storage
-from flexckpt.values import ByLane, PerRank
 from flexshard import BlockShard, HybridShard, Layout, MeshLayout, Owned, Replicate, Shard, ShardedTensor, assign_owners, part_of
 from flexshard.world import ranks
 

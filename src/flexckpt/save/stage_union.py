@@ -1,7 +1,7 @@
 """Ranks whose structures differ (pipeline stages): the union that the manifest holds.
 
 Under pipeline parallelism no rank knows the other stages' keys. Each rank plans its own
-writes from its own structure; rules 4 of :mod:`flexckpt.plan` make that plan equal to the
+writes from its own structure; rules 4 of :mod:`flexckpt.format.write_plan` make that plan equal to the
 union's plan for that rank, as long as
 
 * a tensor every rank writes by the world's rules (``Replicate``, ``Shard``, ``HybridShard``,
@@ -12,17 +12,17 @@ union's plan for that rank, as long as
 
 Those rules are checked here, on the committing rank, from one structure per fingerprint
 (the records carry each structure once per group, the first time a rank saves it; see
-:func:`flexckpt.commit.merge_records`), in O(tensors + ranks): never a collective. A
+:func:`flexckpt.save.commit.merge_records`), in O(tensors + ranks): never a collective. A
 violation fails the save naming the key. Pure functions.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from flexckpt.dtypes import dtype_from_name
 from flexckpt.errors import SaveError
-from flexckpt.plan import part_of_world
-from flexckpt.structure import TensorSpec, fingerprint
+from flexckpt.format.write_plan import part_of_world
+from flexckpt.state.dtypes import dtype_from_name
+from flexckpt.state.structure import TensorSpec, fingerprint
 from flexshard.layout import layout_from_json
 
 

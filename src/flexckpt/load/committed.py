@@ -8,11 +8,11 @@ import logging
 import torch.distributed as dist
 
 from flexckpt.agree import agree_step, first_failed_rank
-from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.errors import LoadError
-from flexckpt.load import LoadStats, PendingLoad
+from flexckpt.load.pending import LoadStats, PendingLoad
+from flexckpt.save.commit import committed_steps, read_manifest
+from flexckpt.state.structure import Excluder, Walk
 from flexckpt.storage import Storage
-from flexckpt.structure import Excluder, Walk
 
 log = logging.getLogger("flexckpt")
 

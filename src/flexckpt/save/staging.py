@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexckpt.plan import RankPlan
+from flexckpt.format.write_plan import RankPlan
+from flexckpt.state.structure import TensorSpec
 from flexckpt.storage import DIRECT_ALIGN as ALIGN
-from flexckpt.structure import TensorSpec
 
 
 @dataclass(eq=False)

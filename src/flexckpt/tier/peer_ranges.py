@@ -1,7 +1,7 @@
 """Which byte ranges a recovering rank asks of which peer (pure: no processes, no I/O).
 
 A rank asks only for the chunks its target pieces need: the ordinary load's own requests
-(:func:`flexckpt.readplan.plan_requests`), so that each load read falls in one asked range.
+(:func:`flexckpt.load.read_plan.plan_requests`), so that each load read falls in one asked range.
 Tier files are never compressed, so a chunk's place in its file is its place in the raw
 stream, which the write plan gives: the ranges are known before any chunk table arrives
 (the tables come with them, for the load to verify every chunk)."""
@@ -15,9 +15,9 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from flexckpt.load import FETCH_BYTES
-from flexckpt.manifest import FileEntry, Manifest, data_name
-from flexckpt.readplan import Request, plan_requests
+from flexckpt.format.manifest import FileEntry, Manifest, data_name
+from flexckpt.load.pending import FETCH_BYTES
+from flexckpt.load.read_plan import Request, plan_requests
 
 _RANK = re.compile(r"/r(\d{5})\.[a-z]+$")
 

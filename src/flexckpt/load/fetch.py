@@ -1,4 +1,4 @@
-"""The fetch loop of a load: the requests of a read plan (:func:`flexckpt.readplan.plan_requests`)
+"""The fetch loop of a load: the requests of a read plan (:func:`flexckpt.load.read_plan.plan_requests`)
 turned into bytes placed in the targets, every chunk verified against its checksum first.
 
 The steps, each a name of its own:
@@ -22,14 +22,14 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from flexckpt.checksum import checksum, digest, digest_parts
-from flexckpt.codec import decompress_into
 from flexckpt.errors import ChecksumError
-from flexckpt.manifest import CODECS
-from flexckpt.readplan import Request, Scatter
-from flexckpt.stall import bounded_all
+from flexckpt.format.checksum import checksum, digest, digest_parts
+from flexckpt.format.codec import decompress_into
+from flexckpt.format.manifest import CODECS
+from flexckpt.format.tables import from_peer
+from flexckpt.load.read_plan import Request, Scatter
 from flexckpt.storage import RangeReader, Storage
-from flexckpt.tables import from_peer
+from flexckpt.storage_stall import bounded_all
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, without a copy. A dtype numpy has
@@ -86,7 +86,7 @@ class StoreSource:
     """Obtains stored bytes by ranged reads of the step's files on ``storage`` (one reader a
     file, opened on first use, closed by :meth:`close`). Counts what it read:
     ``bytes_from_store``, and ``bytes_from_peers`` for the files a fast tier's recovery
-    view routes to ranges a peer sent (:func:`flexckpt.tables.from_peer`)."""
+    view routes to ranges a peer sent (:func:`flexckpt.format.tables.from_peer`)."""
 
     def __init__(self, storage: Storage, folder: str) -> None:
         self.storage = storage

@@ -1,7 +1,7 @@
 """A persistent save on its way: the settings the save side runs with (``SaveSettings``),
 a state structure's plan on this rank (``PlanEntry``) and one save in flight (``SaveJob``).
-Shared by :mod:`flexckpt.save_pipeline`, which makes and moves jobs, and
-:mod:`flexckpt.committer`, which commits them; data only, no behaviour."""
+Shared by :mod:`flexckpt.save.pipeline`, which makes and moves jobs, and
+:mod:`flexckpt.save.committer`, which commits them; data only, no behaviour."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from flexckpt.codec import Compression
-from flexckpt.handle import SaveHandle
-from flexckpt.plan import RankPlan, WritePlan
-from flexckpt.staging import StagingBuffer
+from flexckpt.format.codec import Compression
+from flexckpt.format.write_plan import RankPlan, WritePlan
+from flexckpt.save.handle import SaveHandle
+from flexckpt.save.staging import StagingBuffer
+from flexckpt.save.writer import RawSums
 from flexckpt.storage import Storage
-from flexckpt.writer import RawSums
 
 
 @dataclass(frozen=True)
@@ -84,4 +84,4 @@ class SaveJob:
     # its record line, 6 fields: [fingerprint, table checksum, table bytes, stored bytes,
     #                             values checksum ("" without values), values bytes]
     line: list = field(default_factory=list)
-    tree: Any = None  # the coordinator's: the state's container tree, for the manifest (flexckpt.tree)
+    tree: Any = None  # the coordinator's: the state's container tree, for the manifest (flexckpt.state.tree)

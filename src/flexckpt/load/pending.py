@@ -5,11 +5,11 @@ every chunk's checksum, then hand back the values to apply once every rank has s
 
 :class:`PendingLoad` holds the checks (in its constructor), the small values and
 :meth:`~PendingLoad.apply`; its :meth:`~PendingLoad.read` plans the requests
-(:mod:`flexckpt.readplan`, over chunk entries :func:`flexckpt.tables.file_entries` read)
-and hands them to the fetch loop (:mod:`flexckpt.fetch`). ``FETCH_BYTES`` and
+(:mod:`flexckpt.load.read_plan`, over chunk entries :func:`flexckpt.format.tables.file_entries` read)
+and hands them to the fetch loop (:mod:`flexckpt.load.fetch`). ``FETCH_BYTES`` and
 ``READ_GROUP_BYTES`` (read at each load) size its requests.
 
-``exclude`` patterns (see :func:`flexckpt.structure.excluder`) take leaves out of the load
+``exclude`` patterns (see :func:`flexckpt.state.structure.excluder`) take leaves out of the load
 on both sides: the state keeps what it holds, and the checkpoint need not have them.
 """
 from __future__ import annotations
@@ -25,15 +25,15 @@ from typing import Any, Iterator
 
 import torch
 
-from flexckpt.dtypes import dtype_from_name, dtype_name
 from flexckpt.errors import ManifestError, StructureMismatch
-from flexckpt.fetch import FetchLoop, StoreSource, byte_view, run_shares, target_views, verify
-from flexckpt.manifest import Manifest, keyed_name, step_dir
-from flexckpt.plan import part_of_world
-from flexckpt.readplan import gather_runs, plan_file_requests
+from flexckpt.format.manifest import Manifest, keyed_name, step_dir
+from flexckpt.format.tables import file_entries, from_peer
+from flexckpt.format.write_plan import part_of_world
+from flexckpt.load.fetch import FetchLoop, StoreSource, byte_view, run_shares, target_views, verify
+from flexckpt.load.read_plan import gather_runs, plan_file_requests
+from flexckpt.state.dtypes import dtype_from_name, dtype_name
+from flexckpt.state.structure import Excluder, Walk, decode_plain
 from flexckpt.storage import Storage
-from flexckpt.structure import Excluder, Walk, decode_plain
-from flexckpt.tables import file_entries, from_peer
 from flexshard import Part, part_of
 
 log = logging.getLogger("flexckpt")
@@ -205,8 +205,8 @@ class PendingLoad:
             self._read(threads)
 
     def _read(self, threads: int) -> None:
-        """Plan the reads (the chunk tables they need read first: :func:`flexckpt.tables.file_entries`),
-        read and check the small values, then fetch every request (:mod:`flexckpt.fetch`)."""
+        """Plan the reads (the chunk tables they need read first: :func:`flexckpt.format.tables.file_entries`),
+        read and check the small values, then fetch every request (:mod:`flexckpt.load.fetch`)."""
         m = self.manifest
         tables_before = _metadata_read(m)
         targets = [(m.tensors[self.walk.specs[i].name], rng) for i, rng in self.targets]

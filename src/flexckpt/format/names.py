@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from flexckpt.jsondoc import show
+from flexckpt.format.jsondoc import show
 
 MANIFEST = "manifest.json"
 

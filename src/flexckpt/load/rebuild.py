@@ -1,10 +1,10 @@
 """A saved state rebuilt without a template (``Checkpointer.load_dict``): every tensor read
 whole onto one device, plain, bytes, per-lane and per-rank values decoded, all put back in
-the dicts, lists and tuples of the manifest's container tree (:mod:`flexckpt.tree`).
+the dicts, lists and tuples of the manifest's container tree (:mod:`flexckpt.state.tree`).
 
 What comes back: dicts (str and int keys, in the saved order; a dict subclass, an
 ``OrderedDict`` or a module's state dict, as a ``dict``), lists, tuples, the plain values of
-:mod:`flexckpt.plain`, ``bytes``, and tensors: plain ``torch.Tensor`` (a ``Parameter``, a
+:mod:`flexckpt.state.plain`, ``bytes``, and tensors: plain ``torch.Tensor`` (a ``Parameter``, a
 DTensor or a ShardedTensor comes back as the whole tensor, contiguous, without
 ``requires_grad``), each its own storage (tensors that shared storage when saved, tied
 weights, come back as equal, separate tensors). ``ByLane`` and ``PerRank`` values come back
@@ -18,14 +18,14 @@ from typing import Any, Callable
 import torch
 
 from flexckpt.errors import ManifestError, StructureMismatch
-from flexckpt.load import PendingLoad, decode_per_rank, read_bytes_values, subset_load
-from flexckpt.dtypes import itemsize
-from flexckpt.manifest import MAX_ZSTD_RATIO, Manifest, step_dir
-from flexckpt.plain import decode_plain
+from flexckpt.format.manifest import MAX_ZSTD_RATIO, Manifest, step_dir
+from flexckpt.load.pending import PendingLoad, decode_per_rank, read_bytes_values, subset_load
+from flexckpt.state.dtypes import itemsize
+from flexckpt.state.plain import decode_plain
+from flexckpt.state.structure import Walk
+from flexckpt.state.tree import assemble, name_path, put, walk_tree
+from flexckpt.state.values import ByLane, PerRank
 from flexckpt.storage import Storage
-from flexckpt.structure import Walk
-from flexckpt.tree import assemble, name_path, put, walk_tree
-from flexckpt.values import ByLane, PerRank
 
 _CPU = torch.device("cpu")
 

@@ -1,7 +1,7 @@
 """The saves of an offline tool (``import-dcp``, ``reshard``): every rank of one save is a
 ``Checkpointer`` in one process. Such a save fails whole and at once: the first rank whose
 write fails fails it (the process's other ranks learn of it in memory, see
-:func:`flexckpt.commit.mark_failed`, even when the store cannot take its failure marker),
+:func:`flexckpt.save.commit.mark_failed`, even when the store cannot take its failure marker),
 and what the save wrote under the URL is removed, with the URL's folder when the tool made
 it: a failed import leaves nothing behind."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import contextlib
 import os
 from types import TracebackType
 
-from flexckpt.commit import remove_attempt
-from flexckpt.handle import SaveHandle
+from flexckpt.save.commit import remove_attempt
+from flexckpt.save.handle import SaveHandle
 from flexckpt.storage import Storage
 
 

@@ -4,16 +4,16 @@ presence is the commit. Also the limits that bound a checkpoint read back.
 Version 2 holds O(tensors + ranks): each tensor's dtype, shape and layout,
 the plan rules, and per rank one line (its chunk table's checksum and length, its data
 file's stored length). Pieces, offsets and chunk boundaries are recomputed from those
-(:mod:`flexckpt.plan`, :class:`PlanPieces`); chunk checksums and stored lengths live in
-each rank's table file (:mod:`flexckpt.chunktable`), read only by the ranks that read that
-rank's data (:mod:`flexckpt.tables`). Version 1 (a list of every piece and chunk) still
+(:mod:`flexckpt.format.write_plan`, :class:`PlanPieces`); chunk checksums and stored lengths live in
+each rank's table file (:mod:`flexckpt.format.chunktable`), read only by the ranks that read that
+rank's data (:mod:`flexckpt.format.tables`). Version 1 (a list of every piece and chunk) still
 loads. Version 3 adds mesh layouts; version 4 (written now) the state's container tree
-(``tree``, checked by :func:`flexckpt.tree.check_tree`) and tagged plain values
-(:mod:`flexckpt.plain`).
+(``tree``, checked by :func:`flexckpt.state.tree.check_tree`) and tagged plain values
+(:mod:`flexckpt.state.plain`).
 
-The format's other ideas have their own modules: :mod:`flexckpt.names` (folder and file
-names), :mod:`flexckpt.jsondoc` (checked JSON fields, the seal), :mod:`flexckpt.tables`
-(the chunk tables), :mod:`flexckpt.manifest_parse` (reading a manifest or record back).
+The format's other ideas have their own modules: :mod:`flexckpt.format.names` (folder and file
+names), :mod:`flexckpt.format.jsondoc` (checked JSON fields, the seal), :mod:`flexckpt.format.tables`
+(the chunk tables), :mod:`flexckpt.format.manifest_parse` (reading a manifest or record back).
 The names of the first two are re-exported here for the callers that import them from
 this module.
 """
@@ -28,10 +28,9 @@ import numpy as np
 import orjson
 import torch
 
-from flexckpt.checksum import ALGORITHM
-from flexckpt.dtypes import dtype_name
-from flexckpt.jsondoc import SEAL_FIELD, seal, unseal
-from flexckpt.names import (
+from flexckpt.format.checksum import ALGORITHM
+from flexckpt.format.jsondoc import SEAL_FIELD, seal, unseal
+from flexckpt.format.names import (
     GROUP,
     MANIFEST,
     attempt_id,
@@ -48,7 +47,8 @@ from flexckpt.names import (
     table_name,
     values_name,
 )
-from flexckpt.plan import PlanRules, WritePlan
+from flexckpt.format.write_plan import PlanRules, WritePlan
+from flexckpt.state.dtypes import dtype_name
 from flexshard import Box, FlatRange, Layout, Part
 from flexshard.box import whole
 
@@ -57,7 +57,7 @@ __all__ = [
     "CODECS", "FORMAT", "MAX_CHUNK_BYTES", "MAX_CHUNKS_PER_FILE", "MAX_FILE_BYTES", "MAX_MANIFEST_BYTES", "MAX_NUMEL",
     "MAX_RECORD_BYTES", "MAX_TIME", "MAX_WORLD", "MAX_ZSTD_RATIO", "READ_VERSIONS", "RECORD_FORMAT", "VERSION",
     "DataFiles", "FileEntry", "ListedFiles", "Manifest", "PlanPieces", "RankEntry", "SavedPiece", "SavedTensor", "StoredChunk",
-    # re-exported from flexckpt.names and flexckpt.jsondoc
+    # re-exported from flexckpt.format.names and flexckpt.format.jsondoc
     "GROUP", "MANIFEST", "SEAL_FIELD", "attempt_id", "attempt_run_id", "check_run_id", "committed_name", "data_name",
     "failed_name", "group_name", "keyed_name", "parse_step_dir", "record_name", "seal", "step_dir", "table_name",
     "unseal", "values_name",
@@ -66,8 +66,8 @@ __all__ = [
 FORMAT = "flexckpt"
 RECORD_FORMAT = "flexckpt-record"
 # 3: a tensor's layout may be a MeshLayout (pieces are n-D boxes); else as 2.
-# 4: as 3, plus the state's container tree (``tree``, see flexckpt.tree) and plain values
-#    with the tags of flexckpt.plain (dtype, device, path, enum, class, dataclass, dict)
+# 4: as 3, plus the state's container tree (``tree``, see flexckpt.state.tree) and plain values
+#    with the tags of flexckpt.state.plain (dtype, device, path, enum, class, dataclass, dict)
 VERSION = 4
 READ_VERSIONS = (1, 2, 3, 4)
 CODECS = ("none", "zstd")
@@ -170,7 +170,7 @@ class DataFiles(Mapping):
     """``Manifest.files``, one interface for every format version: the data files by name
     (each a :class:`FileEntry`), each rank's per-rank values, and the checkpoint's sizes.
     A version-1 manifest lists them (:class:`ListedFiles`); a later one reads each rank's
-    chunk table and values file on first use (:class:`flexckpt.tables.TableFiles`, the
+    chunk table and values file on first use (:class:`flexckpt.format.tables.TableFiles`, the
     only metadata I/O). ``bytes_read``: metadata read so far (tables, values files), and
     ``peer_bytes_read`` the part of it a fast tier's recovery received from peers."""
 
@@ -315,8 +315,8 @@ class Manifest:
     ranks: tuple[RankEntry, ...] = ()
     sealed: bool = False  # read back with a verified manifest checksum (False: written without one)
     keyed: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # bytes values: offset, length, xxh3-64
-    tree: Any = None  # version 4: the state's container tree (flexckpt.tree); None: not recorded
-    # ``files`` is a DataFiles: a ListedFiles (version 1) or a flexckpt.tables.TableFiles
+    tree: Any = None  # version 4: the state's container tree (flexckpt.state.tree); None: not recorded
+    # ``files`` is a DataFiles: a ListedFiles (version 1) or a flexckpt.format.tables.TableFiles
 
     def __post_init__(self) -> None:
         if type(self.files) is dict:  # listed by the caller (a version-1 document, a test): the same interface
@@ -357,7 +357,7 @@ class Manifest:
                 **({"tree": self.tree} if self.tree is not None and self.version >= 4 else {}),
             })
         raise ValueError(f"step {self.step}: a version-1 manifest is read, never written (flexckpt writes version "
-                         f"{VERSION}); build the manifest with flexckpt.commit.build_manifest")
+                         f"{VERSION}); build the manifest with flexckpt.save.commit.build_manifest")
 
     @property
     def total_bytes(self) -> int:
