@@ -150,21 +150,21 @@ def main(argv: list[str]) -> int:
     elif task == "test":
         cmd = [py, "-m", "pytest", *rest]
     elif task == "test-torchtitan":
-        cmd = [py, str(ROOT / "tests" / "torchtitan_matrix.py"), *rest]
+        cmd = [py, str(ROOT / "tests" / "helpers" / "torchtitan_matrix.py"), *rest]
     elif task == "test-tierkill":
-        cmd = [py, str(ROOT / "tests" / "tier_kill_trials.py"), "--chosen", *(rest or ["--random", "60"])]
+        cmd = [py, str(ROOT / "tests" / "helpers" / "tier_kill_trials.py"), "--chosen", *(rest or ["--random", "60"])]
     elif task == "test-kill":
-        cmd = [py, str(ROOT / "tests" / "kill_trials.py"), "--chosen", *(rest or ["--random", "100"])]
+        cmd = [py, str(ROOT / "tests" / "helpers" / "kill_trials.py"), "--chosen", *(rest or ["--random", "100"])]
     elif task == "test-nodeloss":
         env["FLEXTRAIN_NODELOSS"] = "1"
-        cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_flextrain_nodeloss.py"), "-q", "-s", *rest]
+        cmd = [py, "-m", "pytest", str(ROOT / "tests" / "flextrain" / "test_node_loss.py"), "-q", "-s", *rest]
     elif task == "test-flextrain":
         env.update(FLEXTRAIN_MATRIX="1", FLEXTRAIN_NODELOSS="1")
-        files = ("test_flextrain_resume.py", "test_flextrain_nodeloss.py")
+        files = ("flextrain/test_resume.py", "flextrain/test_node_loss.py")
         cmd = [py, "-m", "pytest", *(str(ROOT / "tests" / f) for f in files), "-q", *rest]
     elif task == "test-trainers":
         env["FLEXCKPT_TRAINERS_MATRIX"] = "1"
-        cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_hf_trainer.py"), "-q", *rest]
+        cmd = [py, "-m", "pytest", str(ROOT / "tests" / "integrations" / "test_hf_trainer.py"), "-q", *rest]
     elif task == "bench":
         cmd = [py, str(ROOT / "bench" / f"{rest[0]}.py"), *rest[1:]]
     elif task == "shell":

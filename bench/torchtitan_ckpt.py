@@ -1,5 +1,5 @@
 """torchtitan 0.3.0's own trainer (CPU, gloo, 2 ranks, the 2-layer debug model of
-tests/torchtitan_cpu.py) checkpointing every ``--interval`` steps with DCP ``async``, DCP
+tests/helpers/torchtitan_cpu.py) checkpointing every ``--interval`` steps with DCP ``async``, DCP
 ``async_with_pinned_mem`` and the flexckpt manager, in one run: median step time, the
 training thread's time in the checkpointer (``save()`` + the fence before
 ``optimizers.step()``) per save, and the wall time of a resume at another degree (the

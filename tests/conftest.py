@@ -6,8 +6,13 @@ import sys
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
+
+# the helper modules the tests share (tests/helpers) import by name, here and in every
+# spawned rank or subprocess (they inherit sys.path, or get it as PYTHONPATH)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 def _free_port() -> int:

@@ -46,10 +46,10 @@ def test_a_missing_or_unknown_benchmark_lists_the_benchmarks(dev, capsys, argv):
 # the launches kept out of the default suite: each dev.py task must set the very variable its
 # tests' skip reads and run their file, or it passes with them skipped
 @pytest.mark.parametrize("task,files,variables", [
-    ("test-nodeloss", ["test_flextrain_nodeloss.py"], ["FLEXTRAIN_NODELOSS"]),
-    ("test-flextrain", ["test_flextrain_resume.py", "test_flextrain_nodeloss.py"],
+    ("test-nodeloss", ["flextrain/test_node_loss.py"], ["FLEXTRAIN_NODELOSS"]),
+    ("test-flextrain", ["flextrain/test_resume.py", "flextrain/test_node_loss.py"],
      ["FLEXTRAIN_MATRIX", "FLEXTRAIN_NODELOSS"]),
-    ("test-trainers", ["test_hf_trainer.py"], ["FLEXCKPT_TRAINERS_MATRIX"]),
+    ("test-trainers", ["integrations/test_hf_trainer.py"], ["FLEXCKPT_TRAINERS_MATRIX"]),
 ])
 def test_an_opt_in_task_sets_what_its_tests_read_and_runs_their_files(dev, monkeypatch, task, files, variables):
     ran = []
@@ -71,8 +71,8 @@ def test_the_kill_task_runs_every_chosen_point_and_100_random_times(dev, monkeyp
     monkeypatch.setattr(dev, "ensure_env", lambda: Path("py"))
     monkeypatch.setattr(dev.subprocess, "call", lambda cmd, cwd, env: ran.append(cmd) or 0)
     assert dev.main(["test-kill"]) == 0 and dev.main(["test-kill", "--random", "7"]) == 0
-    assert [cmd[1:] for cmd in ran] == [[str(ROOT / "tests" / "kill_trials.py"), "--chosen", "--random", "100"],
-                                         [str(ROOT / "tests" / "kill_trials.py"), "--chosen", "--random", "7"]]
+    assert [cmd[1:] for cmd in ran] == [[str(ROOT / "tests" / "helpers" / "kill_trials.py"), "--chosen", "--random", "100"],
+                                         [str(ROOT / "tests" / "helpers" / "kill_trials.py"), "--chosen", "--random", "7"]]
 
 
 class FakeRun:
