@@ -10,6 +10,8 @@ import time
 import orjson
 import torch
 
+import flexckpt.tier
+
 from flexckpt import Checkpointer, PerRank
 from flexckpt.format.jsondoc import unseal
 from flexckpt.format.manifest_parse import parse_manifest
@@ -56,7 +58,7 @@ def test_the_protocols_name_what_the_tier_needs():
 
 def test_a_fast_tier_saves_and_recovers_through_the_protocols_alone(tmp_path):
     ck = Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="seam")
-    host, staging = _Only(ck, _members(TierHost)), _Only(ck, _members(StagedSaves))
+    host, staging = _Only(ck, _members(TierHost)), _Only(ck._pipeline, _members(StagedSaves))
     tier = FastTier(LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="seam"), host=host, staging=staging)
     try:
         state = make_state(3)
@@ -74,7 +76,8 @@ def test_a_fast_tier_saves_and_recovers_through_the_protocols_alone(tmp_path):
 
 
 def test_the_tier_reads_no_private_member_of_its_host_or_staging():
-    root = os.path.join(os.path.dirname(__file__), "..", "src", "flexckpt", "tier")
+    root = os.path.dirname(flexckpt.tier.__file__)
+    assert "recover.py" in os.listdir(root)
     for name in sorted(os.listdir(root)):
         if name.endswith(".py"):
             with open(os.path.join(root, name)) as f:
