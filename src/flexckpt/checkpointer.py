@@ -3,7 +3,7 @@ write, and the coordinator commits. ``load`` restores at any world size.
 
 This module is the facade: construction, ``save``/``save_local``/``load``/``check``,
 ``wait``/``close``, ``steps``/``contents``. It owns its parts and hands each call on:
-  save_pipeline - ``SavePipeline``: planning and capture on the training thread, the staging
+  save.pipeline - ``SavePipeline``: planning and capture on the training thread, the staging
                   and writing threads, attempt numbering (``Attempts``);
   committer     - ``Committer``: the commit thread of rank 0 and the group leaders, records,
                   failure reports, the other ranks' wait for the commit (pure steps in commit);

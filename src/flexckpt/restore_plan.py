@@ -2,7 +2,7 @@
 layouts (per tensor) and a world size, each rank's held bytes, the bytes and requests it
 reads and the memory it needs, and what happens to plain, per-lane and per-rank values.
 Pure: built from a parsed manifest with the same read plan the load runs
-(``readplan.plan_requests``), so the predicted bytes equal
+(``read_plan.plan_requests``), so the predicted bytes equal
 ``Checkpointer.last_load_stats.bytes_read``."""
 from __future__ import annotations
 

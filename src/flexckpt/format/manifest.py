@@ -329,7 +329,7 @@ class Manifest:
     @property
     def metadata_bytes_read(self) -> int:
         """Bytes of table and values files read so far, besides the manifest itself."""
-        return getattr(self.files, "bytes_read", 0)  # 0: a planning-only mapping (tier.fetchplan)
+        return getattr(self.files, "bytes_read", 0)  # 0: a planning-only mapping (tier.peer_ranges)
 
     def to_bytes(self) -> bytes:
         return seal(self._body())

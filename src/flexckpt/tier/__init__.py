@@ -5,7 +5,7 @@
 ``FastTier`` (``fast.py``) is the runtime it composes, given a host and the save
 pipeline's staging (``seam``). Modules: ``placement`` (node identity, partner rule),
 ``inventory`` (what a node holds, which step to restore), ``transport`` (copies and a
-recovery's byte ranges over the tier's own gloo group), ``fetchplan`` (which byte ranges a
+recovery's byte ranges over the tier's own gloo group), ``peer_ranges`` (which byte ranges a
 recovering rank asks of which peer), ``view`` (the files a recovery's load reads: the
 node's, a peer's ranges, the store's), ``owner`` (the lock a live tier folder is held by,
 and the folder's and the run folder's identity), ``save`` (a fast save's staging, files

@@ -335,7 +335,7 @@ class StepRecovery:
                 parts[s] = f"persistent store step {d.step}"
                 for rel, _n in files + ([(data, 0)] if data else []):
                     view.routes[f"{folder}/{rel}"] = store
-            else:  # parts[s] is named once fetchplan.assign has picked the peer
+            else:  # parts[s] is named once peer_ranges.assign has picked the peer
                 asks[s] = [Ask(rel, 0, n) for rel, n in files if n]
                 if data:
                     asks[s] += [Ask(data, r.offset, r.length) for r in ranges[data]]
