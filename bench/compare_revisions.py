@@ -3,7 +3,7 @@
 ``fast_tier``, measured against two git revisions' sources, interleaved, median of
 ``--rounds`` runs each, and the after/before ratio against a 5% band.
 
-    python3 bench/compare_revisions.py [--before 9bdb316] [--after HEAD] [--rounds 3]
+    python3 dev.py bench compare_revisions [--before 9bdb316] [--after HEAD] [--rounds 3]
         [--benches save_latency save_latency_tier restore fast_tier] [--dir PATH]
 
 Each revision's ``src/`` is exported (``git archive REV src``) into a temporary folder,
