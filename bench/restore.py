@@ -142,11 +142,12 @@ def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -
         _pread_spans(data, sizes, [(lo, hi)], mv)
         return time.perf_counter() - t0
 
-    # the limit (issue 29): the bytes this rank's load reads from the store (as many as its
-    # load's bytes_read, from its share's start on), plain pread, then the library's checksum
+    # the limit (issue 29): the bytes this rank's load reads (as many as its load's
+    # bytes_read, from its share's start on), plain pread, then the library's checksum
     # over them in chunk_bytes pieces, as a load verifies them: the fastest a verified load can be
     ckpt.load(_sharded(target, specs, rank, world))  # untimed: learns bytes_read (and warms first-use costs)
-    n_load = getattr(ckpt.last_load_stats, "bytes_from_store", None) or ckpt.last_load_stats.bytes_read
+    # (bytes_read counts a values file's bytes too, a few KiB: the data files hold at most ``total``)
+    n_load = min(ckpt.last_load_stats.bytes_read, total)
     spans = limit_spans(lo, n_load, total)
     lim = torch.zeros(n_load, dtype=torch.uint8)
 
