@@ -17,12 +17,20 @@ loaded byte is checked against the state that was saved. Each tier's restart is 
 rank 1 the same number of bytes in one message on the tier's group) is measured in each
 fast restart, after its load, so the ratio to it is taken under the same load.
 
-    python3 dev.py bench fast_tier [--mib 256] [--world 2] [--saves 3] [--repeat 3]
+Issue 29's limit, in each fast restart: before its load, each rank reads its node's own
+files of the step (plain reads; none on the replaced node); after it, rank 0 sends rank 1
+the bytes the recovery fetched, as the tier's transport sends them (one gloo message per
+range of at most ``flexckpt.load.FETCH_BYTES``, all posted at once). The report gives
+recovery / (bare transport + local read) per restart and its median (goal: <= 1.25);
+``--json PATH`` writes the headline medians (``compare_revisions.py`` reads them).
+
+    python3 dev.py bench fast_tier [--mib 256] [--world 2] [--saves 3] [--repeat 3] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import os
 import shutil
 import sys
@@ -82,6 +90,8 @@ def save_worker(rank, world, cfg):
 
 
 def load_worker(rank, world, cfg, which):
+    import torch
+
     from flexckpt import Checkpointer
     from flexckpt.storage import RangeReader, Storage
 
@@ -120,7 +130,10 @@ def load_worker(rank, world, cfg, which):
 
         flexckpt.load.pending.READ_GROUP_BYTES = 1 << 62
     specs = H.state_specs(cfg["mib"], cfg["tensors"], world)
-    ck = Checkpointer(cfg["store"], local=_tier(cfg, os.environ["FLEXCKPT_NODE"]), read_threads=4)
+    # the persistent restart without the tier: its load(step=1) would be a rollback, which sets
+    # the tier's steps aside, and the next fast restart would find none
+    tier = _tier(cfg, os.environ["FLEXCKPT_NODE"]) if which == "fast" else None
+    ck = Checkpointer(cfg["store"], local=tier, read_threads=4)
     local, state = _state(specs, rank, world, 0)
     for t in local.values():
         t.zero_()
@@ -132,6 +145,8 @@ def load_worker(rank, world, cfg, which):
         profile.enable()
     import torch.distributed as dist
 
+    local_read = _local_read(os.path.join(cfg["shm"], os.environ["FLEXCKPT_NODE"]), 1 + cfg["saves"], rank) \
+        if which == "fast" else 0.0
     dist.barrier()  # every rank starts load() together: the time is the load's, not the start-up's skew
     t0 = time.perf_counter()
     step = ck.load(state) if which == "fast" else ck.load(state, step=1)
@@ -140,11 +155,56 @@ def load_worker(rank, world, cfg, which):
         profile.disable()
         profile.dump_stats(os.path.join(cfg["profile"], f"fast-r{rank}.prof"))
     bad = H.mismatches(local, specs, rank, world, step)
-    rec = ck.tier.last_recovery
+    rec = ck.tier.last_recovery if which == "fast" else None
     atexit.unregister(ck._atexit)  # keep the tier for the next restart
     floor = _gloo_floor(rank, ck.tier.group, H.state_bytes(local)) if which == "fast" else 0.0
+    transport = 0.0
+    if which == "fast":  # the same bytes as the fetches brought, moved as the tier's transport moves them
+        fetched = torch.tensor([rec.fetched_bytes if rec else 0], dtype=torch.int64)
+        dist.all_reduce(fetched, op=dist.ReduceOp.MAX)
+        transport = _transport(rank, ck.tier.group, int(fetched))
     return {"seconds": seconds, "step": step, "bad": bad, "source": rec.source if rec else "persistent",
-            "fetched": rec.fetched_bytes if rec else 0, "timings": rec.timings if rec else {}, "floor": floor}
+            "fetched": rec.fetched_bytes if rec else 0, "timings": rec.timings if rec else {}, "floor": floor,
+            "transport": transport, "local_read": local_read}
+
+
+def _local_read(node_dir, step, rank):
+    """Seconds to read this node's own files of ``step`` (saved rank ``rank``'s data, table
+    and values: ``step-N/ATTEMPT/rNNNNN.*``) with plain reads into one buffer; 0 on a node
+    that holds none (the replaced node)."""
+    import glob
+
+    paths = sorted(p for p in glob.glob(os.path.join(node_dir, "**", f"r{rank:05d}.*"), recursive=True)
+                   if f"step-{step:012d}" in p and not p.endswith(".done"))
+    buf = bytearray(max((os.path.getsize(p) for p in paths), default=0))
+    mv = memoryview(buf)
+    t0 = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(mv):
+                pass
+    return time.perf_counter() - t0
+
+
+def _transport(rank, group, nbytes):
+    """The bare transport under a recovery: rank 0 sends rank 1 ``nbytes`` over the tier's
+    gloo group as the tier sends a fetch, one message per range of at most FETCH_BYTES, all
+    posted at once, received into buffers posted at once; seconds on the receiver."""
+    import torch
+    import torch.distributed as dist
+
+    from flexckpt.load import FETCH_BYTES
+
+    if rank > 1:
+        return 0.0
+    sizes = [min(FETCH_BYTES, nbytes - p) for p in range(0, nbytes, FETCH_BYTES)]
+    bufs = [torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8) for n in sizes]
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    works = [(dist.isend if rank == 0 else dist.irecv)(b, 1 - rank, group=group) for b in bufs]
+    for w in works:
+        w.wait()
+    return time.perf_counter() - t0
 
 
 def _gloo_floor(rank, group, nbytes):
@@ -174,6 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--shm", default="/dev/shm", help="where the emulated nodes' folders go (/dev/shm)")
     p.add_argument("--repeat", type=int, default=3, help="restarts timed of each tier, alternated (3)")
     p.add_argument("--profile", default="", help="a folder: cProfile each rank's fast load into it")
+    p.add_argument("--json", default="", help="also write the headline medians here (JSON; compare_revisions.py reads it)")
     args = p.parse_args(argv)
     from flexshard.spawn import run_workers
 
@@ -195,6 +256,11 @@ def main(argv=None) -> int:
     floors = [max(r["floor"] for r in run) for run in fast]
     ok = all(not r["bad"] for run in fast + persistent for r in run) and all(r["source"] == "tier" for run in fast for r in run)
     f, s, floor = H.median(fs), H.median(ss), H.median(floors)
+    transports = [max(r["transport"] for r in run) for run in fast]
+    reads = [max(r["local_read"] for r in run) for run in fast]
+    limits = [a + b for a, b in zip(transports, reads)]
+    ratios = [a / b for a, b in zip(fs, limits)]
+    lim, ratio = H.median(limits), H.median(ratios)
     print(f"# fast tier vs persistent: world {args.world}, {args.mib:g} MiB a rank, store model "
           f"{args.latency * 1000:g} ms/request, {args.inflight} in flight, {args.gbps} GB/s a rank; "
           f"{args.repeat} restarts of each, alternated; load {H.load_line()}")
@@ -206,7 +272,13 @@ def main(argv=None) -> int:
          ["ratio persistent / fast (per restart)", f"{s / f:.1f}x ({' / '.join(f'{b / a:.1f}' for a, b in zip(fs, ss))})",
           "", "", ""],
          ["ratio fast / gloo floor (per restart)", f"{f / floor:.2f}x ({' / '.join(f'{a / b:.2f}' for a, b in zip(fs, floors))})",
-          "", "", ""]]))
+          "", "", ""],
+         [f"limit: bare transport ({H.median(transports):.3f} s: the fetched bytes rank 0 -> 1 in messages of at most "
+          f"{FETCH_MIB} MiB, as the tier sends them) + local read of the node's own files ({H.median(reads):.3f} s)",
+          f"{lim:.3f}", "", "", ""],
+         [f"ratio fast / limit (per restart; goal <= {LIMIT_GOAL})",
+          f"**{ratio:.2f}x** ({' / '.join(f'{r:.2f}' for r in ratios)}; p99 {H.percentile(ratios, 99):.2f})",
+          "", "", "met" if ratio <= LIMIT_GOAL else "**not met**"]]))
     phases = ("inventory_s", "plan_s", "post_s", "read_s", "wait_peer_s", "drain_s", "agree_s", "finish_s")
     print("\n" + H.markdown_table(
         ["fast recovery phase (s), median of restarts", *[f"rank {r}" for r in range(args.world)]],
@@ -217,7 +289,18 @@ def main(argv=None) -> int:
     print(H.markdown_table(
         ["fast save (median over ranks and saves)", "seconds"],
         [[k, f"{H.median(r[k] for r in rows):.3f}"] for k in ("trainer_wait", "stage_s", "write_s", "replicate_s", "total")]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "headline": {"fast recovery s": f, "persistent recovery s": s,
+                                                        "fast/limit": ratio, "limit s": lim},
+                       "fast": [[{k: v for k, v in r.items() if k != "timings"} for r in run] for run in fast],
+                       "persistent": [[{k: v for k, v in r.items() if k != "timings"} for r in run] for run in persistent]},
+                      fh, default=str)
     return 0 if ok else 1
+
+
+FETCH_MIB = 16  # flexckpt.load.FETCH_BYTES, in the report's words
+LIMIT_GOAL = 1.25  # issue 29: recovery <= 1.25 x (bare transport + local read)
 
 
 if __name__ == "__main__":
