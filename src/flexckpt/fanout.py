@@ -149,3 +149,21 @@ def _batches(shared: dict[tuple[int, ...], list[tuple[str, int]]], given: dict[t
                 run, run_file = [c], f
     out.sort(key=lambda b: (b.file, b.first))
     return out
+
+
+FANOUT_MODES = ("auto", True, False)
+
+
+def wanted(mode: "str | bool", world: int, local: bool, url: str, backend: str | None) -> bool:
+    """Whether a load fans out: never for one rank; ``"auto"``: when the store is remote
+    (not a local folder, nor ``memory://``, which is each process's own) and the load's
+    group runs on gloo (the exchange sends CPU tensors); ``True``: whenever there are
+    ranks to share with (an NCCL group is refused: the exchange is CPU-only)."""
+    if world <= 1 or mode is False:
+        return False
+    if backend != "gloo":
+        if mode is True:
+            raise ValueError(f"fanout=True needs the load's process group on gloo (the chunks travel as CPU tensors); "
+                             f"this group's backend is {backend!r}: pass process_group= a gloo group, or fanout='auto'")
+        return False
+    return mode is True or not (local or url.startswith("memory://"))
