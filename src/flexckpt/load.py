@@ -3,6 +3,12 @@ other: match the target's structure to the manifest, fetch only the chunks that 
 target's pieces (straight into the target tensor when a chunk lands whole in it), verify
 every chunk's checksum, then hand back the values to apply once every rank has succeeded.
 
+:class:`PendingLoad` holds the checks (in its constructor), the small values and
+:meth:`~PendingLoad.apply`; its :meth:`~PendingLoad.read` plans the requests
+(:mod:`flexckpt.readplan`, over chunk entries :func:`flexckpt.tables.file_entries` read)
+and hands them to the fetch loop (:mod:`flexckpt.fetch`). ``FETCH_BYTES`` and
+``READ_GROUP_BYTES`` (read at each load) size its requests.
+
 ``exclude`` patterns (see :func:`flexckpt.structure.excluder`) take leaves out of the load
 on both sides: the state keeps what it holds, and the checkpoint need not have them.
 """
@@ -17,20 +23,18 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 
-from flexckpt.checksum import checksum, digest, digest_parts
-from flexckpt.codec import decompress_into
 from flexckpt.dtypes import dtype_from_name, dtype_name
-from flexckpt.errors import ChecksumError, ManifestError, StructureMismatch
-from flexckpt.manifest import CODECS, Manifest, keyed_name, step_dir
+from flexckpt.errors import ManifestError, StructureMismatch
+from flexckpt.fetch import FetchLoop, StoreSource, byte_view, run_shares, target_views, verify
+from flexckpt.manifest import Manifest, keyed_name, step_dir
 from flexckpt.plan import part_of_world
-from flexckpt.readplan import Request, Scatter, plan_requests
-from flexckpt.stall import bounded_all
-from flexckpt.storage import RangeReader, Storage
+from flexckpt.readplan import gather_runs, plan_file_requests
+from flexckpt.storage import Storage
 from flexckpt.structure import Excluder, Walk, decode_plain
-from flexshard import FlatRange, Part, part_of
+from flexckpt.tables import file_entries, from_peer
+from flexshard import Part, part_of
 
 log = logging.getLogger("flexckpt")
 
@@ -45,28 +49,18 @@ class LoadStats:
     bytes_read: int = 0
     direct_chunks: int = 0
     tensors: int = 0
-    metadata_bytes: int = 0  # chunk tables read (version 2), besides the manifest
+    metadata_bytes: int = 0  # chunk tables and values files read (version 2 and later), besides the manifest
+    # where this rank's bytes came from (data ranges, chunk tables, values files, bytes values):
+    # read from the storage (in a fast tier's recovery: the node's tier folder or the store),
+    # or received from peers (a fast tier's recovery: the ranges it asked of other nodes)
+    bytes_from_store: int = 0
+    bytes_from_peers: int = 0
     # strict=False (or exclude=): ``missing``, the state's keys the checkpoint lacks (they keep
     # what they held); ``not_loaded``, the checkpoint's keys this rank's state did not take
     # (per-rank values at another world size too); ``skipped``, both, sorted
     missing: list[str] = field(default_factory=list)
     not_loaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy. A dtype numpy has
-    takes one conversion (half the time of torch's reshape and view: a load makes one a
-    target); bfloat16 and the float8 types go through a uint8 view."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.dtype in _NUMPY_DTYPES and t.numel():
-        return memoryview(t.numpy()).cast("B")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-_NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))
 
 
 def _check_keys(kind: str, target: set[str], saved: set[str], step: int, strict: bool, stats: LoadStats,
@@ -132,6 +126,13 @@ def _elsewhere(manifest: Manifest, w: Walk, saved: set[str], world_size: int) ->
     if any(part_of_world(s.layout, world_size) for s in w.specs):
         return saved
     return {n for n in saved if part_of_world(manifest.tensors[n].layout, manifest.world_size)}
+
+
+def _metadata_read(manifest: Manifest) -> tuple[int, int]:
+    """Bytes of table and values files read so far: from the storage, and from peers."""
+    files = manifest.files
+    total, peer = getattr(files, "bytes_read", 0), getattr(files, "peer_bytes_read", 0)
+    return total - peer, peer
 
 
 class PendingLoad:
@@ -204,158 +205,50 @@ class PendingLoad:
             self._read(threads)
 
     def _read(self, threads: int) -> None:
-        requests = plan_requests(self.manifest, [(self.manifest.tensors[self.walk.specs[i].name], rng)
-                                                 for i, rng in self.targets], FETCH_BYTES, READ_GROUP_BYTES)
-        views: list[memoryview] = []  # where bytes land: the target itself, or a CPU staging copy
-        self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        tensors = self.walk.tensors
-        for i, _ in self.targets:
-            t = tensors[i]
-            if t.device.type == "cpu" and t.is_contiguous():
-                views.append(_byte_view(t))
-            else:
-                tmp = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-                views.append(_byte_view(tmp))
-                self._copy_back.append((t, tmp))
-        readers: dict[str, RangeReader] = {}
-        lock = threading.Lock()
-        local = threading.local()
-        folder = step_dir(self.manifest.step)
+        """Plan the reads (the chunk tables they need read first: :func:`flexckpt.tables.file_entries`),
+        read and check the small values, then fetch every request (:mod:`flexckpt.fetch`)."""
+        m = self.manifest
+        tables_before = _metadata_read(m)
+        targets = [(m.tensors[self.walk.specs[i].name], rng) for i, rng in self.targets]
+        by_file = gather_runs(targets)
+        requests = plan_file_requests(by_file, file_entries(m, by_file), FETCH_BYTES, READ_GROUP_BYTES)
+        views, self._copy_back = target_views([self.walk.tensors[i] for i, _ in self.targets])
+        self._read_values()
+        folder = step_dir(m.step)
+        store = StoreSource(self.storage, folder)
+        try:
+            whole = run_shares(FetchLoop(views, store, folder).fetch, requests, threads, self.storage.stall_timeout,
+                               f"reading {len(requests)} ranges on {self.storage.url}")
+        finally:
+            store.close()
+        keyed = sum(len(v) for v in self._keyed.values())
+        keyed_from_peer = keyed and from_peer(self.storage, f"{folder}/{keyed_name(m.attempt)}")  # type: ignore[arg-type]
+        tables = [now - before for now, before in zip(_metadata_read(m), tables_before)]
+        s = self.stats
+        s.fetches = len(requests)
+        s.direct_chunks = sum(whole)
+        s.chunks = sum(r.stop - r.first for r in requests)
+        s.bytes_read = sum(r.length for r in requests) + keyed
+        s.tensors = len(self.targets)
+        s.metadata_bytes = m.metadata_bytes_read
+        s.bytes_from_store = store.bytes_from_store + tables[0] + (0 if keyed_from_peer else keyed)
+        s.bytes_from_peers = store.bytes_from_peers + tables[1] + (keyed if keyed_from_peer else 0)
 
-        def reader(file: str) -> RangeReader:
-            with lock:
-                if file not in readers:
-                    readers[file] = self.storage.open_reader(f"{folder}/{file}")
-                return readers[file]
-
-        def scratch(n: int) -> memoryview:
-            buf = getattr(local, "buf", None)
-            if buf is None or buf.nbytes < n:
-                buf = local.buf = memoryview(np.empty(max(n, 1), dtype=np.uint8))
-            return buf[:n]
-
-        def fetch(r: Request) -> int:
-            """Read one request; returns how many of its chunks landed wholly in targets."""
-            return fetch_compressed(r) if r.compressed else fetch_scattered(r)
-
-        def where(r: Request) -> str:
-            return f"{folder}/{r.plan.file} bytes [{r.offset}, {r.offset + r.length})"
-
-        def fetch_compressed(r: Request) -> int:
-            at = where(r)
-            mv = scratch(r.length)
-            reader(r.plan.file).read_into(r.offset, mv)
-            p, e = r.plan, r.plan.entry
-            ids = p.ids[r.first : r.stop]
-            a = int(p.copy_first[r.first])
-            copies = [col[a : p.copy_first[r.stop]].tolist()
-                      for col in (p.copy_chunk_pos, p.copy_nbytes, p.copy_dest, p.copy_dest_pos)]
-            ends = (p.copy_first[r.first + 1 : r.stop + 1] - a).tolist()  # each chunk's copies end there
-            begin = 0
-            for off, n, check, codec, raw_n, end in zip(e.offsets[ids].tolist(), e.lengths[ids].tolist(),
-                                                        e.checksums[ids].tolist(), e.codec_ids[ids].tolist(),
-                                                        e.raw_lengths[ids].tolist(), ends):
-                stored = mv[off - r.offset : off - r.offset + n]
-                _verify(stored, f"{check:016x}", at)
-                raw = memoryview(decompress_into(CODECS[codec], stored, raw_n, at))
-                for cp, nb, t, tp in zip(*(col[begin:end] for col in copies)):
-                    views[t][tp : tp + nb] = raw[cp : cp + nb]
-                begin = end
-            return 0
-
-        def fetch_scattered(r: Request) -> int:
-            # uncompressed: read each chunk's bytes straight into the targets that want them
-            # (the rest into the sink, still needed for the checksum) with one preadv a
-            # group, then verify each chunk over the places its bytes went
-            sc = r.scatter
-            bufs = [*views, scratch(r.sink_bytes)] if r.sink_bytes else views  # a target, or (SINK, -1) the last
-            x, y = r.place_start, r.groups[-1][1]
-            places = [bufs[d][p : p + n] for d, p, n in zip(sc.place_dest[x:y], sc.place_pos[x:y], sc.place_len[x:y])]
-            rd = reader(r.plan.file)
-            if not getattr(rd, "local", False):  # a store's file: a read is a request, one a fetch
-                # (decided per file: the fast tier's view routes a missing part to the store)
-                rd.read_scatter(r.offset, places)
-                verify(sc, r.first, r.stop, bufs, r)
-            else:
-                # a local file: read a group of chunks, then verify them while their bytes are
-                # still in the CPU's cache (hashing after a 16 MiB read fetched every byte from
-                # memory a second time: a quarter of a warm load's CPU)
-                first, begin = r.first, 0
-                for end, place_end in r.groups:
-                    rd.read_scatter(sc.offsets[first], places[begin : place_end - x])
-                    verify(sc, first, end, bufs, r)
-                    first, begin = end, place_end - x
-            return (r.stop - r.first) - (sc.sunk_before[r.stop] - sc.sunk_before[r.first])
-
-        def verify(sc: Scatter, first: int, stop: int, bufs: list[memoryview], r: Request) -> None:
-            """Touched chunks ``[first, stop)`` against their checksums, over their places."""
-            if sc.multi_before[stop] == sc.multi_before[first]:  # each chunk in one place of one target
-                got = [digest(bufs[d][p : p + n]) for d, p, n in
-                       zip(sc.first_dest[first:stop], sc.first_pos[first:stop], sc.first_len[first:stop])]
-            else:
-                got = []
-                for k in range(first, stop):
-                    if sc.multi[k]:
-                        a, b = sc.seg_first[k], sc.seg_first[k + 1]
-                        got.append(digest_parts([bufs[d][p : p + n] for d, p, n in
-                                                 zip(sc.seg_dest[a:b], sc.seg_pos[a:b], sc.seg_len[a:b])]))
-                    else:
-                        d, p, n = sc.first_dest[k], sc.first_pos[k], sc.first_len[k]
-                        got.append(digest(bufs[d][p : p + n]))
-            want = sc.checks[first:stop]
-            if got != want:
-                k = next(k for k in range(len(got)) if got[k] != want[k])
-                raise ChecksumError(
-                    f"{where(r)}: chunk at byte {sc.offsets[first + k]} has checksum {got[k]:016x}, the manifest says "
-                    f"{want[k]:016x}; the file is damaged"
-                )
-
-        # per-rank values are read (version 2: from this rank's chunk table) and checked
-        # now, before the ranks agree, so that apply() cannot fail half-way
-        same_world = self.manifest.world_size == self.world_size
-        self._rank_values = self.manifest.rank_values(self.rank) if self.per_rank and same_world else {}
+    def _read_values(self) -> None:
+        """Per-rank values (version 2 and later: from this rank's values file), plain values
+        and bytes values, read and checked now, before the ranks agree, so that
+        :meth:`apply` cannot fail half-way."""
+        m = self.manifest
+        same_world = m.world_size == self.world_size
+        self._rank_values = m.rank_values(self.rank) if self.per_rank and same_world else {}
         self._decoded = {
             name: decode_per_rank(self._rank_values[name], name) for name in self.per_rank if name in self._rank_values
         }
         missing = sorted(n for n in self.per_rank if same_world and n not in self._rank_values)
         if missing:
-            raise ManifestError(f"checkpoint step {self.manifest.step} has no per-rank values {missing} for rank {self.rank}")
+            raise ManifestError(f"checkpoint step {m.step} has no per-rank values {missing} for rank {self.rank}")
         self._values = self._decode_values()
         self._keyed = self._read_keyed()
-        stall = self.storage.stall_timeout
-        todo = requests[::-1]  # taken from the end: in file order
-        try:
-            # the shares run on the storage calls' helper threads (reused from load to load),
-            # under one stall watch each, not one per read: a resharding load makes hundreds.
-            # Each takes the next request once done with one (requests differ in size: a
-            # fixed split left one thread with most of the bytes); a failed read stops them
-            # all from taking more (list.pop and clear are atomic)
-            def share() -> list[int]:
-                done = []
-                while True:
-                    try:
-                        r = todo.pop()
-                    except IndexError:
-                        return done
-                    try:
-                        done.append(fetch(r))
-                    except BaseException:
-                        todo.clear()
-                        raise
-
-            shares = bounded_all(stall, f"reading {len(requests)} ranges on {self.storage.url}",
-                                 [share] * max(1, min(threads, len(requests)))) if requests else []
-            whole = [n for part in shares for n in part]
-        finally:
-            todo.clear()  # a call given up (stalled) takes no more
-            for rd in readers.values():
-                rd.close()
-        self.stats.fetches = len(requests)
-        self.stats.direct_chunks = sum(whole)
-        self.stats.chunks = sum(r.stop - r.first for r in requests)
-        self.stats.bytes_read = sum(r.length for r in requests) + sum(len(v) for v in self._keyed.values())
-        self.stats.tensors = len(self.targets)
-        self.stats.metadata_bytes = self.manifest.metadata_bytes_read
 
     def _read_keyed(self) -> dict[str, bytes]:
         """The bytes values this rank holds keys of (see :func:`read_bytes_values`)."""
@@ -463,15 +356,9 @@ def read_bytes_values(storage: Storage, manifest: Manifest, names: list[str]) ->
             buf = bytearray(length)  # at most MAX_BYTES_VALUE: the manifest's parser checked
             if length:
                 reader.read_into(offset, memoryview(buf))
-            _verify(memoryview(buf), want, f"{rel} bytes [{offset}, {offset + length}) (bytes value {name!r})")
+            verify(memoryview(buf), want, f"{rel} bytes [{offset}, {offset + length}) (bytes value {name!r})")
             out[name] = bytes(buf)
     return out
-
-
-def _verify(data: memoryview, want: str, where: str) -> None:
-    got = checksum(data)
-    if got != want:
-        raise ChecksumError(f"{where}: checksum {got} does not match the manifest's {want}; the file is damaged")
 
 
 # -- per-rank values: JSON, or a small CPU tensor (written by writer.encode_per_rank) -------------
@@ -488,6 +375,6 @@ def decode_per_rank(value: Any, name: str) -> Any:
             raise ManifestError(f"per-rank tensor {name!r}: {len(raw)} bytes do not fill shape {shape} of {spec['dtype']}")
         out = torch.empty(shape, dtype=dtype)
         if raw:
-            _byte_view(out)[:] = raw
+            byte_view(out)[:] = raw
         return out
     return value

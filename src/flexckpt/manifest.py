@@ -20,6 +20,7 @@ this module.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -28,7 +29,7 @@ import orjson
 import torch
 
 from flexckpt.checksum import ALGORITHM
-from flexckpt.dtypes import dtype_name, itemsize
+from flexckpt.dtypes import dtype_name
 from flexckpt.jsondoc import SEAL_FIELD, seal, unseal
 from flexckpt.names import (
     GROUP,
@@ -55,7 +56,7 @@ __all__ = [
     # the model
     "CODECS", "FORMAT", "MAX_CHUNK_BYTES", "MAX_CHUNKS_PER_FILE", "MAX_FILE_BYTES", "MAX_MANIFEST_BYTES", "MAX_NUMEL",
     "MAX_RECORD_BYTES", "MAX_TIME", "MAX_WORLD", "MAX_ZSTD_RATIO", "READ_VERSIONS", "RECORD_FORMAT", "VERSION",
-    "FileEntry", "Manifest", "PlanPieces", "RankEntry", "SavedPiece", "SavedTensor", "StoredChunk",
+    "DataFiles", "FileEntry", "ListedFiles", "Manifest", "PlanPieces", "RankEntry", "SavedPiece", "SavedTensor", "StoredChunk",
     # re-exported from flexckpt.names and flexckpt.jsondoc
     "GROUP", "MANIFEST", "SEAL_FIELD", "attempt_id", "attempt_run_id", "check_run_id", "committed_name", "data_name",
     "failed_name", "group_name", "keyed_name", "parse_step_dir", "record_name", "seal", "step_dir", "table_name",
@@ -165,6 +166,51 @@ class FileEntry:
         return f"FileEntry({self.name!r}, {self.nbytes}, {len(self)} chunks)"
 
 
+class DataFiles(Mapping):
+    """``Manifest.files``, one interface for every format version: the data files by name
+    (each a :class:`FileEntry`), each rank's per-rank values, and the checkpoint's sizes.
+    A version-1 manifest lists them (:class:`ListedFiles`); a later one reads each rank's
+    chunk table and values file on first use (:class:`flexckpt.tables.TableFiles`, the
+    only metadata I/O). ``bytes_read``: metadata read so far (tables, values files), and
+    ``peer_bytes_read`` the part of it a fast tier's recovery received from peers."""
+
+    bytes_read = 0
+    peer_bytes_read = 0
+
+    def rank_values(self, rank: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @property
+    def raw_bytes(self) -> int:
+        """Raw bytes saved."""
+        raise NotImplementedError
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the data files store."""
+        raise NotImplementedError
+
+
+class ListedFiles(dict, DataFiles):  # type: ignore[misc]
+    """Version 1's files: every data file and chunk listed in the manifest, and every
+    rank's per-rank values in it (``per_rank``: name to one value a rank). No I/O."""
+
+    def __init__(self, files: dict[str, FileEntry], per_rank: dict[str, list[Any]]) -> None:
+        super().__init__(files)
+        self.per_rank = per_rank
+
+    def rank_values(self, rank: int) -> dict[str, Any]:
+        return {k: v[rank] for k, v in self.per_rank.items()}
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(f.nbytes for f in self.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(c.length for f in self.values() for c in f.chunks)
+
+
 class SavedPiece(NamedTuple):
     """Elements ``[start, stop)`` of ``box`` (row-major in the box; None: the whole tensor)
     of a tensor, stored contiguously at raw byte ``raw_offset`` of ``file``. (A named tuple:
@@ -270,17 +316,20 @@ class Manifest:
     sealed: bool = False  # read back with a verified manifest checksum (False: written without one)
     keyed: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # bytes values: offset, length, xxh3-64
     tree: Any = None  # version 4: the state's container tree (flexckpt.tree); None: not recorded
+    # ``files`` is a DataFiles: a ListedFiles (version 1) or a flexckpt.tables.TableFiles
+
+    def __post_init__(self) -> None:
+        if type(self.files) is dict:  # listed by the caller (a version-1 document, a test): the same interface
+            object.__setattr__(self, "files", ListedFiles(self.files, self.per_rank))
 
     def rank_values(self, rank: int) -> dict[str, Any]:
-        """Rank ``rank``'s per-rank values (version 2: read from its table file)."""
-        if self.version == 1:
-            return {k: v[rank] for k, v in self.per_rank.items()}
-        return self.files.rank_values(rank)  # type: ignore[attr-defined]  # a flexckpt.tables.TableFiles
+        """Rank ``rank``'s per-rank values (version 2 and later: read from its values file)."""
+        return self.files.rank_values(rank)  # type: ignore[attr-defined]
 
     @property
     def metadata_bytes_read(self) -> int:
-        """Bytes of table files read so far (version 2), besides the manifest itself."""
-        return getattr(self.files, "bytes_read", 0)  # a flexckpt.tables.TableFiles counts them
+        """Bytes of table and values files read so far, besides the manifest itself."""
+        return getattr(self.files, "bytes_read", 0)  # 0: a planning-only mapping (tier.fetchplan)
 
     def to_bytes(self) -> bytes:
         return seal(self._body())
@@ -312,14 +361,9 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        """Raw bytes saved (version 2: the tensors' bytes, without the streams' padding)."""
-        if self.version >= 2:
-            return sum(t.numel * itemsize(t.dtype) for t in self.tensors.values())
-        return sum(f.nbytes for f in self.files.values())
+        """Raw bytes saved (version 2 and later: the tensors' bytes, without the streams' padding)."""
+        return self.files.raw_bytes  # type: ignore[attr-defined]
 
     @property
     def stored_bytes(self) -> int:
-        if self.version >= 2:
-            return sum(e.stored_nbytes for e in self.ranks)
-        return sum(c.length for f in self.files.values() for c in f.chunks)
-
+        return self.files.stored_bytes  # type: ignore[attr-defined]

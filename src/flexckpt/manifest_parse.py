@@ -32,6 +32,7 @@ from flexckpt.manifest import (
     RECORD_FORMAT,
     VERSION,
     FileEntry,
+    ListedFiles,
     Manifest,
     PlanPieces,
     RankEntry,
@@ -100,7 +101,7 @@ def _parse_document(data: bytes, where: str) -> Manifest:
     for path, values in per_rank.items():
         if not isinstance(values, list) or len(values) != world:
             raise fail(where, f"per-rank values of {show(path)} must be a list of {world} entries")
-    return Manifest(step, run_id, world, float(wall), fp, files, tensors, plain, lanes, per_rank)
+    return Manifest(step, run_id, world, float(wall), fp, ListedFiles(files, per_rank), tensors, plain, lanes, per_rank)
 
 
 def _parse_values(doc: dict, where: str) -> tuple[dict, dict]:

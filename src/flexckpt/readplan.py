@@ -3,18 +3,22 @@ size), the saved pieces that intersect it, turned into the stored chunks to fetc
 byte copies to make from each. Pieces on both sides are parts of boxes
 (:mod:`flexshard.box`): a flat range is the whole tensor's box. Each shared stretch that is
 contiguous in both the saved piece and the target is one run; a chunk is fetched once,
-whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O.
+whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O
+(the chunk entries come in, read by :func:`flexckpt.tables.file_entries`).
 
 A load plans over columns (:func:`plan_requests`: a file's chunks, the runs cut at their
 bounds, each touched chunk tiled by segments, the fetch loop's plain lists), never one
-object a chunk or a copy. It is the one read planner: the load, the fast tier's range
-planning (:mod:`flexckpt.tier.fetchplan`) and the restore prediction
-(:mod:`flexckpt.restore_plan`) all call :func:`plan_requests`."""
+object a chunk or a copy. It is the one read planner: the load (:func:`gather_runs`, then
+:func:`plan_file_requests` over the entries it read), the fast tier's range planning
+(:mod:`flexckpt.tier.fetchplan`) and the restore prediction (:mod:`flexckpt.restore_plan`)
+all plan through :func:`plan_file_requests`. :func:`plan_requests`, the short form, takes
+the entries from ``manifest.files`` (give it a mapping that holds them, as the tier's
+planning-only view does: a version-2 manifest's own reads any table it lacks)."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -255,41 +259,29 @@ def plan_requests(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange
     merged into ranged reads (:func:`requests`), without an object a chunk. With
     ``group_bytes``, each request also carries its :class:`Scatter` and its read groups
     (:func:`read_groups`)."""
-    return requests_of(file_plans(manifest, targets), max_bytes, group_bytes)
+    return plan_file_requests(gather_runs(targets), manifest.files, max_bytes, group_bytes)
 
 
-def file_plans(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange | Part]]) -> list[FilePlan]:
-    """The :class:`FilePlan` of each data file ``targets`` touch, in file order: the first
-    half of :func:`plan_requests` (a fanned-out load learns every rank's chunks from them
-    before it cuts its requests)."""
-    by_file = gather_runs(targets)
-    return [file_plan(file, manifest.files[file], by_file[file]) for file in sorted(by_file)]
-
-
-def requests_of(plans: list[FilePlan], max_bytes: int, group_bytes: int | None = None,
-                labels: "dict[str, np.ndarray] | None" = None) -> list[Request]:
-    """The second half of :func:`plan_requests`. ``labels``: per file, a label for each
-    touched chunk; a request never holds chunks of two labels (a fanned-out load labels
-    each chunk with the batch it comes in, :mod:`flexckpt.fanout`)."""
+def plan_file_requests(by_file: dict[str, list[np.ndarray]], entries: Mapping[str, FileEntry], max_bytes: int,
+                       group_bytes: int | None = None) -> list[Request]:
+    """:func:`plan_requests` of the runs :func:`gather_runs` gave, over ``entries``, the
+    chunk entries of (at least) the files in ``by_file``."""
     out: list[Request] = []
-    for plan in plans:
-        reqs = requests(plan, max_bytes, None if labels is None else labels.get(plan.file))
+    for file in sorted(by_file):
+        plan = file_plan(file, entries[file], by_file[file])
+        reqs = requests(plan, max_bytes)
         out += reqs if group_bytes is None else scatter(plan, reqs, group_bytes)
     return out
 
 
-def requests(plan: FilePlan, max_bytes: int, labels: np.ndarray | None = None) -> list[Request]:
+def requests(plan: FilePlan, max_bytes: int) -> list[Request]:
     """``plan``'s touched chunks merged into ranged reads: runs of chunks touching in the
-    file (and of one label, where ``labels`` gives each touched chunk one), cut where a
-    request would pass ``max_bytes`` (one chunk may)."""
+    file, cut where a request would pass ``max_bytes`` (one chunk may)."""
     if not len(plan.ids):
         return []
     offsets = plan.entry.offsets[plan.ids]
     ends = offsets + plan.entry.lengths[plan.ids]
-    cut = offsets[1:] != ends[:-1]
-    if labels is not None:
-        cut |= labels[1:] != labels[:-1]
-    breaks = (np.flatnonzero(cut) + 1).tolist()
+    breaks = (np.flatnonzero(offsets[1:] != ends[:-1]) + 1).tolist()
     starts, stops = offsets.tolist(), ends.tolist()
     out: list[Request] = []
     for a, b in zip([0, *breaks], [*breaks, len(starts)]):

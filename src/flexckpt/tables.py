@@ -1,13 +1,17 @@
-"""Version 2's ``manifest.files``: each rank's chunk table (:mod:`flexckpt.chunktable`),
+"""The chunk tables: the only metadata I/O besides the manifest's own document.
+
+Version 2's (and later) ``manifest.files`` (:class:`TableFiles`, a
+:class:`~flexckpt.manifest.DataFiles`): each rank's chunk table (:mod:`flexckpt.chunktable`),
 read from storage on first use and verified against the manifest's line for that rank,
 and turned into that rank's data file's :class:`~flexckpt.manifest.FileEntry`; and each
-rank's per-rank values file. The manifest's only metadata I/O besides its own document."""
+rank's per-rank values file. :func:`file_entries` reads the entries a read plan needs, so
+that the planner (:mod:`flexckpt.readplan`) is given them and does no I/O itself."""
 from __future__ import annotations
 
 import itertools
+import math
 import threading
-from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -15,15 +19,43 @@ from flexckpt.checksum import checksum
 from flexckpt.chunktable import ChunkTable, parse_table
 from flexckpt.errors import ManifestError
 from flexckpt.jsondoc import show
-from flexckpt.manifest import MAX_CHUNK_BYTES, MAX_CHUNKS_PER_FILE, MAX_ZSTD_RATIO, FileEntry, RankEntry
+from flexckpt.dtypes import itemsize
+from flexckpt.manifest import (
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS_PER_FILE,
+    MAX_ZSTD_RATIO,
+    DataFiles,
+    FileEntry,
+    Manifest,
+    RankEntry,
+)
 from flexckpt.names import data_name, table_name, values_name
 from flexckpt.plan import WritePlan
 from flexckpt.stall import bounded
 
 
-class TableFiles(Mapping):
-    """Version 2's ``manifest.files``: the data files by name, each read on first use from
-    its rank's table file (verified against the manifest), never all at once."""
+def file_entries(manifest: Manifest, files: Iterable[str]) -> dict[str, FileEntry]:
+    """The chunk entries of the data files ``files`` (names as the manifest gives them):
+    for version 2 and later, each from its rank's chunk table, read and verified now unless
+    read before; for version 1, as listed. Raises ``ManifestError`` for a file the manifest
+    does not list, or a table that is damaged or belongs to another save."""
+    listed = manifest.files
+    return {file: listed[file] for file in files}
+
+
+def from_peer(storage: Any, rel: str) -> bool:
+    """Whether ``storage`` reads file ``rel`` from ranges a peer sent: a fast tier's
+    recovery view (:class:`flexckpt.tier.view.StepView`) routes such files to a
+    ``Received`` (no ``Storage``: it has no ``open_reader``); every other read is the
+    storage's own."""
+    routes = getattr(storage, "routes", None)
+    route = routes.get(rel) if isinstance(routes, dict) else None
+    return route is not None and not hasattr(route, "open_reader")
+
+
+class TableFiles(DataFiles):
+    """Version 2's (and later) ``manifest.files``: the data files by name, each read on
+    first use from its rank's table file (verified against the manifest), never all at once."""
 
     def __init__(self, plan: WritePlan, attempt: str, codec: str, ranks: tuple[RankEntry, ...]) -> None:
         self.plan = plan
@@ -36,7 +68,8 @@ class TableFiles(Mapping):
         self._lock = threading.Lock()
         self.storage: Any = None  # bound by commit.read_manifest
         self.folder = ""
-        self.bytes_read = 0  # metadata read through this mapping (table files)
+        self.bytes_read = 0  # metadata read through this mapping (table and values files)
+        self.peer_bytes_read = 0  # the part of it received from peers (a fast tier's recovery)
 
     def bind(self, storage: Any, folder: str) -> None:
         self.storage, self.folder = storage, folder
@@ -111,9 +144,20 @@ class TableFiles(Mapping):
                 f"{what} {rel}: {len(data)} bytes with checksum {got}, the manifest says {nbytes} bytes with {want}; "
                 f"it is damaged or belongs to another save"
             )
+        peer = from_peer(self.storage, rel)
         with self._lock:
             self.bytes_read += len(data)
+            self.peer_bytes_read += len(data) if peer else 0
         return data
+
+    @property
+    def raw_bytes(self) -> int:
+        """The tensors' bytes, without the streams' padding."""
+        return sum(math.prod(s.shape) * itemsize(s.dtype) for s in self.plan.specs)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(e.stored_nbytes for e in self.ranks)
 
     def rank_values(self, rank: int) -> dict:
         """Rank ``rank``'s per-rank values file, verified against the manifest."""
