@@ -112,3 +112,142 @@ def test_replicated_state_reads_within_a_chunk_of_total_over_world():
         plan = plan_fanout(needs, offsets, lengths, max_batch=1 << 20)
         _check(plan, needs, offsets, lengths)
         assert max(plan.reads) <= plan.needed / world + 100
+
+
+def test_the_rule_says_when_a_load_fans_out():
+    from flexckpt.fanout import wanted
+
+    assert not wanted("auto", 1, False, "s3://b/p", "gloo")  # one rank: nothing to share
+    assert not wanted(True, 1, True, "/ckpt", "gloo")
+    assert wanted("auto", 4, False, "s3://b/p", "gloo")
+    assert not wanted("auto", 4, True, "/ckpt", "gloo")  # a local disk: each rank reads its own
+    assert not wanted("auto", 4, False, "memory://x", "gloo")
+    assert wanted(True, 4, True, "/ckpt", "gloo")
+    assert not wanted(False, 4, False, "s3://b/p", "gloo")
+    assert not wanted("auto", 4, False, "s3://b/p", "nccl")  # the exchange is CPU-only
+    with pytest.raises(ValueError, match="fanout=True needs the load's process group on gloo"):
+        wanted(True, 4, False, "s3://b/p", "nccl")
+
+
+# -- loads over spawned gloo groups -----------------------------------------------------------
+KINDS = ("hsdp", "ddp", "fsdp_tp")
+
+
+def _state(kind: str, rank: int, world: int, zero: bool) -> dict:
+    """HSDP (replicate 2 x shard 2), DDP (plain tensors: replicated) or FSDP x TP (weights
+    (S0, S1) on a (fsdp 2, tp 2) mesh, norms (S0, R): replicated over tp), at world 4."""
+    import torch
+
+    from flexshard import MeshLayout, ShardedTensor
+
+    g = torch.Generator().manual_seed(29)
+    shapes = {"w1": (40, 24), "w2": (24, 40), "norm": (40,), "bias": (24,)}
+    full = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    layouts = {
+        "hsdp": {k: MeshLayout((2, 2), ("R", "S0")) for k in shapes},
+        "fsdp_tp": {"w1": MeshLayout((2, 2), ("S0", "S1")), "w2": MeshLayout((2, 2), ("S0", "S1")),
+                    "norm": MeshLayout((2, 2), ("S0", "R")), "bias": MeshLayout((2, 2), ("S0", "R"))},
+    }.get(kind)
+    out = {}
+    for k, t in full.items():
+        if layouts is None:
+            out[k] = torch.zeros_like(t) if zero else t
+            continue
+        box = layouts[k].box(t.shape, world, rank)
+        piece = t[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))].contiguous()
+        out[k] = ShardedTensor(torch.zeros_like(piece) if zero else piece, layouts[k], t.shape, rank, world)
+    return out
+
+
+def _local(v):
+    return getattr(v, "local", v)
+
+
+def _fanout_worker(rank: int, world: int, root: str) -> dict:
+    import os
+    import time
+
+    import torch
+
+    import flexckpt.exchange as ex
+    from flexckpt import Checkpointer
+    from flexckpt.commit import read_manifest
+
+    out: dict = {}
+
+    def load(url, fan, kind="hsdp"):
+        ck = Checkpointer(url, fanout=fan)
+        state = _state(kind, rank, world, zero=True)
+        ck.load(state, step=1)
+        want = _state(kind, rank, world, zero=False)
+        s = ck.last_load_stats
+        ck.close()
+        exact = all(torch.equal(_local(state[k]), _local(want[k])) for k in want)
+        return {"exact": exact, "store": s.bytes_from_store - s.metadata_bytes, "peers": s.bytes_from_peers,
+                "reread": s.peer_chunks_reread}
+
+    for kind in KINDS:
+        url = os.path.join(root, kind)
+        ck = Checkpointer(url, chunk_bytes=512)
+        ck.save(1, _state(kind, rank, world, zero=False)).result(60)
+        ck.close()
+        for fan in (False, True):
+            out[(kind, fan)] = load(url, fan, kind)
+        m = read_manifest(Checkpointer(url, read_only=True).storage, 1)
+        out[(kind, "needed")] = sum(int(m.files[f].lengths.sum()) for f in m.files)
+        out[(kind, "chunk")] = max(int(m.files[f].lengths.max()) for f in m.files)
+    # a byte flipped in the first batch on its way: its receiver reads that chunk from the store
+    ex._faults["corrupt"] = lambda r, k: k == 0
+    out["corrupt"] = load(os.path.join(root, "hsdp"), True)
+    ex._faults.clear()
+    # a rank that fails before the fan-out's gather (its state has a key the checkpoint lacks): no rank waits
+    state = _state("hsdp", rank, world, zero=True)
+    if rank == 3:
+        state["extra"] = torch.zeros(3)
+    try:
+        Checkpointer(os.path.join(root, "hsdp"), fanout=True).load(state, step=1)
+        out["early"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        out["early"] = (type(exc).__name__, str(exc))
+    # a reader that fails: every rank fails, naming it, well within the peer timeout
+    ex._faults["fail"] = lambda r, k: r == 2
+    ex.PEER_TIMEOUT = 20.0
+    t0 = time.monotonic()
+    try:
+        load(os.path.join(root, "hsdp"), True)
+        out["fail"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        out["fail"] = (type(exc).__name__, str(exc), time.monotonic() - t0)
+    return out
+
+
+def test_fanned_out_loads_read_each_stored_byte_once_and_are_exact(tmp_path):
+    from flexshard.spawn import run_workers
+
+    results = run_workers(_fanout_worker, 4, str(tmp_path), timeout=180)
+    replicas = {"hsdp": 2, "ddp": 4, "fsdp_tp": None}
+    for kind in KINDS:
+        needed = results[0][(kind, "needed")]
+        off = [r[(kind, False)] for r in results]
+        on = [r[(kind, True)] for r in results]
+        assert all(x["exact"] for x in off + on), kind
+        # read once: the stored bytes of every chunk, exactly (whole chunks: every chunk is needed)
+        assert sum(x["store"] for x in on) == needed, kind
+        assert sum(x["peers"] for x in off) == 0
+        # today: each replica reads it (FSDP x TP: the norms twice, the weights once)
+        if replicas[kind]:
+            assert sum(x["store"] for x in off) == replicas[kind] * needed, kind
+        else:
+            assert needed < sum(x["store"] for x in off) < 2 * needed
+        # what one rank did not read it received; no rank reads much more than total / W
+        assert [x["store"] + x["peers"] for x in on] == [x["store"] for x in off], kind
+        assert max(x["store"] for x in on) <= needed / 4 + 4 * results[0][(kind, "chunk")], kind
+    corrupt = [r["corrupt"] for r in results]
+    assert all(x["exact"] for x in corrupt)
+    assert sum(x["reread"] for x in corrupt) == 1  # the one chunk whose byte flipped
+    assert sum(x["store"] for x in corrupt) > results[0][("hsdp", "needed")]
+    fails = [r["fail"] for r in results]
+    assert all(f is not None and "rank 2" in f[1] and f[2] < 20.0 for f in fails), fails
+    assert "injected" in fails[2][1]
+    early = [r["early"] for r in results]
+    assert early[3][0] == "StructureMismatch" and all(e is not None and "rank 3" in e[1] for e in early[:3]), early

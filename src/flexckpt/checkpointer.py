@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexckpt.agree import agree_step, first_failed_rank
+from flexckpt.agree import agree_step, distributed, first_failed_rank
 from flexckpt.codec import parse_compression
 from flexckpt.commit import committed_steps, read_manifest, reclaim_at_start
 from flexckpt.committer import Committer
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError
+from flexckpt.exchange import PEER_TIMEOUT, Fanout, PeerFailure
+from flexckpt.fanout import wanted
 from flexckpt.handle import SaveHandle
 from flexckpt.load import LoadStats, PendingLoad
 from flexckpt.manifest import GROUP, step_dir
@@ -114,6 +116,15 @@ class Checkpointer(SavePipeline, Committer):
             save attempts), and ``save`` is refused. For tools beside a live job or with
             read-only credentials (the CLI's exports, a reshard's source, ``flextrain plan``).
             Not with ``local=``.
+        fanout: at load, each stored chunk that several ranks need (replicas: HSDP's
+            replicate dim, DDP, tensor-parallel norms) is read from the store by one of
+            them and sent to the others over the process group, so that the job reads each
+            stored byte once. ``"auto"`` (default): when the store is remote (``s3://``;
+            not a local folder) and the group runs on gloo; ``True``: whenever several
+            ranks load (an NCCL group is refused); ``False``: never. A peer that fails or
+            dies fails the load on every rank within ``flexckpt.exchange.PEER_TIMEOUT``
+            (60 s), naming it. ``last_load_stats.bytes_from_store``/``bytes_from_peers``
+            count where each rank's bytes came from.
 
     Construction on several ranks never enters a collective: the ids are shared through the
     store and a rank that waits for them names the rank it waits for when it gives up. A fast
@@ -145,11 +156,15 @@ class Checkpointer(SavePipeline, Committer):
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         local: "LocalTier | None" = None,
         read_only: bool = False,
+        fanout: "str | bool" = "auto",
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
         if not isinstance(chunk_bytes, int) or not 64 <= chunk_bytes <= 256 << 20:
             raise ValueError(f"chunk_bytes must be an int in [64, 256 MiB], got {chunk_bytes!r}")
+        if not (fanout is True or fanout is False or fanout == "auto"):
+            raise ValueError(f"fanout must be 'auto', True or False, got {fanout!r}")
+        self.fanout = fanout
         if read_only and local is not None:
             raise ValueError("read_only=True writes nothing, and a fast tier (local=) saves: drop one of them")
         self.group = process_group
@@ -426,13 +441,16 @@ class Checkpointer(SavePipeline, Committer):
         while True:
             error: BaseException | None = None
             pending = None
+            fan = self._fanout()
             try:
                 manifest = read_manifest(self.storage, chosen)
                 pending = PendingLoad(self.storage, manifest, w, self.rank, self.world_size, strict, gone)
-                pending.read(self.read_threads)
+                pending.read(self.read_threads, fan)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 error = exc
-            failed_rank = self._first_failed_rank(error is not None)
+                if fan is not None:
+                    fan.join_failed()  # a rank that failed before the fan-out's gather still joins it
+            failed_rank = self._first_failed_rank(error is not None, isinstance(error, PeerFailure))
             if failed_rank is None:
                 assert pending is not None
                 pending.apply()
@@ -475,5 +493,13 @@ class Checkpointer(SavePipeline, Committer):
     def _agree_step(self, step: int | None, before: int | None) -> int:
         return agree_step(self.rank, self.world_size, self.group, self.steps, self.storage.url, step, before)
 
-    def _first_failed_rank(self, failed: bool) -> int | None:
-        return first_failed_rank(self.rank, self.world_size, self.group, failed)
+    def _first_failed_rank(self, failed: bool, by_peer: bool = False) -> int | None:
+        return first_failed_rank(self.rank, self.world_size, self.group, failed, by_peer)
+
+    def _fanout(self) -> "Fanout | None":
+        """This load's fan-out (:func:`flexckpt.fanout.wanted`), or None: decided alike on every rank."""
+        if not distributed(self.world_size):
+            return None
+        if not wanted(self.fanout, self.world_size, self.storage.local, self.storage.url, dist.get_backend(self.group)):
+            return None
+        return Fanout(self.rank, self.world_size, self.group, PEER_TIMEOUT)

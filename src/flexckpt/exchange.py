@@ -88,6 +88,8 @@ def gather_needs(fan: Fanout, rows: np.ndarray | None) -> list[np.ndarray]:
         failed = sizes.index(-1)
         raise PeerFailure(f"rank {failed} failed before the fan-out of the load's reads (see its error)", failed)
     most = max(sizes)
+    if not most:
+        return [np.zeros((0, 4), dtype=np.int64) for _ in sizes]
     mine = torch.zeros((most, 4), dtype=torch.int64)
     mine[: len(rows)] = torch.from_numpy(rows)  # type: ignore[arg-type]
     out = [torch.zeros((most, 4), dtype=torch.int64) for _ in range(fan.world)]
@@ -306,6 +308,7 @@ class Exchange:
         src = self.to_global(reader)
         buf = np.empty(max(self.plan.batches[k].length for k in batches), dtype=np.uint8)
         h = torch.zeros(4, dtype=torch.int64)
+        error: BaseException | None = None  # after one, the rest are still taken (the reader waits on them)
         for k in batches:
             b = self.plan.batches[k]
             what = f"{b.file} bytes [{b.offset}, {b.offset + b.length})"
@@ -321,7 +324,13 @@ class Exchange:
             self._recv(torch.from_numpy(data), src, reader, what)
             with self._lock:
                 self.bytes_from_peers += b.length
-            self._place_checked(k, b, data)
+            if error is None:
+                try:
+                    self._place_checked(k, b, data)
+                except BaseException as exc:  # noqa: BLE001 - raised once the reader's batches are taken
+                    error = exc
+        if error is not None:
+            raise error
 
     def _recv(self, into: torch.Tensor, src: int, reader: int, what: str) -> None:
         try:
