@@ -47,7 +47,7 @@ def _check(plan, needs, offsets, lengths):
                 assert got[(f, c)] == rs
                 reads[readers[(f, c)]] += int(lengths[f][c])
         for r, n in enumerate(needs):
-            labels = plan.labels(r, f, np.asarray(n.get(f, []), dtype=np.int64))
+            labels = plan.labels(r, {f: np.asarray(n.get(f, []), dtype=np.int64)})[f]
             for c, lab in zip(n.get(f, []), labels):
                 assert (lab == -1) == ((f, int(c)) not in readers)
     assert plan.reads == reads and plan.needed == needed

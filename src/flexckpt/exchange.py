@@ -97,6 +97,34 @@ def gather_needs(fan: Fanout, rows: np.ndarray | None) -> list[np.ndarray]:
     return [o[:s].numpy() for o, s in zip(out, sizes)]
 
 
+def _by_file(everyone: list[np.ndarray], names: list[str]
+             ) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The gathered rows as :func:`flexckpt.fanout.plan_fanout` takes them: each rank's
+    chunk ids by file, and each file's chunks' stored offsets and lengths (by chunk id;
+    those no rank needs left 0)."""
+    needs: list[dict[str, np.ndarray]] = []
+    offsets: dict[str, np.ndarray] = {}
+    lengths: dict[str, np.ndarray] = {}
+    for got in everyone:
+        mine: dict[str, np.ndarray] = {}
+        got = got[np.lexsort((got[:, 1], got[:, 0]))]
+        cuts = np.flatnonzero(np.diff(got[:, 0])) + 1
+        for part in np.split(got, cuts) if len(got) else []:
+            name = names[int(part[0, 0])]
+            mine[name] = part[:, 1]
+            top = int(part[:, 1].max()) + 1
+            for cols, k in ((offsets, 2), (lengths, 3)):
+                have = cols.get(name)
+                if have is None or len(have) < top:
+                    grown = np.zeros(top, dtype=np.int64)
+                    if have is not None:
+                        grown[: len(have)] = have
+                    cols[name] = have = grown
+                have[part[:, 1]] = part[:, k]
+        needs.append(mine)
+    return needs, offsets, lengths
+
+
 def fetch_fanned(fan: Fanout, names: list[str], plans: list[FilePlan], loop: "FetchLoop", store: "StoreSource",
                  fetch_bytes: int, group_bytes: int, threads: int, stall: float | None, url: str
                  ) -> tuple[list[Request], list[int], "Exchange"]:
@@ -109,28 +137,9 @@ def fetch_fanned(fan: Fanout, names: list[str], plans: list[FilePlan], loop: "Fe
     rows = np.concatenate([np.stack([np.full(len(p.ids), index[p.file]), p.ids, p.entry.offsets[p.ids],
                                      p.entry.lengths[p.ids]], axis=1) for p in plans]).astype(np.int64) \
         if plans else np.zeros((0, 4), dtype=np.int64)
-    everyone = gather_needs(fan, rows)
-    needs: list[dict[str, np.ndarray]] = []
-    offsets: dict[str, np.ndarray] = {}
-    lengths: dict[str, np.ndarray] = {}
-    for got in everyone:
-        mine: dict[str, np.ndarray] = {}
-        for fi in np.unique(got[:, 0]).tolist():
-            part = got[got[:, 0] == fi]
-            name = names[fi]
-            mine[name] = part[:, 1]
-            top = int(part[:, 1].max()) + 1
-            for cols, k in ((offsets, 2), (lengths, 3)):
-                have = cols.get(name)
-                if have is None or len(have) < top:
-                    grown = np.zeros(top, dtype=np.int64)
-                    if have is not None:
-                        grown[: len(have)] = have
-                    cols[name] = have = grown
-                have[part[:, 1]] = part[:, k]
-        needs.append(mine)
+    needs, offsets, lengths = _by_file(gather_needs(fan, rows), names)
     plan = plan_fanout(needs, offsets, lengths, fetch_bytes)
-    labels = {p.file: plan.labels(fan.rank, p.file, p.ids) for p in plans}
+    labels = plan.labels(fan.rank, {p.file: p.ids for p in plans})
     requests = requests_of(plans, fetch_bytes, group_bytes, labels)
     own: list[Request] = []
     batch_of: dict[int, Request] = {}

@@ -48,14 +48,14 @@ class FanoutPlan:
     reads: list[int]
     needed: int
 
-    def labels(self, rank: int, file: str, ids: np.ndarray) -> np.ndarray:
-        """For the chunks ``ids`` of ``file`` that ``rank`` needs (ascending): the index of
-        the batch each is in, or -1 (the rank reads it for itself alone)."""
-        out = np.full(len(ids), -1, dtype=np.int64)
+    def labels(self, rank: int, files: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """For the chunks ``files[f]`` of each file ``f`` that ``rank`` needs (ascending):
+        the index of the batch each is in, or -1 (the rank reads it for itself alone)."""
+        out = {f: np.full(len(ids), -1, dtype=np.int64) for f, ids in files.items()}
         for k, b in enumerate(self.batches):
-            if b.file == file and (b.reader == rank or rank in b.receivers):
-                lo, hi = np.searchsorted(ids, [b.first, b.stop])
-                out[lo:hi] = k
+            if b.file in out and (b.reader == rank or rank in b.receivers):
+                lo, hi = np.searchsorted(files[b.file], [b.first, b.stop])
+                out[b.file][lo:hi] = k
         return out
 
     def sends(self, rank: int) -> list[int]:
