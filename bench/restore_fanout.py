@@ -62,32 +62,27 @@ def install_store_model(cfg: dict) -> None:
     gate = threading.Semaphore(cfg["inflight"])
     wire = threading.Lock()  # this rank's bandwidth: one transfer at a time
     shared = AggregateLimit(cfg["limit_file"], cfg["aggregate"] * 1e9)
-    orig_into, orig_scatter, orig_bytes = RangeReader.read_into, RangeReader.read_scatter, Storage.read_bytes
 
-    def request(n, read):
+    def request(n, read):  # latency, then the bytes within this rank's and the store's bandwidth
         with gate:
             time.sleep(cfg["latency"])
             with wire:
-                t0 = time.monotonic()
+                own_end = time.monotonic() + n / (cfg["gbps"] * 1e9)
                 out = read()
-                end = max(t0 + n / (cfg["gbps"] * 1e9), shared.reserve(n))
-                time.sleep(max(0.0, end - time.monotonic()))
-                return out
+                time.sleep(max(0.0, max(own_end, shared.reserve(n)) - time.monotonic()))
+        return out
 
-    def read_into(self, offset, out):
-        return request(memoryview(out).nbytes, lambda: orig_into(self, offset, out))
+    def modelled(call, nbytes):  # ``call`` as one request of the model, of ``nbytes(*args)`` bytes
+        return lambda *args, **kw: request(nbytes(*args, **kw), lambda: call(*args, **kw))
 
-    def read_scatter(self, offset, outs):
-        return request(sum(memoryview(o).nbytes for o in outs), lambda: orig_scatter(self, offset, outs))
-
-    def read_bytes(self, rel, limit=None):
-        return request(Storage.size(self, rel), lambda: orig_bytes(self, rel, limit))
-
-    RangeReader.read_into, RangeReader.read_scatter, Storage.read_bytes = read_into, read_scatter, read_bytes
+    RangeReader.read_into = modelled(RangeReader.read_into, lambda _, __, out: memoryview(out).nbytes)
+    RangeReader.read_scatter = modelled(RangeReader.read_scatter,
+                                        lambda _, __, outs: sum(memoryview(o).nbytes for o in outs))
+    Storage.read_bytes = modelled(Storage.read_bytes, lambda self, rel, limit=None: Storage.size(self, rel))
     # a store answers a fetch in one request; only a local folder is read in groups of chunks
-    import flexckpt.fetch
+    import flexckpt.load
 
-    flexckpt.fetch.READ_GROUP_BYTES = 1 << 62
+    flexckpt.load.READ_GROUP_BYTES = 1 << 62
 
 
 def _specs(cfg: dict) -> list[tuple[str, tuple[int, int]]]:

@@ -130,12 +130,14 @@ def test_the_rule_says_when_a_load_fans_out():
 
 
 # -- loads over spawned gloo groups -----------------------------------------------------------
-KINDS = ("hsdp", "ddp", "fsdp_tp")
+KINDS = ("hsdp", "ddp", "fsdp_tp", "cols")
+SAVED_AS = {"cols": "hsdp"}  # "cols": the HSDP save loaded cut by columns: each chunk split between targets
 
 
 def _state(kind: str, rank: int, world: int, zero: bool) -> dict:
-    """HSDP (replicate 2 x shard 2), DDP (plain tensors: replicated) or FSDP x TP (weights
-    (S0, S1) on a (fsdp 2, tp 2) mesh, norms (S0, R): replicated over tp), at world 4."""
+    """HSDP (replicate 2 x shard 2), DDP (plain tensors: replicated), FSDP x TP (weights
+    (S0, S1) on a (fsdp 2, tp 2) mesh, norms (S0, R): replicated over tp) or "cols" (the
+    matrices (S1, R), the vectors (S0, R): replicas are consecutive ranks), at world 4."""
     import torch
 
     from flexshard import MeshLayout, ShardedTensor
@@ -145,6 +147,7 @@ def _state(kind: str, rank: int, world: int, zero: bool) -> dict:
     full = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
     layouts = {
         "hsdp": {k: MeshLayout((2, 2), ("R", "S0")) for k in shapes},
+        "cols": {k: MeshLayout((2, 2), ("S1" if len(s) == 2 else "S0", "R")) for k, s in shapes.items()},
         "fsdp_tp": {"w1": MeshLayout((2, 2), ("S0", "S1")), "w2": MeshLayout((2, 2), ("S0", "S1")),
                     "norm": MeshLayout((2, 2), ("S0", "R")), "bias": MeshLayout((2, 2), ("S0", "R"))},
     }.get(kind)
@@ -188,8 +191,8 @@ def _fanout_worker(rank: int, world: int, root: str) -> dict:
 
     for kind in KINDS:
         url = os.path.join(root, kind)
-        ck = Checkpointer(url, chunk_bytes=512)
-        ck.save(1, _state(kind, rank, world, zero=False)).result(60)
+        ck = Checkpointer(url, chunk_bytes=512, compression="zstd" if kind == "ddp" else None)
+        ck.save(1, _state(SAVED_AS.get(kind, kind), rank, world, zero=False)).result(60)
         ck.close()
         for fan in (False, True):
             out[(kind, fan)] = load(url, fan, kind)
@@ -225,7 +228,7 @@ def test_fanned_out_loads_read_each_stored_byte_once_and_are_exact(tmp_path):
     from flexshard.spawn import run_workers
 
     results = run_workers(_fanout_worker, 4, str(tmp_path), timeout=180)
-    replicas = {"hsdp": 2, "ddp": 4, "fsdp_tp": None}
+    replicas = {"hsdp": 2, "ddp": 4, "fsdp_tp": None, "cols": None}
     for kind in KINDS:
         needed = results[0][(kind, "needed")]
         off = [r[(kind, False)] for r in results]
@@ -234,11 +237,14 @@ def test_fanned_out_loads_read_each_stored_byte_once_and_are_exact(tmp_path):
         # read once: the stored bytes of every chunk, exactly (whole chunks: every chunk is needed)
         assert sum(x["store"] for x in on) == needed, kind
         assert sum(x["peers"] for x in off) == 0
-        # today: each replica reads it (FSDP x TP: the norms twice, the weights once)
+        # today: each replica reads it (FSDP x TP: the norms twice, the weights once; cols:
+        # the vectors twice, the matrices' chunks four times, each cut between the columns)
         if replicas[kind]:
             assert sum(x["store"] for x in off) == replicas[kind] * needed, kind
-        else:
+        elif kind == "fsdp_tp":
             assert needed < sum(x["store"] for x in off) < 2 * needed
+        else:
+            assert 2 * needed < sum(x["store"] for x in off) < 4 * needed
         # what one rank did not read it received; no rank reads much more than total / W
         assert [x["store"] + x["peers"] for x in on] == [x["store"] for x in off], kind
         assert max(x["store"] for x in on) <= needed / 4 + 4 * results[0][(kind, "chunk")], kind

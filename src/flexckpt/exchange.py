@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -160,7 +161,7 @@ def fetch_fanned(fan: Fanout, names: list[str], plans: list[FilePlan], loop: "Fe
                 e.checksums[b.first : b.stop].tolist())
 
     exchange = Exchange(plan, fan.rank, fan.group, fan.to_global, batch_of, loop.fetch,
-                        store.read_into, checks, fan.timeout)
+                        store.read_into, checks, fan.timeout, threads)
     exchange.start()
     error: BaseException | None = None
     whole: list[int] = []
@@ -215,10 +216,12 @@ class Exchange:
     def __init__(self, plan: FanoutPlan, rank: int, group: "dist.ProcessGroup | None", to_global: Callable[[int], int],
                  mine: dict[int, Request], place: Callable[[Request, "BufferSource"], int],
                  read: Callable[[str, int, memoryview], None],
-                 chunk_checks: Callable[[int], tuple[list[int], list[int], list[int]]], timeout: float) -> None:
+                 chunk_checks: Callable[[int], tuple[list[int], list[int], list[int]]], timeout: float,
+                 reads_ahead: int = 2) -> None:
         self.plan, self.rank, self.group, self.to_global = plan, rank, group, to_global
         self.mine, self.place, self.read, self.chunk_checks = mine, place, read, chunk_checks
         self.timeout = timeout
+        self.reads_ahead = max(1, reads_ahead)  # a reader's batches read at once (the load's read threads)
         self.bytes_from_peers = 0
         self.rereads = 0
         self.direct = 0  # chunks that landed wholly in targets
@@ -256,38 +259,62 @@ class Exchange:
 
     # -- the reader's side ---------------------------------------------------------------------
     def _send_all(self, sends: list[int]) -> None:
-        held: collections.deque = collections.deque()  # (works, buffer, bytes), oldest first
-        held_bytes = 0
+        """Read this rank's batches (``reads_ahead`` at once, in order), send each to its
+        receivers and place this rank's own copy; what is read or sent and not yet taken
+        stays within :data:`HELD_BYTES` (one batch more, when one alone exceeds it)."""
+        held: collections.deque = collections.deque()  # (works, buffer, bytes) sent, oldest first
+        reading: collections.deque = collections.deque()  # (batch, future), in order
+        held_bytes, ahead = 0, 0  # bytes read, being read or sent and not yet taken; sends[:ahead] started
         told = 0  # sends[:told]'s receivers have their messages (the batch, or a failed header)
+        pool = ThreadPoolExecutor(self.reads_ahead, thread_name_prefix=f"flexckpt-fanout-read-r{self.rank}")
         try:
-            for i, k in enumerate(sends):
-                b = self.plan.batches[k]
-                while held and held_bytes + b.length > HELD_BYTES:
+            while told < len(sends):
+                while ahead < len(sends) and len(reading) < self.reads_ahead:
+                    n = self.plan.batches[sends[ahead]].length
+                    if held_bytes + n > HELD_BYTES and (held or reading):
+                        break
+                    reading.append((sends[ahead], pool.submit(self._read_batch, sends[ahead])))
+                    held_bytes += n
+                    ahead += 1
+                if not reading:  # at the bound: wait for the oldest sends to be taken
                     held_bytes -= self._settle(held.popleft())
-                buf = np.empty(b.length, dtype=np.uint8)
-                fail = _faults.get("fail")
-                if fail is not None and fail(self.rank, k):
-                    raise OSError(f"injected: rank {self.rank} cannot read batch {k}")
-                self.read(b.file, b.offset, memoryview(buf))
-                corrupt = _faults.get("corrupt")
-                out = buf
-                if corrupt is not None and corrupt(self.rank, k):
-                    out = buf.copy()
-                    out[len(out) // 2] ^= 0xFF
+                    continue
+                k, future = reading.popleft()
+                buf, out = future.result()
+                b = self.plan.batches[k]
                 works = []
                 for dst in b.receivers:
                     g = self.to_global(dst)
                     works.append(dist.isend(_header(k, True, b.length), g, group=self.group))
                     works.append(dist.isend(_tensor(out), g, group=self.group))
-                told = i + 1
+                told += 1
                 held.append((works, out, b.length))
-                held_bytes += b.length
                 self._placed(self.place(self.mine[k], BufferSource(buf, b.offset)))
             while held:
                 self._settle(held.popleft())
         except BaseException:
+            for _, future in reading:
+                future.cancel()
             self._tell_failed(sends[told:])
             raise
+        finally:
+            pool.shutdown(wait=True)
+
+    def _read_batch(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Batch ``k``'s stored bytes from the store; and what is sent (the same, but for
+        the tests' faults)."""
+        b = self.plan.batches[k]
+        fail = _faults.get("fail")
+        if fail is not None and fail(self.rank, k):
+            raise OSError(f"injected: rank {self.rank} cannot read batch {k}")
+        buf = np.empty(b.length, dtype=np.uint8)
+        self.read(b.file, b.offset, memoryview(buf))
+        corrupt = _faults.get("corrupt")
+        if corrupt is not None and corrupt(self.rank, k):
+            out = buf.copy()
+            out[len(out) // 2] ^= 0xFF
+            return buf, out
+        return buf, buf
 
     def _settle(self, entry: tuple) -> int:
         works, _buf, n = entry
