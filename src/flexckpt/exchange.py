@@ -1,14 +1,17 @@
 """Read once, fan out: the exchange of a load's shared chunks over its process group
 (the plan is :mod:`flexckpt.fanout`'s).
 
-1. :func:`gather_needs`: every rank's needed chunk ids, one all-gather of counts and one
-   of the ids (int64 tensors: nothing is pickled). A rank that failed before it knew its
-   chunks joins with a count of -1, and every rank stops there, naming it.
+1. :func:`gather_needs`: every rank's needed chunks (file, id, stored offset and length),
+   one all-gather of counts and one of the rows (int64 tensors: nothing is pickled). A
+   rank that failed before it knew its chunks joins with a count of -1, and every rank
+   stops there, naming it.
 2. :class:`Exchange`: per rank, a *sender* thread reads the batches it is the reader of
-   from the store, one at a time, sends each to its receivers (point-to-point on the
-   load's group, gloo on the CPU: a header, then the stored bytes) and places its own copy
-   through the fetch loop; at most :data:`HELD_BYTES` of sends not yet taken are held (a
-   batch is at most ``FETCH_BYTES``). One *receiver* thread per reader takes that reader's
+   from the store (``reads_ahead`` at once, in order), sends each to its receivers
+   (point-to-point on the load's group, gloo on the CPU: a header, then the stored bytes)
+   and places its own copy through the fetch loop; what it has read and not yet seen
+   taken stays within :data:`HELD_BYTES` (a batch is at most :data:`BATCH_BYTES`, or one
+   chunk). A batch whose bytes land unchanged in one stretch of one target is read, sent
+   and received straight there (:func:`landing`). One *receiver* thread per reader takes that reader's
    batches in plan order (gloo matches a pair's messages by order) and places each through
    the fetch loop, which verifies every chunk against the manifest's checksum; where the
    check fails, the chunks whose bytes are wrong are read from the store (counted in
@@ -42,7 +45,8 @@ from flexckpt.readplan import FilePlan, Request, requests_of
 from flexckpt.tier.transport import _tensor, _wait
 
 PEER_TIMEOUT = 60.0  # seconds a rank waits for a peer's next message (a batch, or its failed header)
-HELD_BYTES = 64 << 20  # a reader holds at most this many bytes sent and not yet taken (plus one batch being read)
+BATCH_BYTES = 4 << 20  # a batch (one message, one store request) is at most this many bytes (one chunk may be more)
+HELD_BYTES = 64 << 20  # a reader holds at most this many bytes read or being read and not yet taken
 MAGIC = 0x46584641_4E4F5554 >> 8  # "FXFANOU"
 
 
@@ -139,7 +143,7 @@ def fetch_fanned(fan: Fanout, names: list[str], plans: list[FilePlan], loop: "Fe
                                      p.entry.lengths[p.ids]], axis=1) for p in plans]).astype(np.int64) \
         if plans else np.zeros((0, 4), dtype=np.int64)
     needs, offsets, lengths = _by_file(gather_needs(fan, rows), names)
-    plan = plan_fanout(needs, offsets, lengths, fetch_bytes)
+    plan = plan_fanout(needs, offsets, lengths, min(fetch_bytes, BATCH_BYTES))
     labels = plan.labels(fan.rank, {p.file: p.ids for p in plans})
     requests = requests_of(plans, fetch_bytes, group_bytes, labels)
     own: list[Request] = []
@@ -161,7 +165,7 @@ def fetch_fanned(fan: Fanout, names: list[str], plans: list[FilePlan], loop: "Fe
                 e.checksums[b.first : b.stop].tolist())
 
     exchange = Exchange(plan, fan.rank, fan.group, fan.to_global, batch_of, loop.fetch,
-                        store.read_into, checks, fan.timeout, threads)
+                        lambda r: landing(r, loop.views), store.read_into, checks, fan.timeout, threads)
     exchange.start()
     error: BaseException | None = None
     whole: list[int] = []
@@ -205,6 +209,36 @@ class BufferSource:
             a += n
 
 
+class InPlace:
+    """The stored bytes of one batch, already where they land (received or read straight
+    into one stretch of one target): a byte source that moves nothing; the fetch loop
+    still verifies every chunk there."""
+
+    def local(self, file: str) -> bool:
+        return False
+
+    def read_into(self, file: str, offset: int, out: memoryview) -> None:  # never: compressed batches are copied
+        raise AssertionError("a compressed batch is never placed in place")
+
+    def read_scatter(self, file: str, offset: int, outs: list[memoryview]) -> None:
+        pass
+
+
+def landing(r: Request, views: list[memoryview]) -> np.ndarray | None:
+    """Where request ``r``'s stored bytes land unchanged: one stretch of one target (no
+    codec, no bytes for the sink, its places adjacent), as a writable array; else None."""
+    if r.compressed or r.sink_bytes or r.scatter is None:
+        return None
+    sc, x, y = r.scatter, r.place_start, r.groups[-1][1]
+    d, start = sc.place_dest[x], sc.place_pos[x]
+    end = start
+    for i in range(x, y):
+        if sc.place_dest[i] != d or sc.place_pos[i] != end:
+            return None
+        end += sc.place_len[i]
+    return np.frombuffer(views[d][start:end], dtype=np.uint8) if end - start == r.length else None
+
+
 class Exchange:
     """One rank's part of a fanned-out load: the threads that read and send its batches
     and receive the batches others read for it, each placed by ``place(request, source)``
@@ -214,12 +248,13 @@ class Exchange:
     lengths and checksums."""
 
     def __init__(self, plan: FanoutPlan, rank: int, group: "dist.ProcessGroup | None", to_global: Callable[[int], int],
-                 mine: dict[int, Request], place: Callable[[Request, "BufferSource"], int],
+                 mine: dict[int, Request], place: Callable[[Request, "BufferSource | InPlace"], int],
+                 spot: Callable[[Request], np.ndarray | None],
                  read: Callable[[str, int, memoryview], None],
                  chunk_checks: Callable[[int], tuple[list[int], list[int], list[int]]], timeout: float,
                  reads_ahead: int = 2) -> None:
         self.plan, self.rank, self.group, self.to_global = plan, rank, group, to_global
-        self.mine, self.place, self.read, self.chunk_checks = mine, place, read, chunk_checks
+        self.mine, self.place, self.spot, self.read, self.chunk_checks = mine, place, spot, read, chunk_checks
         self.timeout = timeout
         self.reads_ahead = max(1, reads_ahead)  # a reader's batches read at once (the load's read threads)
         self.bytes_from_peers = 0
@@ -280,7 +315,7 @@ class Exchange:
                     held_bytes -= self._settle(held.popleft())
                     continue
                 k, future = reading.popleft()
-                buf, out = future.result()
+                buf, out, source = future.result()
                 b = self.plan.batches[k]
                 works = []
                 for dst in b.receivers:
@@ -289,7 +324,7 @@ class Exchange:
                     works.append(dist.isend(_tensor(out), g, group=self.group))
                 told += 1
                 held.append((works, out, b.length))
-                self._placed(self.place(self.mine[k], BufferSource(buf, b.offset)))
+                self._placed(self.place(self.mine[k], source))
             while held:
                 self._settle(held.popleft())
         except BaseException:
@@ -300,21 +335,24 @@ class Exchange:
         finally:
             pool.shutdown(wait=True)
 
-    def _read_batch(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Batch ``k``'s stored bytes from the store; and what is sent (the same, but for
-        the tests' faults)."""
+    def _read_batch(self, k: int) -> tuple[np.ndarray, np.ndarray, "BufferSource | InPlace"]:
+        """Batch ``k``'s stored bytes from the store (straight into this rank's target
+        where they land unchanged), what is sent (the same, but for the tests' faults),
+        and the source that places them here."""
         b = self.plan.batches[k]
         fail = _faults.get("fail")
         if fail is not None and fail(self.rank, k):
             raise OSError(f"injected: rank {self.rank} cannot read batch {k}")
-        buf = np.empty(b.length, dtype=np.uint8)
+        spot = self.spot(self.mine[k])
+        buf = spot if spot is not None else np.empty(b.length, dtype=np.uint8)
         self.read(b.file, b.offset, memoryview(buf))
+        source = InPlace() if spot is not None else BufferSource(buf, b.offset)
         corrupt = _faults.get("corrupt")
         if corrupt is not None and corrupt(self.rank, k):
             out = buf.copy()
             out[len(out) // 2] ^= 0xFF
-            return buf, out
-        return buf, buf
+            return buf, out, source
+        return buf, buf, source
 
     def _settle(self, entry: tuple) -> int:
         works, _buf, n = entry
@@ -356,13 +394,14 @@ class Exchange:
             if not ok:
                 raise PeerFailure(f"rank {reader} failed to read the chunks it reads for rank {self.rank} in this load "
                                   f"({self.plan.batches[got].file} ...; see rank {reader}'s error)", reader)
-            data = buf[: b.length]
+            spot = self.spot(self.mine[k])  # received straight into the target where it lands unchanged
+            data = spot if spot is not None else buf[: b.length]
             self._recv(torch.from_numpy(data), src, reader, what)
             with self._lock:
                 self.bytes_from_peers += b.length
             if error is None:
                 try:
-                    self._place_checked(k, b, data)
+                    self._place_checked(k, b, data, InPlace() if spot is not None else BufferSource(data, b.offset))
                 except BaseException as exc:  # noqa: BLE001 - raised once the reader's batches are taken
                     error = exc
         if error is not None:
@@ -376,11 +415,12 @@ class Exchange:
                               f"within {self.timeout:g} s (rank {reader} failed or died; see its error): {exc}",
                               reader) from None
 
-    def _place_checked(self, k: int, b: Batch, data: np.ndarray) -> None:
-        """Place batch ``k``; where a chunk fails its check, read the bad chunks from the
-        store, and place again (a second failure is the store's: raised)."""
+    def _place_checked(self, k: int, b: Batch, data: np.ndarray, source: "BufferSource | InPlace") -> None:
+        """Place batch ``k`` (received into ``data``); where a chunk fails its check, read
+        the bad chunks from the store into ``data``, and place again (a second failure is
+        the store's: raised)."""
         try:
-            self._placed(self.place(self.mine[k], BufferSource(data, b.offset)))
+            self._placed(self.place(self.mine[k], source))
             return
         except ChecksumError:
             pass
@@ -391,7 +431,7 @@ class Exchange:
                 self.read(b.file, off, memoryview(piece))
                 with self._lock:
                     self.rereads += 1
-        self._placed(self.place(self.mine[k], BufferSource(data, b.offset)))
+        self._placed(self.place(self.mine[k], source))
 
     def _placed(self, whole: int) -> None:
         with self._lock:
