@@ -130,22 +130,28 @@ def test_the_rule_says_when_a_load_fans_out():
 
 
 # -- loads over spawned gloo groups -----------------------------------------------------------
-KINDS = ("hsdp", "ddp", "fsdp_tp", "cols")
+KINDS = ("hsdp", "ddp", "fsdp_tp", "cols", "stages")
 SAVED_AS = {"cols": "hsdp"}  # "cols": the HSDP save loaded cut by columns: each chunk split between targets
 
 
 def _state(kind: str, rank: int, world: int, zero: bool) -> dict:
     """HSDP (replicate 2 x shard 2), DDP (plain tensors: replicated), FSDP x TP (weights
     (S0, S1) on a (fsdp 2, tp 2) mesh, norms (S0, R): replicated over tp) or "cols" (the
-    matrices (S1, R), the vectors (S0, R): replicas are consecutive ranks), at world 4."""
+    matrices (S1, R), the vectors (S0, R): replicas are consecutive ranks), or "stages" (two
+    pipeline stages of two ranks, each holding its stage's layers only: a weight (S0) and
+    a norm (R) on the stage's own mesh), at world 4."""
     import torch
 
     from flexshard import MeshLayout, ShardedTensor
 
-    g = torch.Generator().manual_seed(29)
+    stage = rank // 2
+    g = torch.Generator().manual_seed(29 + (stage if kind == "stages" else 0))
     shapes = {"w1": (40, 24), "w2": (24, 40), "norm": (40,), "bias": (24,)}
+    if kind == "stages":
+        shapes = {f"layers.{stage}.w": (40, 24), f"layers.{stage}.norm": (24,)}
     full = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
     layouts = {
+        "stages": {k: MeshLayout((2,), ("S0" if len(s) == 2 else "R",), offset=2 * stage) for k, s in shapes.items()},
         "hsdp": {k: MeshLayout((2, 2), ("R", "S0")) for k in shapes},
         "cols": {k: MeshLayout((2, 2), ("S1" if len(s) == 2 else "S0", "R")) for k, s in shapes.items()},
         "fsdp_tp": {"w1": MeshLayout((2, 2), ("S0", "S1")), "w2": MeshLayout((2, 2), ("S0", "S1")),
@@ -228,7 +234,7 @@ def test_fanned_out_loads_read_each_stored_byte_once_and_are_exact(tmp_path):
     from flexshard.spawn import run_workers
 
     results = run_workers(_fanout_worker, 4, str(tmp_path), timeout=180)
-    replicas = {"hsdp": 2, "ddp": 4, "fsdp_tp": None, "cols": None}
+    replicas = {"hsdp": 2, "ddp": 4, "fsdp_tp": None, "cols": None, "stages": None}
     for kind in KINDS:
         needed = results[0][(kind, "needed")]
         off = [r[(kind, False)] for r in results]
@@ -241,7 +247,7 @@ def test_fanned_out_loads_read_each_stored_byte_once_and_are_exact(tmp_path):
         # the vectors twice, the matrices' chunks four times, each cut between the columns)
         if replicas[kind]:
             assert sum(x["store"] for x in off) == replicas[kind] * needed, kind
-        elif kind == "fsdp_tp":
+        elif kind in ("fsdp_tp", "stages"):
             assert needed < sum(x["store"] for x in off) < 2 * needed
         else:
             assert 2 * needed < sum(x["store"] for x in off) < 4 * needed

@@ -450,7 +450,12 @@ class Checkpointer(SavePipeline, Committer):
                 error = exc
                 if fan is not None:
                     fan.join_failed()  # a rank that failed before the fan-out's gather still joins it
-            failed_rank = self._first_failed_rank(error is not None, isinstance(error, PeerFailure))
+            try:
+                failed_rank = self._first_failed_rank(error is not None, isinstance(error, PeerFailure))
+            except Exception:  # noqa: BLE001 - a peer that died breaks the agreement too: name it, not the group
+                if isinstance(error, PeerFailure):
+                    raise error from None
+                raise
             if failed_rank is None:
                 assert pending is not None
                 pending.apply()
