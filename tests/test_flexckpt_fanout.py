@@ -125,6 +125,7 @@ def test_the_rule_says_when_a_load_fans_out():
     assert wanted(True, 4, True, "/ckpt", "gloo")
     assert not wanted(False, 4, False, "s3://b/p", "gloo")
     assert not wanted("auto", 4, False, "s3://b/p", "nccl")  # the exchange is CPU-only
+    assert wanted("auto", 4, False, "s3://b/p", "cpu:gloo,cuda:nccl")
     with pytest.raises(ValueError, match="fanout=True needs the load's process group on gloo"):
         wanted(True, 4, False, "s3://b/p", "nccl")
 
@@ -263,3 +264,31 @@ def test_fanned_out_loads_read_each_stored_byte_once_and_are_exact(tmp_path):
     assert "injected" in fails[2][1]
     early = [r["early"] for r in results]
     assert early[3][0] == "StructureMismatch" and all(e is not None and "rank 3" in e[1] for e in early[:3]), early
+
+
+def _s3_worker(rank: int, world: int, url: str, opts: dict) -> dict:
+    import torch
+
+    from flexckpt import Checkpointer
+    from flexckpt.commit import read_manifest
+
+    state = _state("ddp", rank, world, zero=False)
+    ck = Checkpointer(url, storage_options=opts, chunk_bytes=512)  # fanout="auto": a remote store, gloo
+    ck.save(1, state).result(60)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    ck.load(got, step=1)
+    s = ck.last_load_stats
+    m = read_manifest(ck.storage, 1)
+    ck.close()
+    return {"exact": all(torch.equal(got[k], state[k]) for k in state), "store": s.bytes_from_store - s.metadata_bytes,
+            "peers": s.bytes_from_peers, "needed": sum(int(m.files[f].lengths.sum()) for f in m.files)}
+
+
+def test_a_load_from_s3_fans_out_by_default(s3_options):
+    from flexshard.spawn import run_workers
+
+    opts, bucket = s3_options
+    results = run_workers(_s3_worker, 2, f"s3://{bucket}/fan", opts, timeout=120)
+    assert all(r["exact"] for r in results)
+    assert sum(r["store"] for r in results) == results[0]["needed"]  # read once, not twice
+    assert sum(r["peers"] for r in results) == results[0]["needed"]

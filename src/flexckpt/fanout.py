@@ -161,7 +161,7 @@ def wanted(mode: "str | bool", world: int, local: bool, url: str, backend: str |
     ranks to share with (an NCCL group is refused: the exchange is CPU-only)."""
     if world <= 1 or mode is False:
         return False
-    if backend != "gloo":
+    if "gloo" not in str(backend):  # "gloo", or a group with gloo for its CPU tensors ("cpu:gloo,cuda:nccl")
         if mode is True:
             raise ValueError(f"fanout=True needs the load's process group on gloo (the chunks travel as CPU tensors); "
                              f"this group's backend is {backend!r}: pass process_group= a gloo group, or fanout='auto'")
