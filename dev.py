@@ -160,8 +160,8 @@ def main(argv: list[str]) -> int:
         cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_flextrain_nodeloss.py"), "-q", "-s", *rest]
     elif task == "test-flextrain":
         env.update(FLEXTRAIN_MATRIX="1", FLEXTRAIN_NODELOSS="1")
-        cmd = [py, "-m", "pytest", *(str(ROOT / "tests" / f"test_flextrain_{f}.py") for f in ("resume", "nodeloss")),
-               "-q", *rest]
+        files = ("test_flextrain_resume.py", "test_flextrain_nodeloss.py")
+        cmd = [py, "-m", "pytest", *(str(ROOT / "tests" / f) for f in files), "-q", *rest]
     elif task == "test-trainers":
         env["FLEXCKPT_TRAINERS_MATRIX"] = "1"
         cmd = [py, "-m", "pytest", str(ROOT / "tests" / "test_hf_trainer.py"), "-q", *rest]

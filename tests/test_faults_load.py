@@ -13,9 +13,10 @@ import torch.distributed as dist
 from flexckpt import ByLane, Checkpointer, LoadError, ManifestError, PerRank
 from flexckpt.checksum import checksum
 from flexckpt.commit import read_manifest
-from flexckpt.manifest import MANIFEST, SEAL_FIELD, seal, step_dir, values_name
+from flexckpt.manifest import step_dir, values_name
 from flexshard import Shard, ShardedTensor
 from flexshard.spawn import run_workers
+from manifest_edit import _edit_manifest
 
 FULL = torch.arange(600, dtype=torch.float32)
 
@@ -40,16 +41,6 @@ def _sentinel(rank=0, world=1):
 
 def _values(st):
     return copy.deepcopy({"meta": st["meta"], "lanes": st["lanes"].values, "rng": st["rng"].value.tolist()})
-
-
-def _edit_manifest(root, step, edit):
-    path = os.path.join(root, step_dir(step), MANIFEST)
-    with open(path, "rb") as f:
-        doc = orjson.loads(f.read())
-    sealed = doc.pop(SEAL_FIELD, None) is not None
-    edit(doc)
-    with open(path, "wb") as f:
-        f.write(seal(orjson.dumps(doc)) if sealed else orjson.dumps(doc))  # the checksum recomputed, as an attacker would
 
 
 def _damage_per_rank_value(root, step, rank):

@@ -150,10 +150,9 @@ def test_rank_0s_own_failure_is_announced_to_the_other_ranks(tmp_path):
 def test_process_exit_waits_a_bounded_time_for_a_save_that_cannot_commit(tmp_path):
     # defect 5: rank 1 never writes; the exit of rank 0 waits exit_timeout, not commit_timeout
     script = textwrap.dedent(f"""
-        import inspect, torch
+        import torch
         from flexckpt import Checkpointer
-        bounded = {{"exit_timeout": 1}} if "exit_timeout" in inspect.signature(Checkpointer).parameters else {{}}
-        ck = Checkpointer({str(tmp_path)!r}, rank=0, world_size=2, run_id="job", commit_timeout=60, **bounded)
+        ck = Checkpointer({str(tmp_path)!r}, rank=0, world_size=2, run_id="job", commit_timeout=60, exit_timeout=1)
         ck.save(1, {{"w": torch.ones(4)}}).wait_staged()
         print("saved", flush=True)
     """)
@@ -171,10 +170,7 @@ def test_process_exit_waits_a_bounded_time_for_a_save_that_cannot_commit(tmp_pat
 def _requeued_launch(rank: int, world: int, url: str, savers: list[int]) -> str:
     """One launch of a job whose torchrun run id and restart count repeat (a requeue):
     only ranks in ``savers`` save step 1; returns rank 0's outcome."""
-    import inspect
-
-    bounded = {"exit_timeout": 1} if "exit_timeout" in inspect.signature(Checkpointer).parameters else {}
-    ck = Checkpointer(url, commit_timeout=1.0, **bounded)
+    ck = Checkpointer(url, commit_timeout=1.0, exit_timeout=1)
     assert ck.run_id == "slurm4242-0"
     outcome = "not saving"
     if rank in savers:

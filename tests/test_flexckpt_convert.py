@@ -13,7 +13,7 @@ import torch.distributed as dist
 from flexckpt import ByLane, Checkpointer, PerRank
 from flexckpt.cli import main
 from flexshard.spawn import run_workers
-from test_flexckpt_dtensor import _fresh_state, _fsdp, _full, _same, _train
+from fsdp_states import _fresh_state, _fsdp, _full, _same, _train
 
 
 def _cli(argv: list[str]) -> tuple[int, str]:

@@ -2,8 +2,6 @@
 matrix: saved at world 1, 2 and 4 with every layout, loaded at world 1, 2, 3 and 4 into
 every layout, bit-identical to the global tensors. Grouped into three launches (the
 checksum case rides in the third)."""
-import functools
-import inspect
 import math
 import os
 
@@ -17,6 +15,7 @@ from flexckpt.manifest import data_name, step_dir
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor, assign_owners
 from flexshard.spawn import run_workers
 from scenario_group import run_scenarios
+from collective_counts import communication, install_counters
 
 TENSORS = {
     "t0": ((97, 5), torch.float32),
@@ -34,11 +33,6 @@ TENSORS = {
 }
 KINDS = ["replicate", "shard", "owned", "block"]
 LANES = 8
-# calls that only read local state; anything else counted during a save is communication
-LOCAL_QUERIES = {
-    "get_rank", "get_world_size", "is_initialized", "is_available", "get_backend", "get_global_rank",
-    "get_group_rank", "_get_default_group", "_get_group_size", "_rank_not_in_group",
-}
 
 
 def global_tensor(name: str) -> torch.Tensor:
@@ -111,34 +105,6 @@ def check_load(url: str, rank: int, world: int, saved_world: int, step: int) -> 
             elif target["rng"].value != "unset" or target["rng"].restored:
                 bad.append("per-rank value restored at another world size")
     return bad
-
-
-# -- counting every torch.distributed call -------------------------------------------------------
-_COUNTS: dict[str, int] = {}  # one a process: the wrappers are installed once, by the first call
-
-
-def install_counters() -> dict:
-    """Wrap every function of torch.distributed (and distributed_c10d) to count its calls;
-    returns the counts from now on."""
-    counts = _COUNTS
-    counts.clear()
-    for module in (dist, dist.distributed_c10d):
-        for name, fn in list(vars(module).items()):
-            if not inspect.isfunction(fn) or not fn.__module__.startswith("torch.distributed") or hasattr(fn, "_counted"):
-                continue
-
-            @functools.wraps(fn)
-            def wrapper(*a, __fn=fn, __name=name, **k):
-                counts[__name] = counts.get(__name, 0) + 1
-                return __fn(*a, **k)
-
-            wrapper._counted = True
-            setattr(module, name, wrapper)
-    return counts
-
-
-def communication(counts: dict) -> dict:
-    return {k: v for k, v in counts.items() if k not in LOCAL_QUERIES and v}
 
 
 def _save_counting(rank: int, world: int, url: str, steps: list[int]) -> list[dict]:

@@ -1,7 +1,5 @@
 """The on-disk format: version-1 checkpoints (made by the flexckpt of c0aceba, kept under
 tests/data/v1) still load, at the saved world size and another."""
-import importlib.util
-import pathlib
 import shutil
 
 import pytest
@@ -9,11 +7,7 @@ import torch
 
 from flexckpt import ByLane, Checkpointer, PerRank, SaveError
 from flexshard import BlockShard, ShardedTensor
-
-DATA = pathlib.Path(__file__).parent / "data"
-_spec = importlib.util.spec_from_file_location("make_v1_fixture", DATA / "make_v1_fixture.py")
-fixture = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fixture)
+from v1_fixture import DATA, fixture
 
 
 def _empty_state(rank, world, layouts):

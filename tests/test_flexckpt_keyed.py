@@ -29,7 +29,7 @@ from flexckpt.manifest import keyed_name, step_dir
 from flexckpt.storage import Storage
 from flexckpt.values import MAX_BYTES_VALUE
 from flexshard import Shard, ShardedTensor
-from test_faults_load import _edit_manifest
+from manifest_edit import _edit_manifest
 
 W = torch.arange(24, dtype=torch.float32).reshape(6, 4)
 

@@ -26,20 +26,11 @@ from flexckpt.structure import TensorSpec
 from flexshard import Box, MeshLayout, Part, Shard, ShardedTensor, flat_part, part_of, runs
 from flexshard.box import box_part
 
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as torch_piece
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
-
-
-def _torch_placement(code: str):
-    if code == "R":
-        return Replicate()
-    if code.startswith("SS"):
-        d, sf = code[2:].split(":")
-        return _StridedShard(int(d), split_factor=int(sf))
-    return DShard(int(code[1:]))
+from mesh_states import _bits_equal, _global, _torch_placement, dtensor_on
 
 
 # -- pure: the box of a rank ------------------------------------------------------------------
@@ -181,11 +172,6 @@ TITAN = {  # torchtitan's placements on (fsdp, tp): colwise, rowwise, norms, the
 }
 
 
-def _global(name: str, shape) -> torch.Tensor:
-    g = torch.Generator().manual_seed(sum(map(ord, name)) * 31 + len(shape))
-    return torch.randn(shape, generator=g)
-
-
 def _in_fake_world(rank: int, world: int, mesh: tuple, fn, table=None):
     """Run ``fn(device_mesh)`` as ``rank`` of a fake world (``table``: the mesh's rank
     table, row-major; default in order); the group is gone after."""
@@ -214,19 +200,6 @@ def _dtensors(world_mesh, layouts: dict, shapes: dict, fill: bool) -> dict:
             codes = codes[1]
         out[name] = dtensor_on(mesh, name, shapes[name], codes, fill)
     return out
-
-
-def dtensor_on(mesh, name: str, shape: tuple, codes, fill: bool):
-    """``name``'s DTensor on ``mesh`` with placement ``codes``: this rank's piece of its
-    global values (``fill``), or NaN (a load target)."""
-    placements = [_torch_placement(c) for c in codes]
-    sizes, offsets = torch_piece(shape, tuple(mesh.mesh.shape), list(mesh.get_coordinate()), placements)
-    if fill:
-        local = _global(name, shape)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].clone()
-    else:
-        local = torch.full(sizes, float("nan"))
-    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def save_on_mesh(url: str, mesh: tuple, layouts: dict, shapes: dict = GLOBAL) -> str:
@@ -273,10 +246,6 @@ def load_on_mesh(url: str, mesh: tuple, layouts: dict, shapes: dict = GLOBAL, ta
                 want = _global(name, shapes[name])
             rows.append((rank, name, local, want, stats))
     return rows
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
 
 
 HSDP_TP = {n: ("R", *c) for n, c in TITAN.items()}

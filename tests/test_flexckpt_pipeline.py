@@ -26,8 +26,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from flexckpt import Checkpointer
 from flexckpt.errors import SaveError, StructureMismatch
 from flexshard import MeshLayout, ShardedTensor
-from test_flexckpt_distributed import LOCAL_QUERIES
-from test_flexckpt_mesh import _bits_equal, _global, dtensor_on
+from collective_counts import LOCAL_QUERIES
+from mesh_states import _bits_equal, _global, dtensor_on
 
 LAYERS = 4
 

@@ -219,7 +219,7 @@ def test_a_version_1_checkpoint_comes_back_as_nested_dicts_of_str_keys(tmp_path)
     import shutil
 
     from flexckpt import ByLane, PerRank
-    from test_flexckpt_format import DATA, fixture
+    from v1_fixture import DATA, fixture
 
     shutil.copytree(DATA / "v1" / "plain", tmp_path / "ck")
     with Checkpointer(str(tmp_path / "ck"), rank=1, world_size=2, run_id="reader", read_only=True) as ck:

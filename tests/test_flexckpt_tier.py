@@ -18,35 +18,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flexckpt import ByLane, Checkpointer
+from flexckpt import Checkpointer
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import REMOVED, Held, choose, remove_paths, scan, set_aside, set_aside_before
 from flexckpt.tier.placement import nodes_of, partners, sources
-from flexshard import Replicate, Shard, ShardedTensor
+from flexshard import Shard, ShardedTensor
 from flexshard.spawn import run_workers
 from scenario_group import run_scenarios
+from tier_states import LANES, SHAPES, global_tensor, make_state
 
-LANES = 12
-SHAPES = {"w": (96, 40), "b": (37,), "e": (50, 8)}
 TIMEOUT = 240  # whole launches; a loaded 2-core machine starts 4 ranks in ~30 s
-
-
-def global_tensor(name: str, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(sorted(SHAPES).index(name))
-    return torch.randn(SHAPES[name], generator=g) + step
-
-
-def make_state(rank: int, world: int, step: int, zero: bool = False) -> dict:
-    layouts = {"w": Shard(0), "b": Replicate(), "e": Shard(0)}
-    state = {}
-    for n, lay in layouts.items():
-        t = global_tensor(n, step)
-        state[n] = ShardedTensor.from_global(torch.zeros_like(t) if zero else t, lay, rank, world)
-    per = LANES // world
-    state["data"] = ByLane({str(l): {"doc": -1 if zero else 100 * step + l} for l in range(rank * per, (rank + 1) * per)})
-    state["meta"] = {"step": -1 if zero else step}
-    return state
 
 
 def tier(root: str, node: str, replicas: int = 1) -> LocalTier:

@@ -21,7 +21,7 @@ from flexckpt import Checkpointer
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import Held, choose, scan
 from flexshard.spawn import run_workers
-from test_flexckpt_tier import make_state
+from tier_states import make_state
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 

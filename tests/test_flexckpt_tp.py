@@ -16,8 +16,8 @@ from torch import nn
 from flexckpt import Checkpointer
 from flexshard import MeshLayout
 from flexshard.spawn import run_workers
-from test_flexckpt_distributed import communication, install_counters
-from test_flexckpt_dtensor import _full, _same
+from collective_counts import communication, install_counters
+from fsdp_states import _full, _same
 
 VOCAB, DIM, HIDDEN = 10, 6, 7  # 7 rows over tp 2 then fsdp 2: 4 + 3, then 2 + 2 and 2 + 1
 

@@ -5,7 +5,7 @@ from flexckpt import Checkpointer
 from flexshard import Owned
 from flexshard.optimizer import ShardedOptimizer, ShardingConfig
 from flexshard.spawn import run_workers
-from test_flexshard_optimizer import (
+from optimizer_runs import (
     CONFIG_A,
     MUON,
     SAVE_AFTER,

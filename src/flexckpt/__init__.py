@@ -7,13 +7,17 @@
     handle.result()                   # committed and durable
     step = ckpt.load(state)           # in place, at any world size
 
-Package boundary: flexckpt uses flexshard's layouts; it never imports the trainer.
+Package boundary: flexckpt uses flexshard's layouts; it never imports the trainer. The names
+below, ``flexckpt.tier``, ``flexckpt.restore_plan``, ``flexckpt.rng``, ``flexckpt.integration``
+and ``flexckpt.closed_pipe`` are what other packages and tools import; every other module is
+internal and may move.
 """
 import importlib.metadata
 
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
 from flexckpt.checkpointer import Checkpointer, SaveHandle
+from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.errors import (
     CheckpointError,
     ChecksumError,
@@ -27,6 +31,9 @@ from flexckpt.errors import (
     TruncatedFile,
     UnsupportedState,
 )
+from flexckpt.load import subset_load
+from flexckpt.storage import Storage
+from flexckpt.structure import check_state
 from flexckpt.values import ByLane, PerRank
 
 __all__ = [
@@ -41,9 +48,14 @@ __all__ = [
     "PerRank",
     "SaveError",
     "SaveHandle",
+    "Storage",
     "StorageError",
     "StructureMismatch",
     "TooLarge",
     "TruncatedFile",
     "UnsupportedState",
+    "check_state",
+    "committed_steps",
+    "read_manifest",
+    "subset_load",
 ]

@@ -27,9 +27,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from zephon_state import FingerprintMismatch, ZephonError
 
         try:
-            cfg = load_config(args.preset, args.config, args.set)
-            if args.run_dir:
-                cfg.run_dir = args.run_dir
+            run_dir = [f"run_dir={args.run_dir}"] if args.run_dir else []  # last: it wins over --set run_dir
+            cfg = load_config(args.preset, args.config, [*args.set, *run_dir])
             resume = True if args.resume else (False if args.fresh else None)
             run(cfg, resume=resume, preempt=preempt)
         except (WorldRefused, TrainingDiverged) as e:  # every rank finds the same (the world; gathered values): said once

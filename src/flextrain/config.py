@@ -292,8 +292,29 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         elif a != b:
             out.append(f"{path}: saved {a!r}, now {b!r}")
 
-    walk(semantic_fields(saved), semantic_fields(now), "")
+    walk(_bundled_by_name(semantic_fields(saved)), _bundled_by_name(semantic_fields(now)), "")
     return out
+
+
+def _bundled_by_name(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with each data source that is a bundled corpus named by its file, not its
+    absolute path: a run folder resumes from another checkout, venv or wheel install (the
+    data pipeline's own fingerprint compares the documents' sha256 anyway)."""
+    sources = (fields.get("data") or {}).get("sources")
+    if not isinstance(sources, dict):
+        return fields
+    named = {k: _bundled_name(v) for k, v in sources.items()}
+    return {**fields, "data": {**fields["data"], "sources": named}}
+
+
+def _bundled_name(source: Any) -> Any:
+    if not isinstance(source, str):
+        return source
+    path = Path(source)
+    if path.parent.name == CORPUS.name and path.parent.parent.name == CORPUS.parent.name \
+            and (CORPUS / path.name).is_file():
+        return f"<bundled corpus {path.name}>"
+    return source
 
 
 def _merge(cfg: Any, values: dict[str, Any], where: str) -> None:

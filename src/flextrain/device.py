@@ -9,12 +9,14 @@ refused by name (``autocast: saved 'bf16', now 'none'``).
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import os
 from typing import Any, Callable
 
 import torch
 
-from flextrain.config import AUTOCASTS, DEVICES
+from flextrain.config import AUTOCASTS, DEVICES, TrainConfig
 
 
 def choose_device(setting: str, local_rank: int | None = None, cuda_available: Callable[[], bool] | None = None) -> torch.device:
@@ -37,6 +39,13 @@ def resolve_autocast(setting: str, device: torch.device) -> str:
     if setting == "auto":
         return "bf16" if device.type == "cuda" else "none"
     return setting
+
+
+def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """A new configuration, ``cfg`` with what depends on the device resolved (``autocast``:
+    ``auto`` becomes what ``device`` runs): the one a run uses, fingerprints and saves. It
+    shares nothing with ``cfg``, which is not changed; a valid ``cfg`` gives a valid one."""
+    return dataclasses.replace(copy.deepcopy(cfg), autocast=resolve_autocast(cfg.autocast, device))
 
 
 def backend_for(device: torch.device) -> str:

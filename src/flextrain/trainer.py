@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,12 +33,13 @@ from flexshard import AdamWConfig, MuonConfig, ShardedOptimizer, ShardingConfig
 from flexshard.world import ranks
 from zephon_state import Pipeline, global_batch_digest
 
-from flextrain.config import TrainConfig, differences, fingerprint
+from flextrain.config import TrainConfig, fingerprint
 from flextrain.data import build_pipeline, check_inputs, heldout_pipeline
-from flextrain.device import autocast, backend_for, choose_device, prepare, resolve_autocast, to_device
+from flextrain.device import autocast, backend_for, choose_device, prepare, resolve, to_device
 from flextrain.model import Transformer, token_loss_sum
 from flextrain.preempt import Preemption, StartupStopped
 from flextrain.schedule import lr_scale
+from flextrain.start import Start, decide_after_tier_failure, decide_start, resume_refusal
 from flextrain.usual_loader import UsualLoader
 
 class ResumeRefused(RuntimeError):
@@ -119,15 +120,18 @@ def data_state_of(saved: dict) -> dict:
 
 
 def check_resumable(saved_config: str, cfg: TrainConfig) -> None:
-    saved = json.loads(saved_config)
-    diffs = differences(saved, cfg.to_dict())
-    if diffs:
-        raise ResumeRefused(
-            "the checkpoint was written by a run with other numbers; these fields differ:\n  "
-            + "\n  ".join(diffs)
-            + "\nset them back (e.g. --set data.max_length=...), or start a new run in another --run-dir. "
-            "Performance settings (ranks, device, data.micro_batch, optim.placement, ckpt_every, data.workers) may change."
-        )
+    """Raise ``ResumeRefused`` naming every fingerprinted field of ``cfg`` that differs from
+    the checkpoint's ``trainer/config`` (``resume_refusal``)."""
+    refusal = resume_refusal(saved_config, cfg)
+    if refusal:
+        raise ResumeRefused(refusal)
+
+
+def launch_timings() -> dict[str, float]:
+    """``process_start_s``: seconds since launch, when a benchmark set ``FLEXTRAIN_LAUNCH_TIME``
+    (the wall clock at launch)."""
+    launched = os.environ.get("FLEXTRAIN_LAUNCH_TIME")
+    return {"process_start_s": time.time() - float(launched)} if launched else {}
 
 
 @dataclass
@@ -162,75 +166,104 @@ def p99(xs: list[float]) -> float:
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: bool | None = None, quiet: bool = False,
                  preempt: Preemption | None = None) -> None:
-        self.cfg = cfg.validate()
-        check_inputs(cfg.data, cfg.model.vocab_size)
+        """Start-up, in order: check ``cfg`` and the inputs it names; choose the device and
+        resolve ``cfg`` for it into ``self.cfg`` (a new configuration, never changed after;
+        ``cfg`` is not changed); join the ranks; decide where the run starts (``decide_start``:
+        ``resume`` True requires a checkpoint, False refuses one, None resumes when there is
+        one); build the model and, on a thread beside it, the data pipeline; load the
+        checkpoint. A refusal (``ResumeRefused``) leaves the run folder as it was; a signal
+        stops start-up before any step (``StartupStopped``)."""
         self.preempt = preempt  # installed by the CLI at start; train() installs one otherwise
         self.persisted = False  # train() ended with its last step committed to the store (see close)
         self._closed = False
+        cfg.validate()
+        check_inputs(cfg.data, cfg.model.vocab_size)
         self.device = choose_device(cfg.device)  # flextrain.device decides; the rest follows it
-        cfg.autocast = resolve_autocast(cfg.autocast, self.device)  # before anything is fingerprinted
+        self.cfg = resolve(cfg, self.device)  # autocast resolved before anything is fingerprinted
         prepare(self.device)
         self.rank, self.world = init_distributed(backend_for(self.device))
-        cfg.check_world(self.world)
+        self.cfg.check_world(self.world)
         self._stop_if_signalled()
         self.quiet = quiet or self.rank != 0
-        self.run_dir = Path(cfg.run_dir).resolve()
-        self.timings: dict[str, float] = {}
-        launched = os.environ.get("FLEXTRAIN_LAUNCH_TIME")  # set by a benchmark: wall clock at launch
-        if launched:
-            self.timings["process_start_s"] = time.time() - float(launched)
-        local = None
-        if cfg.ckpt_local_every:
-            local = LocalTier(dir=cfg.ckpt_local_dir, every=cfg.ckpt_local_every, replicas=cfg.ckpt_local_replicas)
-        self.ckpt = Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last, local=local)
-        t = time.perf_counter()
-        saved = None
-        newest = self.ckpt.latest_step()
-        # the store has none: a run killed before its first persistent save may have fast-tier
-        # steps (a collective: every rank asks, all get the same answer)
-        held = self.ckpt.tier.newest_held() if newest is None and self.ckpt.tier is not None else None
-        if resume is not False and newest is not None:
-            _, saved = saved_trainer_values(self.ckpt)  # plain values only: refuse a changed run before any read
-            check_resumable(saved["config"], cfg)
-        elif resume is not False and held is not None:
-            pass  # restored below, if the tier can (_resume_from_tier); its values come with the load
-        elif resume:
-            raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}; "
-                                "drop --resume to start a new run there")
-        elif newest is not None:  # --fresh: they would outrank this run's
-            raise ResumeRefused(f"--fresh: {self.run_dir / 'ckpt'} holds committed steps up to "
-                                f"{newest} of an earlier run, which a restart would resume from "
-                                f"and retention would keep over this run's; pass a new --run-dir (or remove that "
-                                f"folder to start over there)")
-        elif held is not None:  # --fresh: the tier's steps would outrank this run's until it saves a newer one
-            raise ResumeRefused(f"--fresh: the fast tier ({self.ckpt.tier.root}) holds step {held} of an earlier "
-                                f"run in {self.run_dir}, which a restart would resume from; pass a new --run-dir "
-                                f"(or remove that folder to start over there)")
-        self.timings["checkpoint_probe_s"] = time.perf_counter() - t
-        self.run_dir.mkdir(parents=True, exist_ok=True)  # not before: a refused run leaves the folder as it was
-        (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))  # where to send a signal
+        self.run_dir = Path(self.cfg.run_dir).resolve()
+        self.timings = launch_timings()
+        self.ckpt = self._open_checkpointer()
+        start, saved = self._timed("checkpoint_probe_s", self._decide_start, resume)
+        self._claim_run_dir()
         # the pipeline is built, restored and started on a thread while the model builds and
         # the tensors load: a restart waits only for what is left of it (pipeline_build_s)
         # (from the fast tier, whose values come only with the load: built after it, on this thread)
-        data = None
-        if held is None:
-            starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
-            data = starter.submit(self._start_pipeline, saved)
-            starter.shutdown(wait=False)
-        t = time.perf_counter()
-        self._build_model()
-        self.timings["model_build_s"] = time.perf_counter() - t
-        self.step = 0
-        self.resumed_from: int | None = None
+        data = self._start_pipeline_on_a_thread(saved) if start.source != "tier" else None
+        self._timed("model_build_s", self._build_model)
+        self.step, self.resumed_from = 0, None
         self._stop_if_signalled(agree=True, starting=data)  # every rank is here: a stop skips the load
+        saved, data_state = self._timed("checkpoint_load_s", self._load, start, saved, resume)
+        self._timed("pipeline_build_s", self._finish_pipelines, data, saved, data_state)
+        self._stop_if_signalled()
+        self.metrics = Metrics(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
+
+    def _timed(self, name: str, step: Callable[..., Any], *args: Any) -> Any:
+        """``step(*args)``, its seconds kept in ``timings[name]``."""
         t = time.perf_counter()
-        data_state = None
-        if saved is not None:
-            data_state = data_state_of(self._resume())
-        elif held is not None:
-            saved = self._resume_from_tier(held, resume)
-        self.timings["checkpoint_load_s"] = time.perf_counter() - t
-        t = time.perf_counter()
+        out = step(*args)
+        self.timings[name] = time.perf_counter() - t
+        return out
+
+    def _open_checkpointer(self) -> Checkpointer:
+        """The run's checkpointer on ``RUN_DIR/ckpt``, with the fast tier when it is on."""
+        cfg = self.cfg
+        local = None
+        if cfg.ckpt_local_every:
+            local = LocalTier(dir=cfg.ckpt_local_dir, every=cfg.ckpt_local_every, replicas=cfg.ckpt_local_replicas)
+        return Checkpointer(str(self.run_dir / "ckpt"), keep_last=cfg.keep_last, local=local)
+
+    def _decide_start(self, resume: bool | None) -> tuple[Start, dict | None]:
+        """Where this run starts (``decide_start``, from the store's newest step and the fast
+        tier's) and, resuming from the store, its newest checkpoint's ``trainer/`` values
+        (plain values only: a changed run is refused before any tensor is read). Raises
+        ``ResumeRefused``."""
+        newest = self.ckpt.latest_step()
+        tier = self.ckpt.tier
+        # the store has none: a run killed before its first persistent save may have fast-tier
+        # steps (a collective: every rank asks, all get the same answer)
+        held = tier.newest_held() if newest is None and tier is not None else None
+        start = decide_start(resume, newest, held, self.run_dir, tier.root if tier is not None else None)
+        if start.source == "refuse":
+            raise ResumeRefused(start.message)
+        if start.source != "store":
+            return start, None
+        _, saved = saved_trainer_values(self.ckpt)
+        check_resumable(saved["config"], self.cfg)
+        return start, saved
+
+    def _claim_run_dir(self) -> None:
+        """The run folder (made only now: a refused run leaves it as it was) and this rank's
+        pid file in it (where to send a signal)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))
+
+    def _start_pipeline_on_a_thread(self, saved: dict | None) -> Future:
+        """``_start_pipeline(saved)`` on a thread of its own; its future."""
+        starter = ThreadPoolExecutor(1, thread_name_prefix="flextrain-data")
+        data = starter.submit(self._start_pipeline, saved)
+        starter.shutdown(wait=False)
+        return data
+
+    def _load(self, start: Start, saved: dict | None, resume: bool | None) -> tuple[dict | None, dict | None]:
+        """Load the checkpoint ``start`` names into the model and optimizer built for step 0.
+        Returns the ``trainer/`` values the pipeline starts from (the probed ones; the tier's,
+        which come only with its load; None from step 0) and, from the store, the data state
+        loaded (a damaged newest step falls back to an older one, with its own cursors)."""
+        if start.source == "store":
+            return saved, data_state_of(self._resume())
+        if start.source == "tier":
+            return self._resume_from_tier(start.step, resume), None
+        return None, None
+
+    def _finish_pipelines(self, data: Future | None, saved: dict | None, data_state: dict | None) -> None:
+        """The training pipeline (from its thread, else built here from ``saved``), moved to
+        ``data_state`` when the load fell back, and the held-out pipeline."""
+        cfg = self.cfg
         self.pipeline, started_from = data.result() if data is not None else self._start_pipeline(saved)
         if data_state is not None and data_state != started_from:  # the full load fell back to an older step
             self.pipeline.load_state_dict(data_state)
@@ -238,9 +271,6 @@ class Trainer:
         self.heldout = heldout_pipeline(cfg.data, cfg.seed, self.rank, self.world, calibration=self._calibration)
         self.heldout.fingerprint()  # its split and batch geometry too: an evaluation cannot fail on them later
         self._heldout_start: dict | None = None
-        self.timings["pipeline_build_s"] = time.perf_counter() - t
-        self._stop_if_signalled()
-        self.metrics = Metrics(self.run_dir / "metrics.jsonl" if self.rank == 0 else None)
 
     def _start_pipeline(self, saved: dict | None) -> tuple[Any, dict | None]:
         """The training pipeline, restored to the probed checkpoint's data state and started."""
@@ -304,21 +334,18 @@ class Trainer:
         load's success). Its values as ``_resume`` returns them; None when the tier cannot
         (a node lost with the only copy of a rank's part): a fresh start, said, on a model
         built anew (a failed read may have written into it). A step saved with another model
-        structure (a changed config) is refused, as a store resume refuses it, and kept."""
+        structure (a changed config) is refused, as a store resume refuses it, and kept
+        (``decide_after_tier_failure``)."""
         try:
             return self._resume()
         except LoadError:  # the tier gave no step, and the store has none
             recovery = self.ckpt.tier.last_recovery
             if recovery is None or recovery.source == "tier":
                 raise
-        why = f"the fast tier's step {held} cannot be restored ({recovery.reason})"
-        if recovery.other_structure:  # a changed config, most likely: refused, as a store resume refuses it
-            raise ResumeRefused(f"{why}: it was saved with another model structure than this config's; restore the "
-                                f"run's config to resume from it (the tier keeps it), or pass a new --run-dir")
-        if resume:
-            raise ResumeRefused(f"--resume: no committed checkpoint under {self.run_dir / 'ckpt'}, and {why}; "
-                                "drop --resume to start the run over there")
-        self._say(f"flextrain: {why}, and the persistent store has no checkpoint: starting from step 0")
+        start = decide_after_tier_failure(resume, held, recovery.reason, recovery.other_structure, self.run_dir)
+        if start.source == "refuse":
+            raise ResumeRefused(start.message)
+        self._say(start.message)
         self._build_model()
         return None
 

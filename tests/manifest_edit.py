@@ -1,0 +1,17 @@
+"""Editing a committed step's manifest in place, as a fault test makes one that is valid JSON but
+wrong."""
+import os
+
+import orjson
+
+from flexckpt.manifest import MANIFEST, SEAL_FIELD, seal, step_dir
+
+
+def _edit_manifest(root, step, edit):
+    path = os.path.join(root, step_dir(step), MANIFEST)
+    with open(path, "rb") as f:
+        doc = orjson.loads(f.read())
+    sealed = doc.pop(SEAL_FIELD, None) is not None
+    edit(doc)
+    with open(path, "wb") as f:
+        f.write(seal(orjson.dumps(doc)) if sealed else orjson.dumps(doc))  # the checksum recomputed, as an attacker would
