@@ -94,7 +94,8 @@ def test_water_fill_brings_the_least_loaded_to_one_level():
 @given(st.data())
 def test_every_needed_chunk_is_read_once_by_a_rank_that_needs_it(data):
     world = data.draw(st.integers(1, 6))
-    files = {f: data.draw(st.lists(st.integers(1, 50), min_size=1, max_size=12)) for f in "ab"[: data.draw(st.integers(1, 2))]}
+    names = "ab"[: data.draw(st.integers(1, 2))]
+    files = {f: data.draw(st.lists(st.integers(1, 50), min_size=1, max_size=12)) for f in names}
     offsets, lengths = _files(files)
     needs = []
     for _ in range(world):

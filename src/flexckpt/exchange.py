@@ -389,8 +389,8 @@ class Exchange:
             self._recv(h, src, reader, what)
             magic, got, ok, length = (int(x) for x in h.tolist())
             if magic != MAGIC or (ok and (got, length) != (k, b.length)):
-                raise PeerFailure(f"rank {self.rank}: the load's fan-out from rank {reader} is out of step (batch {got} "
-                                  f"of {length} bytes where {k} of {b.length} was due)", reader)
+                raise PeerFailure(f"rank {self.rank}: the load's fan-out from rank {reader} is out of step "
+                                  f"(batch {got} of {length} bytes where {k} of {b.length} was due)", reader)
             if not ok:
                 raise PeerFailure(f"rank {reader} failed to read the chunks it reads for rank {self.rank} in this load "
                                   f"({self.plan.batches[got].file} ...; see rank {reader}'s error)", reader)
@@ -411,8 +411,8 @@ class Exchange:
         try:
             _wait(dist.irecv(into, src, group=self.group), self.timeout)
         except Exception as exc:  # noqa: BLE001 - the reader died or hangs: fail naming it
-            raise PeerFailure(f"rank {self.rank}: no message from rank {reader}, which reads {what} for it in this load, "
-                              f"within {self.timeout:g} s (rank {reader} failed or died; see its error): {exc}",
+            raise PeerFailure(f"rank {self.rank}: no message from rank {reader}, which reads {what} for it in this "
+                              f"load, within {self.timeout:g} s (rank {reader} failed or died; see its error): {exc}",
                               reader) from None
 
     def _place_checked(self, k: int, b: Batch, data: np.ndarray, source: "BufferSource | InPlace") -> None:
