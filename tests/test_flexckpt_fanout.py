@@ -131,6 +131,15 @@ def test_the_rule_says_when_a_load_fans_out():
         wanted(True, 4, False, "s3://b/p", "nccl")
 
 
+def test_a_fanout_that_is_not_auto_true_or_false_is_refused(tmp_path):
+    from flexckpt import Checkpointer
+
+    with pytest.raises(ValueError, match=r"fanout must be 'auto', True or False, got 'yes'"):
+        Checkpointer(str(tmp_path), fanout="yes")
+    with pytest.raises(ValueError, match="got 1"):
+        Checkpointer(str(tmp_path), fanout=1)
+
+
 # -- loads over spawned gloo groups -----------------------------------------------------------
 KINDS = ("hsdp", "ddp", "fsdp_tp", "cols", "stages")
 SAVED_AS = {"cols": "hsdp"}  # "cols": the HSDP save loaded cut by columns: each chunk split between targets
