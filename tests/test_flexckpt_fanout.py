@@ -302,3 +302,58 @@ def test_a_load_from_s3_fans_out_by_default(s3_options):
     assert all(r["exact"] for r in results)
     assert sum(r["store"] for r in results) == results[0]["needed"]  # read once, not twice
     assert sum(r["peers"] for r in results) == results[0]["needed"]
+
+
+def _dying_reader(rank: int, world: int, store_path: str, root: str, results) -> None:
+    """Saves the HSDP state, then loads it with fan-out while rank 2 dies at its first read."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    import flexckpt.exchange as ex
+    from flexckpt import Checkpointer
+
+    url = os.path.join(root, "hsdp")
+    ck = Checkpointer(url, chunk_bytes=512)
+    ck.save(1, _state("hsdp", rank, world, zero=False)).result(60)
+    ck.close()
+    ex.PEER_TIMEOUT = 15.0
+    ex._faults["fail"] = lambda r, k: r == 2 and os._exit(3)
+    t0 = time.monotonic()
+    try:
+        Checkpointer(url, fanout=True).load(_state("hsdp", rank, world, zero=True), step=1)
+        results.put((rank, None, "", time.monotonic() - t0))
+    except BaseException as exc:  # noqa: BLE001 - the error is the result
+        results.put((rank, type(exc).__name__, str(exc)[:400], time.monotonic() - t0))
+
+
+def test_a_reader_that_dies_fails_every_rank_and_its_receiver_names_it(tmp_path):
+    """Rank 2 (a reader for rank 0) exits mid-load: rank 0 fails naming it; ranks 1 and 3,
+    which share nothing with it, fail in the load's agreement with the group's error; all
+    well within the peer timeout (15 s here)."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_dying_reader, args=(r, 4, str(tmp_path / "store"), str(tmp_path), results), daemon=True)
+             for r in range(4)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < 3:
+            rank, kind, message, seconds = results.get(timeout=120)
+            got[rank] = (kind, message, seconds)
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(4)) - {2} - set(got))} neither loaded nor failed within 120 s")
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
+    assert procs[2].exitcode not in (0, None)
+    assert sorted(got) == [0, 1, 3]
+    assert got[0][0] == "PeerFailure" and "rank 2" in got[0][1], got[0]
+    assert all(kind is not None and seconds < 15.0 for kind, _, seconds in got.values()), got

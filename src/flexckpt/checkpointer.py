@@ -34,7 +34,7 @@ from flexckpt.commit import committed_steps, read_manifest, reclaim_at_start
 from flexckpt.committer import Committer
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError
-from flexckpt.exchange import PEER_TIMEOUT, Fanout, PeerFailure
+from flexckpt.exchange import Fanout, PeerFailure
 from flexckpt.fanout import wanted
 from flexckpt.handle import SaveHandle
 from flexckpt.load import LoadStats, PendingLoad
@@ -507,4 +507,4 @@ class Checkpointer(SavePipeline, Committer):
             return None
         if not wanted(self.fanout, self.world_size, self.storage.local, self.storage.url, dist.get_backend(self.group)):
             return None
-        return Fanout(self.rank, self.world_size, self.group, PEER_TIMEOUT)
+        return Fanout(self.rank, self.world_size, self.group)  # exchange.PEER_TIMEOUT

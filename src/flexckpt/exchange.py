@@ -64,8 +64,9 @@ class Fanout:
     next message. ``joined``: this rank took part in :func:`gather_needs` (a rank that
     failed before calls :meth:`join_failed`, so that no rank waits in the gather)."""
 
-    def __init__(self, rank: int, world: int, group: "dist.ProcessGroup | None", timeout: float) -> None:
-        self.rank, self.world, self.group, self.timeout = rank, world, group, timeout
+    def __init__(self, rank: int, world: int, group: "dist.ProcessGroup | None", timeout: float | None = None) -> None:
+        self.rank, self.world, self.group = rank, world, group
+        self.timeout = PEER_TIMEOUT if timeout is None else timeout
         self.joined = False
 
     def to_global(self, r: int) -> int:
@@ -320,8 +321,11 @@ class Exchange:
                 works = []
                 for dst in b.receivers:
                     g = self.to_global(dst)
-                    works.append(dist.isend(_header(k, True, b.length), g, group=self.group))
-                    works.append(dist.isend(_tensor(out), g, group=self.group))
+                    try:
+                        works.append((dst, dist.isend(_header(k, True, b.length), g, group=self.group)))
+                        works.append((dst, dist.isend(_tensor(out), g, group=self.group)))
+                    except Exception as exc:  # noqa: BLE001 - the pair is closed: that rank died
+                        raise self._not_taken(dst, exc) from None
                 told += 1
                 held.append((works, out, b.length))
                 self._placed(self.place(self.mine[k], source))
@@ -356,13 +360,16 @@ class Exchange:
 
     def _settle(self, entry: tuple) -> int:
         works, _buf, n = entry
-        for w in works:
+        for dst, w in works:
             try:
                 _wait(w, self.timeout)
             except Exception as exc:  # noqa: BLE001 - a receiver that stopped taking (failed, or died)
-                raise LoadError(f"rank {self.rank}: a batch of the load's fan-out was not taken within "
-                                f"{self.timeout:g} s (a receiving rank failed or died; see its error): {exc}") from None
+                raise self._not_taken(dst, exc) from None
         return n
+
+    def _not_taken(self, dst: int, exc: BaseException) -> PeerFailure:
+        return PeerFailure(f"rank {self.rank}: rank {dst} did not take the chunks this rank read for it in this load "
+                           f"within {self.timeout:g} s (rank {dst} failed or died; see its error): {exc}", dst)
 
     def _tell_failed(self, left: list[int]) -> None:
         """Each rank still waiting on this reader gets one failed header (its next message)."""
