@@ -317,14 +317,14 @@ class _Timers:
 
 
 def _install_profile() -> _Timers:
-    import flexckpt.checkpointer as ck
     import flexckpt.committer as committer
+    import flexckpt.save_pipeline as pipeline
     import flexckpt.staging as stg
     import flexckpt.writer as wr
 
     timers = _Timers()
-    timers.wrap(ck, "walk", "walk(state)")
-    timers.wrap(ck.Checkpointer, "_plan_for", "plan lookup")
+    timers.wrap(pipeline, "walk", "walk(state)")
+    timers.wrap(pipeline.SavePipeline, "plan_for", "plan lookup")
     timers.wrap(stg.BufferPool, "acquire", "buffer acquire (waits while max_in_flight are busy)")
     timers.wrap(stg.HostCopies, "copy", "stage copy")
     timers.wrap(stg.StreamCopies, "copy", "stage copy (device)")

@@ -51,7 +51,7 @@ def test_backend_must_move_the_parameters_device():
 import threading  # noqa: E402
 
 from flexckpt import Checkpointer  # noqa: E402
-import flexckpt.checkpointer as checkpointer_module  # noqa: E402
+import flexckpt.save_pipeline as save_pipeline  # noqa: E402
 from flexckpt.staging import HostCopies, StreamCopies, copies_for, staging_device  # noqa: E402
 
 
@@ -144,7 +144,7 @@ def test_staging_copies_are_chosen_by_the_one_device_of_the_pieces():
 def test_a_save_marks_the_training_stream_and_the_staging_thread_copies(tmp_path, monkeypatch):
     fake = FakeStreams()
     _logging_foreach_copy(fake, monkeypatch)
-    monkeypatch.setattr(checkpointer_module, "copies_for", lambda device: StreamCopies(device, fake))
+    monkeypatch.setattr(save_pipeline, "copies_for", lambda device: StreamCopies(device, fake))
     w = torch.arange(1000, dtype=torch.float32)
     with Checkpointer(str(tmp_path)) as ckpt:
         h = ckpt.save(1, {"w": w, "step": 1})

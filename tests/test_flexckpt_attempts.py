@@ -70,7 +70,7 @@ def test_a_crash_while_re_saving_a_committed_step_leaves_it_loadable(tmp_path, m
     cps[0].wait()
     assert load_value(tmp_path, 5) == {51.0}
     step5 = sorted(os.listdir(tmp_path / "step-000000000005"))
-    assert step5 == sorted(["manifest.json", cps[0]._handles[-1].attempt]), step5
+    assert step5 == sorted(["manifest.json", cps[0]._pipeline.in_flight.handles[-1].attempt]), step5
     for cp in cps:
         cp.close()
 
@@ -274,8 +274,8 @@ def test_retention_removes_only_this_runs_failed_saves_and_stale_folders(tmp_pat
         for step in (1, 2, 5):
             ck.save(step, {"w": torch.ones(8), "step": step}).result(timeout=30)
         ck.wait()
-        since = ck._since
-        attempt = ck._handles[-1].attempt
+        since = ck._committer.since
+        attempt = ck._pipeline.in_flight.handles[-1].attempt
     planted = {  # step 3 and 4 are uncommitted, older than the newest commit (5)
         "step-000000000003/me.00000001.1": ("failed", 0),  # this run's failed save: goes
         "step-000000000003/me.00000001.2": ("", 0),  # this run's save in flight: stays
@@ -351,7 +351,7 @@ def test_two_threads_saving_interleaved_steps_all_commit(tmp_path):
     for t in threads:
         t.join(60)
     ck.wait()
-    assert len(ck._threads) == 3  # one stager, writer and committer: two first saves at once started two sets
+    assert len(ck._pipeline._threads) == 3  # one stager, writer and committer: two first saves at once started two sets
     assert errors == [] and sorted(done) == list(range(1, 41))
     steps = ck.steps()
     assert 40 in steps and len(steps) <= 3, steps
@@ -393,7 +393,7 @@ def test_retention_never_removes_the_folder_a_save_is_creating(tmp_path, monkeyp
         def __exit__(self, *exc):
             self._lock.release()
 
-    monkeypatch.setattr(ck, "_folders_lock", SpyLock(), raising=False)
+    monkeypatch.setattr(ck._committer, "folders_lock", SpyLock())
     step1 = str(tmp_path / step_dir(1)) + os.sep
     real_mkdir, real_retention = os.mkdir, cpmod.apply_retention
 

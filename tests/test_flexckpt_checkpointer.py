@@ -384,7 +384,7 @@ def test_max_in_flight_bounds_staging_buffers_and_the_wait_is_trainer_wait(tmp_p
         threading.Timer(0.3, gate.set).start()
         h2 = ckpt.save(2, {"w": torch.ones(1 << 16)})  # waits for the only buffer
         assert h2.save_seconds >= 0.25
-        assert ckpt._pool.in_use() <= 1
+        assert ckpt._pipeline.pool.in_use() <= 1
         assert h2.result(timeout=10) == 2
 
 

@@ -281,12 +281,12 @@ def test_an_unwritable_destination_is_one_line_with_no_logged_tracebacks(cmd, de
 
 def test_errors_the_library_logs_during_a_command_that_succeeds_are_shown_one_line_each(saved, tmp_path, monkeypatch,
                                                                                        capsys):
-    import flexckpt.checkpointer
+    import flexckpt.committer
 
     def reclaim_at_start(*args, **kwargs):
         raise OSError("disk on fire (test)")
 
-    monkeypatch.setattr(flexckpt.checkpointer, "reclaim_at_start", reclaim_at_start)
+    monkeypatch.setattr(flexckpt.committer, "reclaim_at_start", reclaim_at_start)
     assert main(["reshard", str(saved / "src"), str(tmp_path / "dst"), "--world", "2"]) == 0
     lines = capsys.readouterr().err.splitlines()
     assert lines and all(line.startswith("flexckpt: reclaiming unfinished saves under ") and line.endswith(" failed")

@@ -145,7 +145,7 @@ def test_two_stages_of_two_ranks_reload_at_one_and_four_stages_bit_exact_with_ze
     during, cks = _save(url, 4, 2, 0, counts, steps=(1, 2))
     assert counts and during == {}  # the counters count (mesh building calls them); zero collectives on save
     # one structure per stage reached rank 0, not one per rank; the second save sends none
-    assert len(cks[0]._structures) == 2
+    assert len(cks[0]._committer.structures) == 2
     assert [("structure" in d) for d in _records(url, 1)] == [True] * 3
     assert [("structure" in d) for d in _records(url, 2)] == [False] * 3
     with Checkpointer(url) as ck:

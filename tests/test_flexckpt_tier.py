@@ -517,16 +517,16 @@ def test_newest_held_names_the_tiers_newest_step_and_a_failed_tier_load_sets_eve
 
 
 def test_a_fast_save_due_while_the_last_is_in_flight_is_skipped_and_counted(tmp_path, monkeypatch):
-    import flexckpt.tier.fast as fast
+    import flexckpt.tier.save as fast_save
 
     release = threading.Event()
-    real = fast.write_node_file
+    real = fast_save.write_raw
 
     def slow_write(*a, **k):
         release.wait(30)
         return real(*a, **k)
 
-    monkeypatch.setattr(fast, "write_node_file", slow_write)
+    monkeypatch.setattr(fast_save, "write_raw", slow_write)
     ck = _one(tmp_path)
     first = ck.save_local(1, make_state(0, 1, 1))
     t0 = time.perf_counter()
@@ -604,6 +604,7 @@ def test_the_stores_step_serves_missing_parts_only_when_it_is_the_same_save(tmp_
     import dataclasses
 
     from flexckpt.tier.inventory import choose
+    from flexckpt.tier.recover import StepRecovery
 
     ck = _one(tmp_path)
     state = make_state(0, 1, 4)
@@ -612,12 +613,13 @@ def test_the_stores_step_serves_missing_parts_only_when_it_is_the_same_save(tmp_
     held = scan(ck.tier.storage)
     d = choose([held], ck.tier.lineage, held[0].doc["fingerprint"], [4])
     assert (d.source, d.step, d.missing) == ("tier", 4, [])
-    assert ck.tier._store_manifest(ck, d).attempt == d.attempt  # a persistent and a fast save of a step: attempt 1 each
+    recovery = StepRecovery(ck.tier, ck)
+    assert recovery.store_manifest(d).attempt == d.attempt  # a persistent and a fast save of a step: attempt 1 each
     with pytest.raises(ValueError, match=r"step 4 is not the save the fast tier holds part of \(it is save attempt "):
-        ck.tier._store_manifest(ck, dataclasses.replace(d, attempt=d.attempt[:-1] + "2"))
+        recovery.store_manifest(dataclasses.replace(d, attempt=d.attempt[:-1] + "2"))
     doc = dict(d.docs[0], line=[*d.docs[0]["line"][:3], d.docs[0]["line"][3] + 1, *d.docs[0]["line"][4:]])
     with pytest.raises(ValueError, match=r"the files of saved rank\(s\) \[0\] differ"):
-        ck.tier._store_manifest(ck, dataclasses.replace(d, docs={0: doc}))
+        recovery.store_manifest(dataclasses.replace(d, docs={0: doc}))
     ck.close()
 
 # -- pipeline stages and bytes values -----------------------------------------------------------
@@ -775,7 +777,7 @@ def test_a_step_whose_stage_structure_no_marker_carries_is_not_restored_from_the
 
 
 def test_bytes_values_of_a_fast_step_merge_by_key_and_unequal_copies_name_the_key():
-    from flexckpt.tier.fast import _merged_keyed
+    from flexckpt.tier.recover import _merged_keyed
     from flexckpt.tier.inventory import Decision
 
     def step(*keyed):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import flexckpt.tier.fast as fast
+import flexckpt.tier.save as fast_save
 from flexckpt import Checkpointer
 from flexckpt.tier import LocalTier
 from flexckpt.tier.inventory import Held, choose, scan
@@ -147,17 +148,17 @@ def test_a_fast_save_that_fills_the_tmpfs_removes_its_files_says_so_and_the_tier
                                                                                           caplog):
     ck = _ck(tmp_path)
     ck.save_local(1, make_state(0, 1, 1)).result(60)
-    real = fast.write_node_file
+    real = fast_save.write_raw
     full = {"on": True}
 
-    def filling(storage, rel, stream, nbytes):
+    def filling(storage, rel, stream, nbytes, **kw):
         if not full["on"]:
-            return real(storage, rel, stream, nbytes)
+            return real(storage, rel, stream, nbytes, **kw)
         with open(storage.path(rel), "wb") as f:  # part of the file lands, then the tmpfs is full
             f.write(bytes(stream[: nbytes // 2]))
         raise OSError(errno.ENOSPC, "No space left on device", storage.path(rel))
 
-    monkeypatch.setattr(fast, "write_node_file", filling)
+    monkeypatch.setattr(fast_save, "write_raw", filling)
     caplog.set_level(logging.WARNING, logger="flexckpt")
     for n, step in enumerate((2, 3, 4), start=1):
         h = ck.save_local(step, make_state(0, 1, step))
@@ -216,8 +217,8 @@ def test_two_machines_under_one_node_name_are_named_and_their_steps_set_aside_on
 # -- 5: a restart's start-up housekeeping ------------------------------------------------------------
 def test_a_restart_reads_no_manifest_of_a_step_holding_only_its_committed_attempt_and_never_waits_for_reclaim(
         tmp_path, monkeypatch):
-    import flexckpt.checkpointer as checkpointer
     import flexckpt.commit as commit
+    import flexckpt.committer as committer
 
     ck = _ck(tmp_path)
     for step in (1, 2, 3):
@@ -233,8 +234,8 @@ def test_a_restart_reads_no_manifest_of_a_step_holding_only_its_committed_attemp
     real_read = commit.read_manifest
     monkeypatch.setattr(commit, "read_manifest", lambda storage, step: reads.append(step) or real_read(storage, step))
     gate = threading.Event()  # the store's housekeeping is slow (a large store): it waits for the gate
-    real_reclaim = checkpointer.reclaim_at_start
-    monkeypatch.setattr(checkpointer, "reclaim_at_start", lambda *a, **k: (gate.wait(120), real_reclaim(*a, **k))[1])
+    real_reclaim = committer.reclaim_at_start
+    monkeypatch.setattr(committer, "reclaim_at_start", lambda *a, **k: (gate.wait(120), real_reclaim(*a, **k))[1])
     built = []
     starter = threading.Thread(target=lambda: built.append(_ck(tmp_path)), daemon=True)
     starter.start()

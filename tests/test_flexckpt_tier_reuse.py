@@ -98,8 +98,8 @@ def test_shared_staging_holds_the_saved_bytes_in_both_tiers_when_the_state_chang
             assert hf.result(30) == step
         assert len(taken) == 3 and walks == []  # one walk per step, the persistent save's
         assert ck.tier._buffer.data is None  # the tier never staged a copy of its own
-        assert ck._pool.in_use() == 0
-        assert sum(hashed) == 5 * ck._plan_entry.rank_plan.nbytes  # each step's chunks hashed once, for both tiers
+        assert ck._pipeline.pool.in_use() == 0
+        assert sum(hashed) == 5 * ck._pipeline._plan_entry.rank_plan.nbytes  # each step's chunks hashed once, for both tiers
         store = str(tmp_path / "store")
         for step, hf in fast_saves.items():  # the tier's files are byte for byte the persistent ones
             folder, attempt = step_dir(step), handles[step].attempt
@@ -146,7 +146,7 @@ def test_a_fast_save_alone_or_of_another_state_stages_its_own_copy(tmp_path):
         assert ck.tier._buffer.data is not None
         hf = ck.save_local(6, make_state(6))  # no persistent save of step 6
         assert hf.result(30) == 6
-        assert ck._pool.in_use() == 0
+        assert ck._pipeline.pool.in_use() == 0
         target = make_state(0)
         assert ck.load(target) == 6 and ck.tier.last_recovery.source == "tier"
         assert torch.equal(target["a"].local, make_state(6)["a"].local)
@@ -164,7 +164,7 @@ def test_a_skipped_fast_save_holds_no_buffer(tmp_path, monkeypatch):
         assert ck.save_local(2, state) is None and ck.tier.skipped == 1
         h.wait_staged()
         assert h.result(30) == 2 and not first.done()
-        assert ck._pool.in_use() == 0  # released by the persistent save alone
+        assert ck._pipeline.pool.in_use() == 0  # released by the persistent save alone
         assert first.result(30) == 1
     finally:
         ck.close()
@@ -214,7 +214,7 @@ def test_a_failed_persistent_staging_fails_the_fast_save_that_shares_it(tmp_path
         with pytest.raises(SaveError, match="the persistent save of step 1, whose staged bytes this fast save takes, "
                                             "failed while staging: .*staging copy broke"):
             hf.result(30)
-        assert ck._pool.in_use() == 0
+        assert ck._pipeline.pool.in_use() == 0
         assert ck.save_local(2, make_state(2)).result(30) == 2  # the tier goes on
     finally:
         ck.close()

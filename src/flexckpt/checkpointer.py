@@ -2,24 +2,24 @@
 write, and the coordinator commits. ``load`` restores at any world size.
 
 This module is the facade: construction, ``save``/``save_local``/``load``/``check``,
-``wait``/``close``, ``steps``/``contents``. The rest lives where a reader looks for it:
-  save_pipeline - planning and capture on the training thread, the staging and writing
-                  threads (``SavePipeline``), attempt numbering (``Attempts``);
-  committer     - the commit thread of rank 0 and the group leaders, failure reports, and
-                  the other ranks' wait for the commit (``Committer``; pure steps in commit);
-  handle        - ``SaveHandle``, what a save returns;
+``wait``/``close``, ``steps``/``contents``. It owns its parts and hands each call on:
+  save_pipeline - ``SavePipeline``: planning and capture on the training thread, the staging
+                  and writing threads, attempt numbering (``Attempts``);
+  committer     - ``Committer``: the commit thread of rank 0 and the group leaders, records,
+                  failure reports, the other ranks' wait for the commit (pure steps in commit);
+  save_job      - the settings both share, and the job a save is on its way;
+  handle        - ``SaveHandle``, what a save returns, and ``InFlight``, the saves not yet done;
   agree         - the collectives of load (the step, the first failed rank);
   savers        - who saves (``ranks=``), and the ids they agree on at construction, through
                   the process group's store rather than a collective;
-  tier          - the fast tier (``local=``), composed here.
-No thread ever enters a collective on the save path.
+  tier          - the fast tier (``local=``), given this facade as its host and the pipeline
+                  as its staging.
+No thread holds the Checkpointer, and none ever enters a collective on the save path.
 """
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -28,26 +28,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexckpt.agree import agree_step, distributed, first_failed_rank
 from flexckpt.codec import parse_compression
-from flexckpt.commit import committed_steps, read_manifest, reclaim_at_start
+from flexckpt.commit import committed_steps, read_manifest
 from flexckpt.committer import Committer
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError
-from flexckpt.exchange import Fanout, PeerFailure
-from flexckpt.fanout import wanted
-from flexckpt.handle import SaveHandle
-from flexckpt.load import LoadStats, PendingLoad
+from flexckpt.handle import InFlight, SaveHandle
+from flexckpt.load import LoadStats
 from flexckpt.manifest import GROUP, step_dir
 from flexckpt.rebuild import load_dict
-from flexckpt.savers import run_ids, who_saves
-from flexckpt.save_pipeline import Attempts, PlanEntry, SaveJob, SavePipeline, stop_threads
-from flexckpt.staging import BufferPool, copies_for
+from flexckpt.restore import load_committed
+from flexckpt.save_job import SaveSettings
+from flexckpt.save_pipeline import SavePipeline, stop_on_collect
+from flexckpt.savers import Savers, run_ids, who_saves
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.structure import check_state, excluder, walk
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
-from flexckpt.writer import RawSums
 from flexshard import current_world
 
 log = logging.getLogger("flexckpt")
@@ -59,7 +56,7 @@ CLOCK_SKEW = 5.0  # seconds an object store's timestamps may differ from this ho
 __all__ = ["Checkpointer", "SaveHandle"]
 
 
-class Checkpointer(SavePipeline, Committer):
+class Checkpointer:
     """Async checkpoints of a training state under one storage URL.
 
     Args:
@@ -158,104 +155,91 @@ class Checkpointer(SavePipeline, Committer):
         read_only: bool = False,
         fanout: "str | bool" = "auto",
     ) -> None:
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-        if not isinstance(chunk_bytes, int) or not 64 <= chunk_bytes <= 256 << 20:
-            raise ValueError(f"chunk_bytes must be an int in [64, 256 MiB], got {chunk_bytes!r}")
+        check_arguments(keep_last=keep_last, chunk_bytes=chunk_bytes, stage_delay=stage_delay, read_only=read_only,
+                        local=local)
         if not (fanout is True or fanout is False or fanout == "auto"):
             raise ValueError(f"fanout must be 'auto', True or False, got {fanout!r}")
         self.fanout = fanout
-        if read_only and local is not None:
-            raise ValueError("read_only=True writes nothing, and a fast tier (local=) saves: drop one of them")
         self.group = process_group
         who = who_saves(rank, world_size, ranks, process_group)
-        if local is not None and who.subset:
-            raise ValueError(f"a fast tier (local=) needs every rank of the group, and ranks={list(who.named)!r} "
-                             f"leaves some out: drop local= or ranks=")
+        check_savers(who, local)
         self.saves = who.saves
         self.read_only = bool(read_only) or not who.saves  # a rank outside ranks= only reads
         self.rank, self.world_size = who.rank, who.world_size
         self.storage = Storage(url, storage_options, stall_timeout)
-        if self.world_size > 1 and self.storage.fs.protocol in ("memory", ("memory",)):
-            raise ValueError(
-                f"{url!r}: memory:// lives inside one process; a {self.world_size}-rank job needs a shared "
-                f"folder (file://) or an object store (s3://)"
-            )
-        self.keep_last = keep_last
-        self.pinned: frozenset[int] = frozenset()
-        self.compression = parse_compression(compression)
-        self.chunk_bytes = chunk_bytes
+        check_shared(url, self.storage, self.world_size)
         self.commit_timeout = float(commit_timeout)
         self.exit_timeout = float(exit_timeout)
-        self.fsync = fsync
         self.read_threads = max(1, int(read_threads))
-        self.direct_io = bool(direct_io)
-        if not 0 <= stage_delay <= 1:
-            raise ValueError(f"stage_delay must be in [0, 1] seconds, got {stage_delay!r}")
-        self.stage_delay = float(stage_delay)
-        self.poll_interval = float(poll_interval) if poll_interval is not None else (0.01 if self.storage.local else 0.1)
         self.is_coordinator = self.rank == 0
         self.is_leader = self.rank % GROUP == 0  # gathers its group's records (rank 0: everyone's)
         self.run_id, self.session = run_ids(run_id, who, self.commit_timeout)
-        self._attempts = Attempts(self.run_id, self.session)
-        # files of another job written after this instant mean a live job on the same URL;
-        # object stores stamp files with their own clock: allow for skew
-        self._since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
-        self._listed_steps: set[str] = set()  # step folders the live-job check listed (commit thread)
         if self.is_coordinator:  # after the collectives above: the other ranks fail at their first call
             self.storage.probe()  # a store that cannot work fails here, in one line (one listing)
         self.last_load_stats: LoadStats | None = None
-        self.tier = None if local is None else FastTier(local, self)
-        self._pool = BufferPool(max_in_flight)
-        self._plan_key: list | None = None
-        self._plan_entry: PlanEntry | None = None
-        # the coordinator: every structure the records carried (fingerprint -> structure), and
-        # the last union of differing ones (pipeline stages) with its plan
-        self._structures: dict[str, dict] = {}
-        self._union: tuple | None = None
-        self._plan_ids = 0
-        self._stage_q: queue.Queue = queue.Queue()
-        self._write_q: queue.Queue = queue.Queue()
-        self._commit_q: queue.Queue = queue.Queue()
-        self._threads: list[threading.Thread] = []
-        self._handles: list[SaveHandle] = []
-        self._last_save: SaveJob | None = None
         self._closed = False
-        self._copies: dict[torch.device, Any] = {}  # staging copies by device (copies_for)
-        self._lock = threading.Lock()
-        # held by retention, and by a writer while it makes a save's folders: a save either
-        # made them before retention began (and is in flight, which retention leaves alone)
-        # or makes them after it ended (never into an empty step folder being removed)
-        self._folders_lock = threading.Lock()
-        self._reclaim: threading.Thread | None = None
-        if self.is_coordinator and not self.read_only:  # a reader changes nothing under url
-            # on a thread of its own: construction (and a fast tier's recovery) never waits for it;
-            # it holds _folders_lock, so the first save makes its folders once it is done
-            self._reclaim = threading.Thread(target=self._reclaim_at_start, name="flexckpt-reclaim", daemon=True)
-            self._reclaim.start()
-        ref = weakref.ref(self)
-        self._atexit = lambda: (ref() and ref().close(timeout=ref().exit_timeout, _at_exit=True))
-        atexit.register(self._atexit)
-        # dropped without close(): the threads hold only a weak reference, so it is freed,
-        # and this stops them (saves still queued then are abandoned)
-        stop = weakref.finalize(self, stop_threads, (self._stage_q, self._write_q, self._commit_q), self._atexit)
-        stop.atexit = False  # at exit, close() above waits for the saves in flight instead
+        settings = SaveSettings(
+            storage=self.storage, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
+            session=self.session, compression=parse_compression(compression), chunk_bytes=chunk_bytes,
+            fsync=bool(fsync), direct_io=bool(direct_io), stage_delay=float(stage_delay),
+            commit_timeout=self.commit_timeout,
+            poll_interval=float(poll_interval) if poll_interval is not None else (0.01 if self.storage.local else 0.1),
+        )
+        self._build_parts(settings, keep_last, max_in_flight, local)
+        self._reclaim = self._start_reclaim()
+        self._atexit = self._end_with_process()
 
-    def _reclaim_at_start(self) -> None:
-        """Files of saves that failed or were cut short before this launch (see
-        :func:`flexckpt.commit.reclaim_at_start`): a restarted job on a full disk saves again.
-        Runs on its own thread, started at construction (a load, a fast tier's recovery
-        included, never waits for it; the first save makes its folders once it is done,
-        ``close()`` waits for it)."""
-        try:
-            with self._folders_lock:
-                removed = reclaim_at_start(self.storage, self.run_id, self.commit_timeout, self._since,
-                                           f"{self.run_id}.{self.session}")
-        except Exception:  # noqa: BLE001 - housekeeping; saves report their own failures
-            log.exception("flexckpt: reclaiming unfinished saves under %s failed", self.storage.url)
-            return
-        if removed:
-            log.info("flexckpt: removed %d unfinished save attempt(s): %s", len(removed), removed[:10])
+    def _build_parts(self, settings: SaveSettings, keep_last: int | None, max_in_flight: int,
+                     local: LocalTier | None) -> None:
+        """The committer, the save pipeline and the fast tier, each given what it needs."""
+        self._in_flight = InFlight()
+        # files of another job written after this instant mean a live job on the same URL;
+        # object stores stamp files with their own clock: allow for skew
+        since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
+        self._committer = Committer(settings, self._in_flight, keep_last=keep_last, since=since)
+        self._pipeline = SavePipeline(settings, self._committer, self._in_flight, max_in_flight)
+        # the tier's host is this facade through a weak proxy: the tier's thread must not keep a
+        # Checkpointer dropped without close() alive
+        self.tier = None if local is None else FastTier(local, host=weakref.proxy(self), staging=self._pipeline)
+
+    def _start_reclaim(self) -> threading.Thread | None:
+        """The coordinator removes the files of saves cut short before this launch on a thread
+        of its own: construction (and a fast tier's recovery) never waits for it; it holds the
+        committer's folders lock, so the first save makes its folders once it is done."""
+        if not self.is_coordinator or self.read_only:  # a reader changes nothing under url
+            return None
+        reclaim = threading.Thread(target=self._committer.reclaim, name="flexckpt-reclaim", daemon=True)
+        reclaim.start()
+        return reclaim
+
+    def _end_with_process(self) -> Any:
+        """At interpreter exit, close() waits for the saves in flight (``exit_timeout``). Dropped
+        without close(), this Checkpointer is freed (no thread holds it) and its finalizer
+        stops the pipeline's threads; saves still queued then fail on their handles."""
+        ref = weakref.ref(self)
+        at_exit = lambda: (ref() and ref().close(timeout=ref().exit_timeout, _at_exit=True))  # noqa: E731
+        atexit.register(at_exit)
+        stop = weakref.finalize(self, stop_on_collect, self._pipeline, at_exit)
+        stop.atexit = False  # at exit, close() above waits for the saves in flight instead
+        return at_exit
+
+    @property
+    def keep_last(self) -> int | None:
+        """Committed checkpoints retention keeps (read at each commit)."""
+        return self._committer.keep_last
+
+    @keep_last.setter
+    def keep_last(self, n: int | None) -> None:
+        self._committer.keep_last = n
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        """Steps retention keeps besides the newest ``keep_last`` (read at each commit)."""
+        return self._committer.pinned
+
+    @pinned.setter
+    def pinned(self, steps: frozenset[int]) -> None:
+        self._committer.pinned = steps
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int, state: dict) -> SaveHandle:
@@ -280,28 +264,7 @@ class Checkpointer(SavePipeline, Committer):
             raise RuntimeError(f"this Checkpointer of {self.storage.url} was opened read_only=True: open one "
                                f"without read_only to save")
         step_dir(step)  # validates the step
-        w = walk(state, self.rank, self.world_size)
-        entry = self._plan_for(w)
-        srcs, plain, lanes, per_rank = self._capture(w, entry)
-        attempt = self._attempts.next(step)  # the same save on every rank (see Attempts)
-        waiter = None if self.is_coordinator else functools.partial(self._wait_for_commit, attempt=attempt)
-        handle = SaveHandle(step, waiter, attempt)
-        copies = self._copies.get(entry.device)
-        if copies is None:
-            copies = self._copies[entry.device] = copies_for(entry.device)
-        ready = copies.ready()  # an event on the training stream; the copies run on the staging thread
-        self._ensure_threads()
-        t_wait = time.perf_counter()
-        buffer = self._pool.acquire()  # waits while max_in_flight saves are staged but not written
-        handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
-        job = SaveJob(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt, keyed=dict(w.keyed),
-                      lease=buffer.lease, state_id=id(state),
-                      sums=RawSums() if self.compression.codec == "none" else None,
-                      tree=w.tree if self.is_coordinator else None)
-        with self._lock:
-            self._handles = [h for h in self._handles if not h.done()] + [handle]
-            self._last_save = job  # a fast save of the same step and state takes its bytes (_share_staged)
-        self._stage_q.put(job)
+        handle = self._pipeline.save(step, state)
         handle.save_seconds = time.perf_counter() - t0
         return handle
 
@@ -315,20 +278,12 @@ class Checkpointer(SavePipeline, Committer):
         calls, as it must not before the fence."""
         if self.tier is None:
             raise ValueError("save_local needs a fast tier: Checkpointer(url, local=LocalTier(...))")
-        return self.tier.save(self, step, state)
+        return self.tier.save(step, state)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every save started so far has finished on this rank, retention after
         the last commit included (errors stay on their handles)."""
-        with self._lock:
-            handles = list(self._handles)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for h in handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not h._done.wait(left):
-                raise TimeoutError(f"save of step {h.step} still in flight after {timeout} s")
-        if self.is_coordinator and self._threads:
-            self._commit_q.join()  # retention of the last commit, too
+        self._pipeline.wait(timeout)
 
     def close(self, timeout: float | None = None, *, keep_tier: bool = False, _at_exit: bool = False) -> None:
         """Wait for saves in flight, then stop the background threads. A fast tier's node
@@ -339,18 +294,12 @@ class Checkpointer(SavePipeline, Committer):
             return
         self._closed = True
         atexit.unregister(self._atexit)
-        if self._threads:
-            self._stage_q.put(None)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            for t in self._threads:
-                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._threads = []
+        self._pipeline.finish(timeout)
         if self._reclaim is not None:
             self._reclaim.join(timeout)
         if self.tier is not None:  # first: a fast save in flight may hold a staging buffer
             self.tier.close(remove=not (_at_exit or keep_tier))
-        self._last_save = None
-        self._pool.clear()
+        self._pipeline.clear()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -433,45 +382,17 @@ class Checkpointer(SavePipeline, Committer):
         self.wait()
         if self.tier is not None and step is None and strict:  # load(step=...) and partial loads bypass it
             self.tier.wait()
-            restored = self.tier.recover(self, state, strict, exclude)
+            restored = self.tier.recover(state, strict, exclude)
             if restored is not None:
-                return restored
+                step_restored, self.last_load_stats = restored
+                return step_restored
         w = walk(state, self.rank, self.world_size)
-        chosen = self._agree_step(step, before=None)
-        while True:
-            error: BaseException | None = None
-            pending = None
-            fan = self._fanout()
-            try:
-                manifest = read_manifest(self.storage, chosen)
-                pending = PendingLoad(self.storage, manifest, w, self.rank, self.world_size, strict, gone)
-                pending.read(self.read_threads, fan)
-            except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
-                error = exc
-                if fan is not None:
-                    fan.join_failed()  # a rank that failed before the fan-out's gather still joins it
-            try:
-                failed_rank = self._first_failed_rank(error is not None, isinstance(error, PeerFailure))
-            except Exception:  # noqa: BLE001 - a peer that died breaks the agreement too: name it, not the group
-                if isinstance(error, PeerFailure):
-                    raise error from None
-                raise
-            if failed_rank is None:
-                assert pending is not None
-                pending.apply()
-                self.last_load_stats = pending.stats
-                if self.tier is not None and (step is not None or not strict):
-                    self.tier.abandon(aside=step is not None)  # no tier step may outrank what the run saves next
-                return chosen
-            if error is not None and fallback:  # handled, not raised: say what failed (raised: never logged too)
-                log.warning("flexckpt rank %d: load of step %d failed: %s", self.rank, chosen, error)
-            if not fallback:
-                if error is not None:
-                    raise error
-                raise LoadError(f"load of step {chosen} failed on rank {failed_rank}; see that rank's error")
-            previous = chosen
-            chosen = self._agree_step(None, before=previous)
-            log.warning("flexckpt: load of step %d failed; falling back to step %d", previous, chosen)
+        chosen, self.last_load_stats = load_committed(
+            self.storage, w, rank=self.rank, world_size=self.world_size, group=self.group, step=step,
+            strict=strict, gone=gone, read_threads=self.read_threads, fallback=fallback, fanout=self.fanout)
+        if self.tier is not None and (step is not None or not strict):
+            self.tier.abandon(aside=step is not None)  # no tier step may outrank what the run saves next
+        return chosen
 
     def load_dict(self, step: int | None = None, *, device: "str | torch.device" = "cpu",
                   exclude: tuple = ()) -> dict:
@@ -495,16 +416,31 @@ class Checkpointer(SavePipeline, Committer):
         return load_dict(self.storage, manifest, self.rank, self.world_size, torch.device(device), gone,
                          self.read_threads)
 
-    def _agree_step(self, step: int | None, before: int | None) -> int:
-        return agree_step(self.rank, self.world_size, self.group, self.steps, self.storage.url, step, before)
 
-    def _first_failed_rank(self, failed: bool, by_peer: bool = False) -> int | None:
-        return first_failed_rank(self.rank, self.world_size, self.group, failed, by_peer)
+def check_arguments(*, keep_last: int | None, chunk_bytes: int, stage_delay: float, read_only: bool,
+                    local: LocalTier | None) -> None:
+    """The arguments that are wrong whatever the world: ValueError naming the value and the fix."""
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+    if not isinstance(chunk_bytes, int) or not 64 <= chunk_bytes <= 256 << 20:
+        raise ValueError(f"chunk_bytes must be an int in [64, 256 MiB], got {chunk_bytes!r}")
+    if read_only and local is not None:
+        raise ValueError("read_only=True writes nothing, and a fast tier (local=) saves: drop one of them")
+    if not 0 <= stage_delay <= 1:
+        raise ValueError(f"stage_delay must be in [0, 1] seconds, got {stage_delay!r}")
 
-    def _fanout(self) -> "Fanout | None":
-        """This load's fan-out (:func:`flexckpt.fanout.wanted`), or None: decided alike on every rank."""
-        if not distributed(self.world_size):
-            return None
-        if not wanted(self.fanout, self.world_size, self.storage.local, self.storage.url, dist.get_backend(self.group)):
-            return None
-        return Fanout(self.rank, self.world_size, self.group)  # exchange.PEER_TIMEOUT
+
+def check_savers(who: Savers, local: LocalTier | None) -> None:
+    """A fast tier needs every rank of the group."""
+    if local is not None and who.subset:
+        raise ValueError(f"a fast tier (local=) needs every rank of the group, and ranks={list(who.named)!r} "
+                         f"leaves some out: drop local= or ranks=")
+
+
+def check_shared(url: str, storage: Storage, world_size: int) -> None:
+    """Several ranks need a store they all see."""
+    if world_size > 1 and storage.fs.protocol in ("memory", ("memory",)):
+        raise ValueError(
+            f"{url!r}: memory:// lives inside one process; a {world_size}-rank job needs a shared "
+            f"folder (file://) or an object store (s3://)"
+        )

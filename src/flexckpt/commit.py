@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import orjson
 
@@ -44,8 +44,9 @@ from flexckpt.names import (
     step_dir,
     table_name,
 )
-from flexckpt.plan import WritePlan
+from flexckpt.plan import PlanRules, WritePlan
 from flexckpt.storage import Storage
+from flexckpt.structure import TensorSpec
 
 log = logging.getLogger("flexckpt")
 
@@ -281,12 +282,21 @@ def describe_difference(ours: dict, theirs: dict) -> str:
     return "; ".join(parts) or "the structures hash differently"
 
 
+class SavedPlan(NamedTuple):
+    """What a manifest records of a write plan (a ``WritePlan`` has the same three fields):
+    the tensors, the world size, the plan rules."""
+
+    specs: tuple[TensorSpec, ...]
+    world_size: int
+    rules: PlanRules
+
+
 def build_manifest(
     *,
     step: int,
     run_id: str,
     attempt: str,
-    plan: WritePlan,
+    plan: WritePlan | SavedPlan,
     fingerprint: str,
     codec: str,
     entries: dict[int, list],
@@ -296,6 +306,10 @@ def build_manifest(
     keyed: dict[str, tuple[int, int, str]] | None = None,
     tree: Any = None,
 ) -> Manifest:
+    """The manifest of attempt ``attempt`` of ``step``: ``plan``'s tensors at its world size
+    and rules, each rank's entry from its record line in ``entries``, and the values;
+    ``to_bytes()`` is the document committed. The committer and the fast tier's recovery
+    both build theirs here."""
     ranks = []
     for r in range(plan.world_size):
         _fp, check, table_nbytes, stored, values_check, values_nbytes = entries[r]

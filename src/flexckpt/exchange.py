@@ -37,11 +37,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flexckpt.agree import distributed
 from flexckpt.checksum import digest
 from flexckpt.errors import ChecksumError, LoadError
-from flexckpt.fanout import Batch, FanoutPlan, plan_fanout
+from flexckpt.fanout import Batch, FanoutPlan, plan_fanout, wanted
 from flexckpt.fetch import FetchLoop, StoreSource, run_shares
 from flexckpt.readplan import FilePlan, Request, requests_of
+from flexckpt.storage import Storage
 from flexckpt.tier.transport import _tensor, _wait
 
 PEER_TIMEOUT = 60.0  # seconds a rank waits for a peer's next message (a batch, or its failed header)
@@ -78,6 +80,16 @@ class Fanout:
                 gather_needs(self, None)
             except PeerFailure:
                 pass
+
+
+def fanout_for(mode: "str | bool", storage: "Storage", rank: int, world: int,
+               group: "dist.ProcessGroup | None") -> Fanout | None:
+    """A load's fan-out (:func:`flexckpt.fanout.wanted`, decided alike on every rank), or None."""
+    if not distributed(world):
+        return None
+    if not wanted(mode, world, storage.local, storage.url, dist.get_backend(group)):
+        return None
+    return Fanout(rank, world, group)
 
 
 def gather_needs(fan: Fanout, rows: np.ndarray | None) -> list[np.ndarray]:

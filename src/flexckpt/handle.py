@@ -1,5 +1,6 @@
 """A save in flight, as the caller holds it: the fence (``wait_staged``) and the result.
-Both tiers hand one out (``Checkpointer.save`` and ``save_local``)."""
+Both tiers hand one out (``Checkpointer.save`` and ``save_local``). ``InFlight`` holds a
+checkpointer's persistent saves not yet done."""
 from __future__ import annotations
 
 import threading
@@ -80,3 +81,32 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "failed" if self._error else "done" if self.done() else "staged" if self.staged() else "staging"
         return f"SaveHandle(step={self.step}, {state})"
+
+
+class InFlight:
+    """The handles of the persistent saves not yet done on this rank: ``wait()`` waits for
+    them, and retention leaves their steps alone (a save registers here before its writer
+    makes a folder). Thread-safe: saves register from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.handles: list[SaveHandle] = []
+
+    def add(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self.handles = [h for h in self.handles if not h.done()] + [handle]
+
+    def attempts(self) -> set[tuple[int, str]]:
+        """(step, attempt) of every save not yet done."""
+        with self._lock:
+            return {(h.step, h.attempt) for h in self.handles if not h.done()}
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every save registered so far is done (errors stay on their handles)."""
+        with self._lock:
+            handles = list(self.handles)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not h.wait(left):
+                raise TimeoutError(f"save of step {h.step} still in flight after {timeout} s")

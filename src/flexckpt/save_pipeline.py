@@ -1,93 +1,46 @@
-"""The save pipeline: what a save takes on the training thread, and the threads that
-carry it to storage.
+"""The save pipeline: what a persistent save takes on the training thread, and the threads
+that carry it to storage.
 
-A save is walked and planned on the training thread (``_plan_for``, cached while the
-state's structure stays the same), its sources and values captured (``_capture``), and
-queued as a ``SaveJob``. Threads (started on the first save), one queue between each:
-  stager  - copies this rank's pieces into a staging buffer, then releases the fence;
-  writer  - chunks, compresses, checksums and writes the rank's file, then its record
-            (a group leader hands the job to its commit thread instead);
-  commit  - group leaders: the commit side, :mod:`flexckpt.committer`.
-No thread ever enters a collective on the save path.
+``SavePipeline.save`` walks and plans the state (``plan_for``, cached while the state's
+structure stays the same), captures its sources and values (``capture``), takes a staging
+buffer and queues a ``SaveJob``. Threads (started on the first save), one queue between each:
+  stager  - copies this rank's pieces into the staging buffer, then releases the fence;
+  writer  - chunks, compresses, checksums and writes the rank's file and chunk table, then
+            hands the job to the committer (:mod:`flexckpt.committer`): a group leader
+            queues it for its commit thread, another rank writes its record;
+  commit  - group leaders: ``Committer.commit``.
+Each thread holds the pipeline (or the committer), never the ``Checkpointer``; ``abandon``
+(the finalizer of a Checkpointer dropped without close()) stops them. No thread ever enters
+a collective on the save path.
+
+The fast tier stages through the same pipeline (``share_staged``, ``plan_for``, ``capture``,
+``release``): those four methods are the seam it uses.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import queue
 import threading
 import time
-import weakref
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 import torch
 
-from flexckpt.checksum import checksum
-from flexckpt.commit import keyed_entries, record_doc
+from flexckpt.committer import Committer
 from flexckpt.errors import SaveError
-from flexckpt.handle import SaveHandle
-from flexckpt.names import (
-    GROUP,
-    attempt_id,
-    committed_name,
-    data_name,
-    record_name,
-    step_dir,
-    table_name,
-    values_name,
-)
-from flexckpt.plan import RankPlan, WritePlan, make_write_plan, part_of_world
-from flexckpt.staging import StagingBuffer, staging_device
+from flexckpt.handle import InFlight, SaveHandle
+from flexckpt.names import GROUP, attempt_id, data_name, step_dir
+from flexckpt.plan import make_write_plan, part_of_world
+from flexckpt.save_job import PlanEntry, SaveJob, SaveSettings
+from flexckpt.staging import BufferPool, StagingBuffer, copies_for, staging_device
 from flexckpt.storage import makedirs
-from flexckpt.structure import Walk, fingerprint
-from flexckpt.writer import RawSums, encode_per_rank, table_bytes, values_bytes, write_data_file
+from flexckpt.structure import Walk, fingerprint, walk
+from flexckpt.writer import RawSums, encode_per_rank, write_data_file, write_rank_files
 from flexshard import part_of
 
-
-@dataclass(eq=False)
-class PlanEntry:
-    """A state structure's plan on this rank, kept while the structure stays the same."""
-
-    id: int
-    plan: WritePlan
-    rank_plan: RankPlan
-    fingerprint: str
-    structure: dict
-    structure_bytes: bytes
-    order: list[int]  # walk indices of this rank's pieces, in stream order
-    shapes: list[tuple]
-    device: torch.device  # staged from: the CPU or this rank's accelerator
-    per_rank_keys: list[str] = field(default_factory=list)
-    parts: list = field(default_factory=list)  # per piece: None (all of it) or (start, stop) of the local flat piece
-    published: bool = False  # the structure went out in a record (the first save with it)
-    partial: bool = False  # holds a tensor on a mesh spanning part of the world (a pipeline stage's)
-    published_in: tuple | None = None  # (step, attempt) whose record carried the structure, until seen committed
-
-
-@dataclass(eq=False)
-class SaveJob:
-    """One persistent save on its way through the stager, writer and commit threads."""
-
-    step: int
-    handle: SaveHandle
-    entry: PlanEntry
-    buffer: StagingBuffer
-    srcs: list[torch.Tensor] | None
-    plain: dict[str, Any]
-    lanes: dict[str, bytes]
-    per_rank: dict[str, bytes]
-    ready: Any  # the copies' mark on the training stream (None on a CPU)
-    attempt: str = ""
-    keyed: dict[str, bytes] = field(default_factory=dict)  # this rank's bytes values, by key
-    lease: int = 0  # the buffer's acquisition that holds this save (BufferPool.share)
-    state_id: int = 0  # id() of the state saved: a fast save of the same step and state shares this one
-    staged_ok: bool = False  # the buffer holds the state (set before the fence is released)
-    sums: RawSums | None = None  # its chunk checksums, shared with a fast save of its bytes (uncompressed only)
-    chunks: list = field(default_factory=list)
-    line: list = field(default_factory=list)  # its record: [fingerprint, table checksum, table bytes, stored bytes,
-    #                                           values checksum ("" without values), values bytes]
-    tree: Any = None  # the coordinator's: the state's container tree, for the manifest (flexckpt.tree)
+__all__ = ["Attempts", "PlanEntry", "SaveJob", "SavePipeline"]
 
 
 class Attempts:
@@ -106,15 +59,67 @@ class Attempts:
 
 
 class SavePipeline:
-    """The save side of ``Checkpointer`` (a mixin: the queues, pool and locks it uses are
-    made in ``Checkpointer.__init__``): planning and capture on the training thread, then
-    the staging and writing threads."""
+    """This rank's persistent saves from the call to the committer: the plan cache, the
+    capture, the staging buffers and copies, and the stager and writer threads (and the
+    commit thread of a group leader, which runs ``committer.commit``)."""
 
-    def _plan_for(self, w: Walk) -> PlanEntry:
+    def __init__(self, settings: SaveSettings, committer: Committer, in_flight: InFlight, max_in_flight: int) -> None:
+        self.settings = settings
+        self.storage = settings.storage
+        self.rank, self.world_size = settings.rank, settings.world_size
+        self.is_leader = self.rank % GROUP == 0  # gathers its group's records (rank 0: everyone's)
+        self.committer = committer
+        self.in_flight = in_flight
+        self.pool = BufferPool(max_in_flight)
+        self.attempts = Attempts(settings.run_id, settings.session)
+        self._plan_key: list | None = None
+        self._plan_entry: PlanEntry | None = None
+        self._plan_ids = 0
+        self._copies: dict[torch.device, Any] = {}  # staging copies by device (copies_for)
+        self._stage_q: queue.Queue = queue.Queue()
+        self._write_q: queue.Queue = queue.Queue()
+        self._commit_q: queue.Queue = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._dropped = threading.Event()  # its Checkpointer was freed without close()
+        self._lock = threading.Lock()
+        self._last_save: SaveJob | None = None
+
+    # -- on the calling thread -------------------------------------------------------------------
+    def save(self, step: int, state: dict) -> SaveHandle:
+        """Walk, plan and capture ``state``, take a staging buffer (waiting while
+        max_in_flight saves are staged but not written) and queue the save; its handle."""
+        s = self.settings
+        w = walk(state, self.rank, self.world_size)
+        entry = self.plan_for(w)
+        srcs, plain, lanes, per_rank = self.capture(w, entry)
+        attempt = self.attempts.next(step)  # the same save on every rank (see Attempts)
+        waiter = None if s.is_coordinator else functools.partial(self.committer.wait_for_commit, attempt=attempt)
+        handle = SaveHandle(step, waiter, attempt)
+        copies = self._copies.get(entry.device)
+        if copies is None:
+            copies = self._copies[entry.device] = copies_for(entry.device)
+        ready = copies.ready()  # an event on the training stream; the copies run on the staging thread
+        self._ensure_threads()
+        t_wait = time.perf_counter()
+        buffer = self.pool.acquire()  # waits while max_in_flight saves are staged but not written
+        handle.timings["buffer_wait_s"] = time.perf_counter() - t_wait
+        job = SaveJob(step, handle, entry, buffer, srcs, plain, lanes, per_rank, ready, attempt, keyed=dict(w.keyed),
+                      lease=buffer.lease, state=state,
+                      sums=RawSums() if s.compression.codec == "none" else None,
+                      tree=w.tree if s.is_coordinator else None)
+        self.in_flight.add(handle)
+        with self._lock:
+            self._last_save = job  # a fast save of the same step and state takes its bytes (share_staged)
+        self._stage_q.put(job)
+        return handle
+
+    def plan_for(self, w: Walk) -> PlanEntry:
+        """The plan of the walked state's structure on this rank (the last one, while the
+        structure stays the same)."""
         if w.key == self._plan_key and self._plan_entry is not None:
             return self._plan_entry
         structure = w.structure_json()
-        plan = make_write_plan(w.specs, self.world_size, self.chunk_bytes)
+        plan = make_write_plan(w.specs, self.world_size, self.settings.chunk_bytes)
         rank_plan = plan.rank_plan(self.rank)
         walk_index = {s.name: i for i, s in enumerate(w.specs)}
         order = [walk_index[plan.specs[p.spec_index].name] for p in rank_plan.pieces]
@@ -142,49 +147,84 @@ class SavePipeline:
         self._plan_key, self._plan_entry = w.key, entry
         return entry
 
-    def _capture(self, w: Walk, entry: PlanEntry) -> tuple[list, dict, dict, dict]:
+    def capture(self, w: Walk, entry: PlanEntry) -> tuple[list, dict, dict, dict]:
         """What a save takes on the calling thread: the source of each piece this rank
         writes, and the plain (the coordinator's), per-lane and per-rank values encoded now
         (the pipeline moves on after the call)."""
         srcs = [w.tensors[i] if part is None else w.tensors[i].reshape(-1)[part[0] : part[1]]
                 for i, part in zip(entry.order, entry.parts)]
-        plain = dict(w.plain_json) if self.is_coordinator else {}  # encoded by the walk
+        plain = dict(w.plain_json) if self.settings.is_coordinator else {}  # encoded by the walk
         lanes = {k: orjson.dumps(v.values) for k, v in w.lanes.items()}
         per_rank = {k: orjson.dumps(encode_per_rank(v.value)) for k, v in w.per_rank.items()}
         return srcs, plain, lanes, per_rank
 
-    def _share_staged(self, step: int, state: dict) -> SaveJob | None:
+    def share_staged(self, step: int, state: dict) -> SaveJob | None:
         """The last ``save()``'s job when it saved ``step`` from this very ``state`` object
         and its buffer still holds that save: the buffer then has one more holder (the
-        fast tier, which releases it once it has copied the bytes; the next staging into
-        the buffer waits for that). None otherwise."""
+        fast tier, which gives it back with :meth:`release` once it has copied the bytes;
+        the next staging into the buffer waits for that). None otherwise."""
         with self._lock:
             job = self._last_save
-        if job is None or job.step != step or job.state_id != id(state):
+        if job is None or job.step != step or job.state is not state:
             return None
-        return job if self._pool.share(job.buffer, job.lease) else None
+        return job if self.pool.share(job.buffer, job.lease) else None
 
+    def release(self, buffer: StagingBuffer) -> None:
+        """Give back one hold on a staging buffer (a writer's, or a fast save's share)."""
+        self.pool.release(buffer)
+
+    # -- waiting and stopping ------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Every save started so far finished on this rank, retention after the last commit
+        included (errors stay on their handles)."""
+        self.in_flight.wait(timeout)
+        if self.settings.is_coordinator and self._threads:
+            self._commit_q.join()  # retention of the last commit, too
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Let the saves queued so far finish, then end the threads (``close()``)."""
+        if self._threads:
+            self._stage_q.put(None)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            for t in self._threads:
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._threads = []
+
+    def clear(self) -> None:
+        """Drop the staging buffers (after ``finish`` and the fast tier's close)."""
+        self._last_save = None
+        self.pool.clear()
+
+    def abandon(self) -> None:
+        """End the threads without finishing the saves in flight: each fails on its handle
+        at its next stage (the Checkpointer was freed without close())."""
+        self._dropped.set()
+        self._stage_q.put(None)
+
+    # -- the threads -----------------------------------------------------------------------------
     def _ensure_threads(self) -> None:
         with self._lock:  # two threads' first saves must start one set of threads, not two
-            if not self._threads:
-                self._start_threads()
+            if self._threads:
+                return
+            loops: list[tuple[str, Callable[[SaveJob], None], queue.Queue, queue.Queue | None]] = [
+                ("stage", self._stage, self._stage_q, self._write_q),
+                ("write", self._write, self._write_q, self._commit_q),
+            ]
+            if self.is_leader:
+                loops.append(("commit", self.committer.commit, self._commit_q, None))
+            for name, work, inbox, outbox in loops:
+                t = threading.Thread(target=serve, args=(work, inbox, outbox, self._dropped),
+                                     name=f"flexckpt-{name}-r{self.rank}", daemon=True)
+                t.start()
+                self._threads.append(t)
 
-    def _start_threads(self) -> None:
-        ref = weakref.ref(self)
-        loops = [("stage", self._stage_q, self._write_q), ("write", self._write_q, self._commit_q)]
-        if self.is_leader:
-            loops.append(("commit", self._commit_q, None))
-        for name, inbox, outbox in loops:
-            t = threading.Thread(target=serve, args=(ref, f"_{name}_one", inbox, outbox),
-                                 name=f"flexckpt-{name}-r{self.rank}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _stage_one(self, job: SaveJob) -> None:
-        if self.stage_delay:
+    def _stage(self, job: SaveJob) -> None:
+        """The stager: this rank's pieces into the job's staging buffer, then the fence."""
+        delay = self.settings.stage_delay
+        if delay:
             # let every rank leave save() before this copy takes a core and memory
             # bandwidth; a fence that arrives first cuts the pause short
-            job.handle._fence_called.wait(self.stage_delay)
+            job.handle._fence_called.wait(delay)
         t0 = time.perf_counter()
         try:
             e = job.entry
@@ -192,8 +232,9 @@ class SavePipeline:
             dsts = job.buffer.views(e.id, e.rank_plan, e.plan.specs, e.shapes)
             self._copies[e.device].copy(dsts, job.srcs, job.ready)
         except BaseException as exc:  # noqa: BLE001 - reported on the handle
-            self._pool.release(job.buffer)
-            self._report_failure(job, exc, "staging")
+            self.pool.release(job.buffer)
+            job.state = None
+            self.committer.report_failure(job, exc, "staging")
             return
         finally:
             job.srcs = None  # the state is the caller's again
@@ -202,80 +243,51 @@ class SavePipeline:
         job.handle._staged.set()
         self._write_q.put(job)
 
-    def _write_one(self, job: SaveJob) -> None:
+    def _write(self, job: SaveJob) -> None:
+        """The writer: the rank's data file and chunk table (and values), then the committer."""
+        s = self.settings
         t0 = time.perf_counter()
         try:
             e = job.entry
             rank_plan = e.rank_plan
             folder = f"{step_dir(job.step)}/{job.attempt}"
-            with self._folders_lock:  # and another rank's retention (a process) may rmdir the empty step folder
+            # and another rank's retention (a process) may rmdir the empty step folder
+            with self.committer.folders_lock:
                 makedirs(self.storage, folder)
             if rank_plan.nbytes:
                 job.chunks = write_data_file(
                     self.storage, f"{step_dir(job.step)}/{data_name(job.attempt, self.rank)}",
                     memoryview(job.buffer.data.numpy()), rank_plan.nbytes,
-                    rank_plan.chunks, self.compression, self.fsync, self.direct_io, job.sums,
+                    rank_plan.chunks, s.compression, s.fsync, s.direct_io, job.sums,
                 )
         except BaseException as exc:  # noqa: BLE001
-            self._report_failure(job, exc, "writing")
+            self.committer.report_failure(job, exc, "writing")
             return
         finally:
-            self._pool.release(job.buffer)
+            self.pool.release(job.buffer)
+            job.state = None  # no fast save can share the buffer now
         try:
-            table = table_bytes(rank=self.rank, attempt=job.attempt, codec=self.compression.codec, chunks=job.chunks)
-            self.storage.put_atomic(f"{step_dir(job.step)}/{table_name(job.attempt, self.rank)}", table,
-                                    fsync=self.fsync)
-            values = values_bytes(job.per_rank)
-            if values:  # this rank's own values: a file that only this rank reads back
-                self.storage.put_atomic(f"{step_dir(job.step)}/{values_name(job.attempt, self.rank)}", values,
-                                        fsync=self.fsync)
-            job.line = [e.fingerprint, checksum(table), len(table), sum(c.length for c in job.chunks),
-                        checksum(values) if values else "", len(values)]
+            job.line = write_rank_files(
+                self.storage, step_dir(job.step), rank=self.rank, attempt=job.attempt, fingerprint=e.fingerprint,
+                codec=s.compression.codec, chunks=job.chunks, per_rank=job.per_rank, fsync=s.fsync,
+            ).line
         except BaseException as exc:  # noqa: BLE001
-            self._report_failure(job, exc, "writing its chunk table")
+            self.committer.report_failure(job, exc, "writing its chunk table")
             return
         job.handle.timings["write_s"] = time.perf_counter() - t0
         job.handle.timings["bytes"] = float(rank_plan.nbytes)
         if self.is_leader:
             self._commit_q.put(job)
-            return
-        try:
-            # no fsync: a record only tells the leader that this rank's (fsynced) files are
-            # complete; after the commit the manifest holds everything it said
-            self.storage.makedirs(f"{step_dir(job.step)}/{record_name(job.attempt, self.rank).rsplit('/', 1)[0]}")
-            self.storage.put_atomic(f"{step_dir(job.step)}/{record_name(job.attempt, self.rank)}",
-                                    self._record(job), fsync=False)
-        except BaseException as exc:  # noqa: BLE001
-            self._report_failure(job, exc, "writing its record")
-            return
-        job.handle._done.set()
-
-    def _record(self, job: SaveJob) -> bytes:
-        e = job.entry
-        # the first save with a structure: at most a group, or a pipeline stage's (rank 0
-        # builds the union of the stages' structures from these, one per fingerprint)
-        # (sent again until a save that carried it is seen committed: rank 0 may never have
-        # read it, its commit having failed)
-        send = not e.published
-        if e.published_in is not None and not self.is_coordinator:
-            step, attempt = e.published_in
-            if self.storage.exists(f"{step_dir(step)}/{committed_name(attempt)}"):
-                e.published_in = None
-            else:
-                send = True
-        structure = None
-        if send and (self.world_size <= GROUP or e.partial):
-            structure, e.published_in = e.structure_bytes, (job.step, job.attempt)
-        e.published = True
-        return record_doc(run_id=self.run_id, attempt=job.attempt, step=job.step, world_size=self.world_size,
-                          entries={self.rank: job.line}, lanes=job.lanes, structure=structure,
-                          keyed=keyed_entries(self.rank, job.keyed))
+        else:
+            self.committer.hand_in(job)
 
 
-def serve(ref: "weakref.ref[Any]", method: str, inbox: queue.Queue, outbox: queue.Queue | None) -> None:
-    """A background thread: hand each job from ``inbox`` to the checkpointer's ``method``.
-    Between jobs it holds only a weak reference, so a Checkpointer dropped without close()
-    is freed; None (from close() or the finalizer) stops it and is passed down the line."""
+def serve(work: Callable[[Any], None], inbox: queue.Queue, outbox: queue.Queue | None,
+          dropped: threading.Event) -> None:
+    """A background thread: hand each job from ``inbox`` to ``work``. None (from ``finish``
+    or ``abandon``, after every job queued before it) stops it and is passed down the line;
+    once ``dropped`` is set, the jobs that reach it fail on their handles instead: their
+    ``result()`` would otherwise wait for ever."""
     while True:
         job = inbox.get()
         try:
@@ -283,33 +295,21 @@ def serve(ref: "weakref.ref[Any]", method: str, inbox: queue.Queue, outbox: queu
                 if outbox is not None:
                     outbox.put(None)
                 return
-            owner = ref()
-            if owner is None:
-                abandon(job, inbox)
-                return
-            getattr(owner, method)(job)
+            if dropped.is_set():
+                job.handle._fail(SaveError(DROPPED))
+            else:
+                work(job)
         finally:
-            job = owner = None  # hold nothing while waiting for the next job
+            job = None  # hold nothing while waiting for the next job
             inbox.task_done()
 
 
-def abandon(job: Any, inbox: queue.Queue) -> None:
-    """Fail the saves a Checkpointer freed without close() left in ``inbox``: their
-    ``result()`` would otherwise wait for ever."""
-    error = SaveError("the Checkpointer was freed without close() before this save finished; keep a reference to "
-                      "it and call close() (or use it in a with block) to finish its saves")
-    while job is not None:
-        handle = getattr(job, "handle", None)
-        if handle is not None:
-            handle._fail(error)
-        try:
-            job = inbox.get_nowait()
-        except queue.Empty:
-            return
-        inbox.task_done()
+DROPPED = ("the Checkpointer was freed without close() before this save finished; keep a reference to it and call "
+           "close() (or use it in a with block) to finish its saves")
 
 
-def stop_threads(queues: tuple[queue.Queue, ...], at_exit: Any) -> None:
+def stop_on_collect(pipeline: SavePipeline, at_exit: Any) -> None:
+    """The finalizer of a Checkpointer dropped without close(): its at-exit close goes, and
+    its pipeline's threads end."""
     atexit.unregister(at_exit)
-    for q in queues:
-        q.put(None)
+    pipeline.abandon()

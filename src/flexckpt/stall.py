@@ -7,8 +7,8 @@ progress came for the whole timeout, so a large upload that keeps moving is neve
 A given-up call cannot be interrupted (Python cannot stop a thread blocked in a socket
 or a system call): its helper thread is a daemon and is left to finish or fail alone;
 what it may still write belongs to a save that has already been reported failed.
-Helper threads are reused: starting a thread for every call cost about 0.1 ms a call,
-which doubled a resharding load of many small reads. A helper returns to the idle pool
+Helper threads are reused (a thread started for every call costs more than a small read;
+figures: bench/RESULTS.md, "P99 and restore against the old main"). A helper returns to the idle pool
 when its call ends and ends after ``IDLE_EXIT_S`` without one, so the pool holds at most as
 many threads as calls recently ran at once (plus those stuck in given-up calls).
 """

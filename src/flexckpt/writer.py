@@ -1,20 +1,24 @@
 """Writing one rank's staged stream: cut into chunks, compress each (optionally),
-checksum what is stored, and write the rank's data file, then its chunk table."""
+checksum what is stored, and write the rank's data file, then its chunk table and
+per-rank values (:func:`write_rank_files`, which makes the rank's record line). Both
+tiers write through these functions."""
 from __future__ import annotations
 
 import base64
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import orjson
 import torch
 
+import flexckpt.checksum as checksums  # the chunk table's and values' checksums (``checksum``: the chunks')
 from flexckpt.checksum import checksum
 from flexckpt.chunktable import ChunkTable
 from flexckpt.codec import Compression, compress
 from flexckpt.dtypes import dtype_name
 from flexckpt.manifest import StoredChunk
+from flexckpt.names import table_name, values_name
 from flexckpt.plan import Chunk
 from flexckpt.storage import DIRECT_ALIGN, Storage
 
@@ -60,9 +64,7 @@ def write_data_file(
         # stored bytes are the raw stream: checksum each chunk, then write the whole file at
         # once, straight from the staging buffer to the device where the filesystem allows
         stored = raw_chunks(stream, chunks, sums)
-        padded = buffer[: -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN]
-        if not (direct and padded.nbytes <= buffer.nbytes and storage.write_direct(rel, padded, nbytes, fsync=fsync)):
-            storage.write_stream(rel, [stream], fsync=fsync)
+        write_raw(storage, rel, buffer, nbytes, fsync, direct)
         return stored
     stored = []
 
@@ -77,6 +79,40 @@ def write_data_file(
 
     storage.write_stream(rel, parts(), fsync=fsync)
     return stored
+
+
+def write_raw(storage: Storage, rel: str, buffer: memoryview, nbytes: int, fsync: bool, direct: bool = True) -> None:
+    """Write the first ``nbytes`` of ``buffer`` as they are, as one data file: with
+    ``direct``, straight from the buffer (aligned and padded for O_DIRECT) to the device
+    where the filesystem allows."""
+    padded = buffer[: -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN]
+    if not (direct and padded.nbytes <= buffer.nbytes and storage.write_direct(rel, padded, nbytes, fsync=fsync)):
+        storage.write_stream(rel, [buffer[:nbytes]], fsync=fsync)
+
+
+class RankFiles(NamedTuple):
+    """What :func:`write_rank_files` wrote: the rank's record line and the two files' bytes."""
+
+    line: list  # [fingerprint, table checksum, table bytes, stored bytes, values checksum ("" without values), values bytes]
+    table: bytes
+    values: bytes  # empty: the rank has no per-rank values (no file written)
+
+
+def write_rank_files(
+    storage: Storage, folder: str, *, rank: int, attempt: str, fingerprint: str, codec: str,
+    chunks: list[StoredChunk], per_rank: dict[str, bytes], fsync: bool,
+) -> RankFiles:
+    """After the rank's data file (whose stored ``chunks`` are given): its chunk table, then
+    its per-rank values file (none when it has no values), into step folder ``folder``.
+    The returned line is the rank's entry in its record and in the manifest."""
+    table = table_bytes(rank=rank, attempt=attempt, codec=codec, chunks=chunks)
+    storage.put_atomic(f"{folder}/{table_name(attempt, rank)}", table, fsync=fsync)
+    values = values_bytes(per_rank)
+    if values:  # this rank's own values: a file that only this rank reads back
+        storage.put_atomic(f"{folder}/{values_name(attempt, rank)}", values, fsync=fsync)
+    line = [fingerprint, checksums.checksum(table), len(table), sum(c.length for c in chunks),
+            checksums.checksum(values) if values else "", len(values)]
+    return RankFiles(line, table, values)
 
 
 def encode_per_rank(value: Any) -> Any:

@@ -2,12 +2,15 @@
 ``/dev/shm``) with a copy on a peer node, restored after a node failure at any world size.
 
 ``LocalTier`` is the configuration a ``Checkpointer(url, local=LocalTier(...))`` takes;
-``FastTier`` (``fast.py``) is the runtime it composes. Modules: ``placement`` (node identity,
-partner rule), ``inventory`` (what a node holds, which step to restore), ``transport``
-(copies and a recovery's byte ranges over the tier's own gloo group), ``fetchplan`` (which
-byte ranges a recovering rank asks of which peer), ``view`` (the files a recovery's load
-reads: the node's, a peer's ranges, the store's), ``owner`` (the lock a live tier folder is
-held by, and the folder's identity)."""
+``FastTier`` (``fast.py``) is the runtime it composes, given a host and the save
+pipeline's staging (``seam``). Modules: ``placement`` (node identity, partner rule),
+``inventory`` (what a node holds, which step to restore), ``transport`` (copies and a
+recovery's byte ranges over the tier's own gloo group), ``fetchplan`` (which byte ranges a
+recovering rank asks of which peer), ``view`` (the files a recovery's load reads: the
+node's, a peer's ranges, the store's), ``owner`` (the lock a live tier folder is held by,
+and the folder's and the run folder's identity), ``save`` (a fast save's staging, files
+and marker), ``keep`` (what a process keeps of the node's folder, pruned to keep_last),
+``recover`` (the recovery's steps)."""
 from __future__ import annotations
 
 import os

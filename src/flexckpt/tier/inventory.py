@@ -230,8 +230,8 @@ REMOVED = ".removed"  # a node's tier folder: step folders set aside, their file
 def set_aside(root: str, keep: int, tag: str | None = None) -> list[str]:
     """Move every step folder of the tier folder ``root`` but ``keep`` into ``root/.removed``
     (a rename each: at once, and no scan sees them again); returns their new paths, for
-    :func:`remove_paths` to delete off the critical path (unlinking a step's files frees
-    their tmpfs pages: 0.18 s for 1 GiB, which a recovery's ``load()`` waited for).
+    :func:`remove_paths` to delete off the critical path (unlinking a step's files, which
+    frees their tmpfs pages, takes time a recovery's ``load()`` must not wait for).
     ``tag`` keeps two calls' names apart (default: this process and the clock). Only while
     no rank of the node writes."""
     tag = tag or f"{os.getpid()}-{time.monotonic_ns()}"

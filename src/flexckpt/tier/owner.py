@@ -9,7 +9,11 @@ Two tiers of one process (a second ``Checkpointer``) share the process's hold: t
 process never sweeps a folder it holds.
 
 ``.folder-id`` names the folder itself (random, made once): ranks reporting one node name
-but different folder ids are on different machines (a clash of node names)."""
+but different folder ids are on different machines (a clash of node names).
+
+``fast-tier.json`` in the run's persistent folder names that folder (a random id) and
+counts its launches with a fast tier (:func:`this_launch`); a tier folder's name holds the
+id, so a tier outlives no removal of its run folder, and launches never tie."""
 from __future__ import annotations
 
 import errno
@@ -19,6 +23,10 @@ import shutil
 import threading
 import time
 import uuid
+
+import orjson
+
+from flexckpt.storage import Storage
 
 LOCK = ".owner.lock"
 FOLDER_ID = ".folder-id"
@@ -116,3 +124,32 @@ def folder_id(root: str) -> str:
     finally:
         os.close(fd)
     return made
+
+
+RUN_FOLDER = "fast-tier.json"  # in the run's persistent folder: its identity and its launches with a fast tier
+
+
+def this_launch(storage: Storage) -> tuple[str, int, bool]:
+    """``(id, launch, written)``: the run folder ``storage``'s identity and this launch's
+    number among those with a fast tier, from its ``fast-tier.json``, counted up there
+    (``written``); without one (a new folder, or one removed and made again: the tiers of
+    the earlier folder are not this one's), a new random id and launch 1, written with
+    the first fast save (a refused start leaves the folder as it was)."""
+    try:
+        raw = storage.read_bytes(RUN_FOLDER, limit=1 << 16)
+    except FileNotFoundError:
+        return uuid.uuid4().hex, 1, False
+    try:
+        doc = orjson.loads(raw)
+        run, launch = str(doc["id"]), int(doc["launches"]) + 1
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{storage.path(RUN_FOLDER)} is not a fast tier's record of its run folder ({exc}); remove "
+                         f"it to start the fast tier afresh (its steps of this run folder are then not restored)") from None
+    write_run_folder(storage, run, launch)
+    return run, launch, True
+
+
+def write_run_folder(storage: Storage, run: str, launches: int) -> None:
+    """The run folder's record: its id and the launches with a fast tier so far."""
+    storage.makedirs("")
+    storage.put_atomic(RUN_FOLDER, orjson.dumps({"id": run, "launches": launches}), fsync=False)

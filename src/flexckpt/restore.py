@@ -1,0 +1,62 @@
+"""A load from the persistent store, as ``Checkpointer.load`` runs it on every rank: the
+ranks agree on a step (rank 0 picks it), each reads its part of that step, and they agree on
+success before any value is set. A failure on any rank fails the load on all; with
+``fallback``, the ranks then try the previous committed step together."""
+from __future__ import annotations
+
+import logging
+import torch.distributed as dist
+
+from flexckpt.agree import agree_step, first_failed_rank
+from flexckpt.commit import committed_steps, read_manifest
+from flexckpt.errors import LoadError
+from flexckpt.exchange import PeerFailure, fanout_for
+from flexckpt.load import LoadStats, PendingLoad
+from flexckpt.storage import Storage
+from flexckpt.structure import Excluder, Walk
+
+log = logging.getLogger("flexckpt")
+
+
+def load_committed(storage: Storage, w: Walk, *, rank: int, world_size: int, group: "dist.ProcessGroup | None",
+                   step: int | None, strict: bool, gone: Excluder | None, read_threads: int,
+                   fallback: bool, fanout: "str | bool" = False) -> tuple[int, LoadStats]:
+    """Load the walked state ``w`` from ``step`` (None: the newest committed step); the step
+    loaded and the load's stats. Raises this rank's error, or ``LoadError`` naming the rank
+    that failed, unless ``fallback`` finds an older step that loads on every rank.
+    ``fanout``: the ``Checkpointer``'s option (read once, fan out: :mod:`flexckpt.exchange`)."""
+    def steps() -> list[int]:
+        return committed_steps(storage)
+
+    chosen = agree_step(rank, world_size, group, steps, storage.url, step, None)
+    while True:
+        error: BaseException | None = None
+        pending = None
+        fan = fanout_for(fanout, storage, rank, world_size, group)
+        try:
+            manifest = read_manifest(storage, chosen)
+            pending = PendingLoad(storage, manifest, w, rank, world_size, strict, gone)
+            pending.read(read_threads, fan)
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
+            error = exc
+            if fan is not None:
+                fan.join_failed()  # a rank that failed before the fan-out's gather still joins it
+        try:
+            failed_rank = first_failed_rank(rank, world_size, group, error is not None, isinstance(error, PeerFailure))
+        except Exception:  # noqa: BLE001 - a peer that died breaks the agreement too: name it, not the group
+            if isinstance(error, PeerFailure):
+                raise error from None
+            raise
+        if failed_rank is None:
+            assert pending is not None
+            pending.apply()
+            return chosen, pending.stats
+        if error is not None and fallback:  # handled, not raised: say what failed (raised: never logged too)
+            log.warning("flexckpt rank %d: load of step %d failed: %s", rank, chosen, error)
+        if not fallback:
+            if error is not None:
+                raise error
+            raise LoadError(f"load of step {chosen} failed on rank {failed_rank}; see that rank's error")
+        previous = chosen
+        chosen = agree_step(rank, world_size, group, steps, storage.url, None, previous)
+        log.warning("flexckpt: load of step %d failed; falling back to step %d", previous, chosen)
