@@ -20,7 +20,7 @@ fast restart, after its load, so the ratio to it is taken under the same load.
 Issue 29's limit, in each fast restart: before its load, each rank reads its node's own
 files of the step (plain reads; none on the replaced node); after it, rank 0 sends rank 1
 the bytes the recovery fetched, as the tier's transport sends them (one gloo message per
-range of at most ``flexckpt.load.FETCH_BYTES``, all posted at once). The report gives
+range of at most ``flexckpt.load.pending.FETCH_BYTES``, all posted at once). The report gives
 recovery / (bare transport + local read) per restart and its median (goal: <= 1.25);
 ``--json PATH`` writes the headline medians (``compare_revisions.py`` reads them).
 
@@ -126,9 +126,7 @@ def load_worker(rank, world, cfg, which):
         RangeReader.read_into, RangeReader.read_scatter, Storage.read_bytes = read_into, read_scatter, read_bytes
         # a store reads a fetch in one request; only a local folder is read in groups of
         # chunks (load.READ_GROUP_BYTES), and this model's folder stands for a store
-        import flexckpt.load.pending
-
-        flexckpt.load.pending.READ_GROUP_BYTES = 1 << 62
+        H.flexckpt_module("load.pending").READ_GROUP_BYTES = 1 << 62
     specs = H.state_specs(cfg["mib"], cfg["tensors"], world)
     # the persistent restart without the tier: its load(step=1) would be a rollback, which sets
     # the tier's steps aside, and the next fast restart would find none
@@ -193,7 +191,7 @@ def _transport(rank, group, nbytes):
     import torch
     import torch.distributed as dist
 
-    from flexckpt.load import FETCH_BYTES
+    FETCH_BYTES = H.flexckpt_module("load.pending").FETCH_BYTES
 
     if rank > 1:
         return 0.0
@@ -299,7 +297,7 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-FETCH_MIB = 16  # flexckpt.load.FETCH_BYTES, in the report's words
+FETCH_MIB = 16  # flexckpt.load.pending.FETCH_BYTES, in the report's words
 LIMIT_GOAL = 1.25  # issue 29: recovery <= 1.25 x (bare transport + local read)
 
 

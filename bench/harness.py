@@ -41,6 +41,19 @@ class TensorSpec:
     global_shape: tuple[int, ...]
 
 
+def flexckpt_module(name: str):
+    """A flexckpt module by its path since the move into folders (``load.pending``), or by its
+    flat path before it (``load``): ``compare_revisions`` runs this bench code against the
+    ``src`` of revisions from before the move too."""
+    import importlib
+
+    flat = {"load.pending": "load", "format.checksum": "checksum"}
+    try:
+        return importlib.import_module(f"flexckpt.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"flexckpt.{flat[name]}")
+
+
 def state_specs(mb_per_rank: float, n_tensors: int, world: int) -> list[TensorSpec]:
     """``n_tensors`` global tensors whose Shard(0) pieces total ``mb_per_rank`` MiB per rank
     at ``world`` ranks: one third are small vectors (norms, biases), the rest matrices in

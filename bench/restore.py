@@ -221,7 +221,7 @@ def limit_spans(start: int, n: int, total: int) -> list[tuple[int, int]]:
 
 def checksum_pass(mv: memoryview, chunk_bytes: int) -> None:
     """flexckpt's checksum over ``mv`` in ``chunk_bytes`` pieces (a load hashes each chunk alone)."""
-    from flexckpt.checksum import checksum_int
+    checksum_int = H.flexckpt_module("format.checksum").checksum_int
 
     for p in range(0, len(mv), chunk_bytes):
         checksum_int(mv[p : p + chunk_bytes])
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Per rank, the limit preads as many bytes of the flexckpt data files as that rank's load reads from the store "
         f"(its `bytes_read`; rank 0 at world {args.load_worlds[0]}: {results[args.load_worlds[0]][0][0]['limit_bytes'] / H.MIB:.1f} MiB), "
-        f"from its even share's start on, into one buffer, then runs flexckpt's checksum (xxh3-64, `flexckpt.checksum`) "
+        f"from its even share's start on, into one buffer, then runs flexckpt's checksum (xxh3-64, `flexckpt.format.checksum`) "
         f"over it in chunk_bytes pieces; seconds of the slowest rank (read + checksum in brackets, medians); the ratio is "
         f"the restore's over the limit's, round by round. Median / p99 (nearest rank: at fewer than 100 rounds, the "
         f"largest) over {args.runs} runs x {args.loads} rounds. Cold as above (the page cache dropped before the "

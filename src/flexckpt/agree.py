@@ -61,11 +61,16 @@ def agree_step(rank: int, world_size: int, group: "dist.ProcessGroup | None", st
     return value
 
 
-def first_failed_rank(rank: int, world_size: int, group: "dist.ProcessGroup | None", failed: bool) -> int | None:
-    """The lowest rank whose load failed (``failed`` on it), or None: one all-reduce."""
+def first_failed_rank(rank: int, world_size: int, group: "dist.ProcessGroup | None", failed: bool,
+                      by_peer: bool = False) -> int | None:
+    """The lowest rank whose load failed (``failed`` on it), or None: one all-reduce. A
+    rank that failed only because a peer did (``by_peer``: a fanned-out load whose reader
+    failed) counts after every rank that failed on its own, so that every rank names the
+    cause."""
     if not distributed(world_size):
         return rank if failed else None
-    t = torch.tensor([rank if failed else world_size], dtype=torch.int64, device=collective_device(group))
+    value = (rank + world_size if by_peer else rank) if failed else 2 * world_size
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     first = int(t.item())
-    return None if first >= world_size else first
+    return None if first >= 2 * world_size else first % world_size

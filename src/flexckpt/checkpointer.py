@@ -113,6 +113,15 @@ class Checkpointer:
             save attempts), and ``save`` is refused. For tools beside a live job or with
             read-only credentials (the CLI's exports, a reshard's source, ``flextrain plan``).
             Not with ``local=``.
+        fanout: at load, each stored chunk that several ranks need (replicas: HSDP's
+            replicate dim, DDP, tensor-parallel norms) is read from the store by one of
+            them and sent to the others over the process group, so that the job reads each
+            stored byte once. ``"auto"`` (default): when the store is remote (``s3://``;
+            not a local folder) and the group runs on gloo; ``True``: whenever several
+            ranks load (an NCCL group is refused); ``False``: never. A peer that fails or
+            dies fails the load on every rank within ``flexckpt.load.exchange.PEER_TIMEOUT``
+            (60 s), naming it. ``last_load_stats.bytes_from_store``/``bytes_from_peers``
+            count where each rank's bytes came from.
 
     Construction on several ranks never enters a collective: the ids are shared through the
     store and a rank that waits for them names the rank it waits for when it gives up. A fast
@@ -144,9 +153,13 @@ class Checkpointer:
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         local: "LocalTier | None" = None,
         read_only: bool = False,
+        fanout: "str | bool" = "auto",
     ) -> None:
         check_arguments(keep_last=keep_last, chunk_bytes=chunk_bytes, stage_delay=stage_delay, read_only=read_only,
                         local=local)
+        if not (fanout is True or fanout is False or fanout == "auto"):
+            raise ValueError(f"fanout must be 'auto', True or False, got {fanout!r}")
+        self.fanout = fanout
         self.group = process_group
         who = who_saves(rank, world_size, ranks, process_group)
         check_savers(who, local)
@@ -376,7 +389,7 @@ class Checkpointer:
         w = walk(state, self.rank, self.world_size)
         chosen, self.last_load_stats = load_committed(
             self.storage, w, rank=self.rank, world_size=self.world_size, group=self.group, step=step,
-            strict=strict, gone=gone, read_threads=self.read_threads, fallback=fallback)
+            strict=strict, gone=gone, read_threads=self.read_threads, fallback=fallback, fanout=self.fanout)
         if self.tier is not None and (step is not None or not strict):
             self.tier.abandon(aside=step is not None)  # no tier step may outrank what the run saves next
         return chosen

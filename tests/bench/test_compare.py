@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import compare_revisions as C  # noqa: E402
 import restore  # noqa: E402
@@ -23,10 +23,10 @@ def test_the_limit_reads_a_ranks_bytes_from_its_share_on_wrapping_round_to_the_s
 
 
 def test_the_checksum_pass_hashes_every_chunk_with_the_librarys_checksum(monkeypatch):
-    import flexckpt.checksum
+    import flexckpt.format.checksum
 
     seen = []
-    monkeypatch.setattr(flexckpt.checksum, "checksum_int", lambda v: seen.append(bytes(v)) or 0)
+    monkeypatch.setattr(flexckpt.format.checksum, "checksum_int", lambda v: seen.append(bytes(v)) or 0)
     restore.checksum_pass(memoryview(bytes(range(10))), 4)
     assert seen == [bytes(range(4)), bytes(range(4, 8)), bytes([8, 9])]
 

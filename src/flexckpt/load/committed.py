@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from flexckpt.agree import agree_step, first_failed_rank
 from flexckpt.errors import LoadError
+from flexckpt.load.exchange import PeerFailure, fanout_for
 from flexckpt.load.pending import LoadStats, PendingLoad
 from flexckpt.save.commit import committed_steps, read_manifest
 from flexckpt.state.structure import Excluder, Walk
@@ -19,10 +20,11 @@ log = logging.getLogger("flexckpt")
 
 def load_committed(storage: Storage, w: Walk, *, rank: int, world_size: int, group: "dist.ProcessGroup | None",
                    step: int | None, strict: bool, gone: Excluder | None, read_threads: int,
-                   fallback: bool) -> tuple[int, LoadStats]:
+                   fallback: bool, fanout: "str | bool" = False) -> tuple[int, LoadStats]:
     """Load the walked state ``w`` from ``step`` (None: the newest committed step); the step
     loaded and the load's stats. Raises this rank's error, or ``LoadError`` naming the rank
-    that failed, unless ``fallback`` finds an older step that loads on every rank."""
+    that failed, unless ``fallback`` finds an older step that loads on every rank.
+    ``fanout``: the ``Checkpointer``'s option (read once, fan out: :mod:`flexckpt.load.exchange`)."""
     def steps() -> list[int]:
         return committed_steps(storage)
 
@@ -30,13 +32,21 @@ def load_committed(storage: Storage, w: Walk, *, rank: int, world_size: int, gro
     while True:
         error: BaseException | None = None
         pending = None
+        fan = fanout_for(fanout, storage, rank, world_size, group)
         try:
             manifest = read_manifest(storage, chosen)
             pending = PendingLoad(storage, manifest, w, rank, world_size, strict, gone)
-            pending.read(read_threads)
+            pending.read(read_threads, fan)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
             error = exc
-        failed_rank = first_failed_rank(rank, world_size, group, error is not None)
+            if fan is not None:
+                fan.join_failed()  # a rank that failed before the fan-out's gather still joins it
+        try:
+            failed_rank = first_failed_rank(rank, world_size, group, error is not None, isinstance(error, PeerFailure))
+        except Exception:  # noqa: BLE001 - a peer that died breaks the agreement too: name it, not the group
+            if isinstance(error, PeerFailure):
+                raise error from None
+            raise
         if failed_rank is None:
             assert pending is not None
             pending.apply()

@@ -190,10 +190,11 @@ class FetchLoop:
     def where(self, r: Request) -> str:
         return f"{self.folder}/{r.plan.file} bytes [{r.offset}, {r.offset + r.length})"
 
-    def fetch(self, r: Request) -> int:
-        """Obtain, verify and place request ``r``; returns how many of its chunks landed
-        wholly in targets (none when compressed: those go through a scratch buffer)."""
-        source = self.source_for(r)
+    def fetch(self, r: Request, source: ByteSource | None = None) -> int:
+        """Obtain, verify and place request ``r`` (its bytes from ``source``, else from the
+        one :meth:`source_for` picks); returns how many of its chunks landed wholly in
+        targets (none when compressed: those go through a scratch buffer)."""
+        source = source or self.source_for(r)
         return self._compressed(r, source) if r.compressed else self._scattered(r, source)
 
     def _compressed(self, r: Request, source: ByteSource) -> int:

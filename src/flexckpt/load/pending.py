@@ -26,11 +26,12 @@ from typing import Any, Iterator
 import torch
 
 from flexckpt.errors import ManifestError, StructureMismatch
+from flexckpt.load.exchange import Fanout, fetch_fanned
 from flexckpt.format.manifest import Manifest, keyed_name, step_dir
 from flexckpt.format.tables import file_entries, from_peer
 from flexckpt.format.write_plan import part_of_world
 from flexckpt.load.fetch import FetchLoop, StoreSource, byte_view, run_shares, target_views, verify
-from flexckpt.load.read_plan import gather_runs, plan_file_requests
+from flexckpt.load.read_plan import file_plans, gather_runs, requests_of
 from flexckpt.state.dtypes import dtype_from_name, dtype_name
 from flexckpt.state.structure import Excluder, Walk, decode_plain
 from flexckpt.storage import Storage
@@ -54,7 +55,8 @@ class LoadStats:
     # read from the storage (in a fast tier's recovery: the node's tier folder or the store),
     # or received from peers (a fast tier's recovery: the ranges it asked of other nodes)
     bytes_from_store: int = 0
-    bytes_from_peers: int = 0
+    bytes_from_peers: int = 0  # with fan-out (Checkpointer(fanout=)) also the chunks other ranks read for this one
+    peer_chunks_reread: int = 0  # fan-out: chunks received from a peer that failed their check, read from the store
     # strict=False (or exclude=): ``missing``, the state's keys the checkpoint lacks (they keep
     # what they held); ``not_loaded``, the checkpoint's keys this rank's state did not take
     # (per-rank values at another world size too); ``skipped``, both, sorted
@@ -200,25 +202,36 @@ class PendingLoad:
         self.stats.skipped = sorted(self.stats.missing + self.stats.not_loaded)
         self.keyed = sorted(set(w.keyed) & set(manifest.keyed))
 
-    def read(self, threads: int) -> None:
+    def read(self, threads: int, fanout: "Fanout | None" = None) -> None:
+        """Read and verify this rank's bytes; with ``fanout``, the chunks other ranks need
+        too are read once and exchanged (:mod:`flexckpt.load.exchange`; every rank of the group
+        calls it then)."""
         with collection_paused():
-            self._read(threads)
+            self._read(threads, fanout)
 
-    def _read(self, threads: int) -> None:
+    def _read(self, threads: int, fanout: "Fanout | None" = None) -> None:
         """Plan the reads (the chunk tables they need read first: :func:`flexckpt.format.tables.file_entries`),
         read and check the small values, then fetch every request (:mod:`flexckpt.load.fetch`)."""
         m = self.manifest
         tables_before = _metadata_read(m)
         targets = [(m.tensors[self.walk.specs[i].name], rng) for i, rng in self.targets]
         by_file = gather_runs(targets)
-        requests = plan_file_requests(by_file, file_entries(m, by_file), FETCH_BYTES, READ_GROUP_BYTES)
+        plans = file_plans(by_file, file_entries(m, by_file))
         views, self._copy_back = target_views([self.walk.tensors[i] for i, _ in self.targets])
         self._read_values()
         folder = step_dir(m.step)
         store = StoreSource(self.storage, folder)
+        loop = FetchLoop(views, store, folder)
+        exchange = None
         try:
-            whole = run_shares(FetchLoop(views, store, folder).fetch, requests, threads, self.storage.stall_timeout,
-                               f"reading {len(requests)} ranges on {self.storage.url}")
+            if fanout is None:
+                requests = requests_of(plans, FETCH_BYTES, READ_GROUP_BYTES)
+                whole = run_shares(loop.fetch, requests, threads, self.storage.stall_timeout,
+                                   f"reading {len(requests)} ranges on {self.storage.url}")
+            else:
+                requests, whole, exchange = fetch_fanned(fanout, sorted(m.files), plans, loop, store, FETCH_BYTES,
+                                                         READ_GROUP_BYTES, threads, self.storage.stall_timeout,
+                                                         self.storage.url)
         finally:
             store.close()
         keyed = sum(len(v) for v in self._keyed.values())
@@ -233,6 +246,10 @@ class PendingLoad:
         s.metadata_bytes = m.metadata_bytes_read
         s.bytes_from_store = store.bytes_from_store + tables[0] + (0 if keyed_from_peer else keyed)
         s.bytes_from_peers = store.bytes_from_peers + tables[1] + (keyed if keyed_from_peer else 0)
+        if exchange is not None:
+            s.direct_chunks += exchange.direct
+            s.bytes_from_peers += exchange.bytes_from_peers
+            s.peer_chunks_reread = exchange.rereads
 
     def _read_values(self) -> None:
         """Per-rank values (version 2 and later: from this rank's values file), plain values

@@ -266,22 +266,40 @@ def plan_file_requests(by_file: dict[str, list[np.ndarray]], entries: Mapping[st
                        group_bytes: int | None = None) -> list[Request]:
     """:func:`plan_requests` of the runs :func:`gather_runs` gave, over ``entries``, the
     chunk entries of (at least) the files in ``by_file``."""
+    return requests_of(file_plans(by_file, entries), max_bytes, group_bytes)
+
+
+def file_plans(by_file: dict[str, list[np.ndarray]], entries: Mapping[str, FileEntry]) -> list[FilePlan]:
+    """The :class:`FilePlan` of each file of ``by_file``, in file order: the first half of
+    :func:`plan_file_requests` (a fanned-out load learns every rank's chunks from them
+    before it cuts its requests)."""
+    return [file_plan(file, entries[file], by_file[file]) for file in sorted(by_file)]
+
+
+def requests_of(plans: list[FilePlan], max_bytes: int, group_bytes: int | None = None,
+                labels: "dict[str, np.ndarray] | None" = None) -> list[Request]:
+    """The second half of :func:`plan_file_requests`. ``labels``: per file, a label for
+    each touched chunk; a request never holds chunks of two labels (a fanned-out load labels
+    each chunk with the batch it comes in, :mod:`flexckpt.load.fanout`)."""
     out: list[Request] = []
-    for file in sorted(by_file):
-        plan = file_plan(file, entries[file], by_file[file])
-        reqs = requests(plan, max_bytes)
+    for plan in plans:
+        reqs = requests(plan, max_bytes, None if labels is None else labels.get(plan.file))
         out += reqs if group_bytes is None else scatter(plan, reqs, group_bytes)
     return out
 
 
-def requests(plan: FilePlan, max_bytes: int) -> list[Request]:
+def requests(plan: FilePlan, max_bytes: int, labels: np.ndarray | None = None) -> list[Request]:
     """``plan``'s touched chunks merged into ranged reads: runs of chunks touching in the
-    file, cut where a request would pass ``max_bytes`` (one chunk may)."""
+    file (and of one label, where ``labels`` gives each touched chunk one), cut where a
+    request would pass ``max_bytes`` (one chunk may)."""
     if not len(plan.ids):
         return []
     offsets = plan.entry.offsets[plan.ids]
     ends = offsets + plan.entry.lengths[plan.ids]
-    breaks = (np.flatnonzero(offsets[1:] != ends[:-1]) + 1).tolist()
+    cut = offsets[1:] != ends[:-1]
+    if labels is not None:
+        cut |= labels[1:] != labels[:-1]
+    breaks = (np.flatnonzero(cut) + 1).tolist()
     starts, stops = offsets.tolist(), ends.tolist()
     out: list[Request] = []
     for a, b in zip([0, *breaks], [*breaks, len(starts)]):

@@ -13,7 +13,6 @@ every byte is hashed once on each side. Only CPU tensors, only ``send``/``recv``
 tier's group."""
 from __future__ import annotations
 
-import datetime
 import logging
 import mmap
 import threading
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from flexckpt.format.checksum import checksum_int
+from flexckpt.p2p import as_tensor, wait
 
 log = logging.getLogger("flexckpt")
 
@@ -72,39 +72,28 @@ def mapped(path: str, offset: int, length: int) -> np.ndarray:
     return np.frombuffer(m, dtype=np.uint8, count=length, offset=offset - start)
 
 
-def _wait(work: "dist.Work", timeout: float) -> None:
-    work.wait(datetime.timedelta(seconds=timeout))
-
-
-def _tensor(part: "bytes | memoryview | np.ndarray") -> torch.Tensor:
-    a = np.frombuffer(part, dtype=np.uint8) if not isinstance(part, np.ndarray) else part.view(np.uint8).reshape(-1)
-    with warnings.catch_warnings():  # read-only bytes: sent, never written
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
-
-
 def send(group: "dist.ProcessGroup", store: "dist.Store", prefix: str, dst: int, header: Header,
          meta: bytes, files: "list[bytes | memoryview | np.ndarray]", timeout: float) -> None:
     """Ring ``dst``'s doorbell, then send the header, the marker ``meta`` and each non-empty
     file of ``files`` (``dst`` a global rank; ``header.length`` and ``header.meta`` count
     them, ``header.checksum`` is ``digest(meta)``)."""
     store.set(header.key(dst, prefix), b"1")
-    _wait(dist.isend(header.tensor(), dst, group=group), timeout)
+    wait(dist.isend(header.tensor(), dst, group=group), timeout)
     for part in [meta, *files]:
         if memoryview(part).nbytes:
-            _wait(dist.isend(_tensor(part), dst, group=group), timeout)
+            wait(dist.isend(as_tensor(part), dst, group=group), timeout)
 
 
 def recv(group: "dist.ProcessGroup", src: int, timeout: float) -> tuple[Header, bytes]:
     """Receive a copy's header and marker from ``src`` (a transfer already announced),
     checked against each other; the files follow (:class:`Files`)."""
     h = torch.zeros(8, dtype=torch.int64)
-    _wait(dist.irecv(h, src, group=group), timeout)
+    wait(dist.irecv(h, src, group=group), timeout)
     header = Header.from_tensor(h)
     if not 0 < header.meta <= header.length:
         raise ValueError(f"transfer from rank {src}: a {header.meta}-byte marker in {header.length} bytes")
     meta = np.empty(header.meta, dtype=np.uint8)
-    _wait(dist.irecv(torch.from_numpy(meta), src, group=group), timeout)
+    wait(dist.irecv(torch.from_numpy(meta), src, group=group), timeout)
     if digest(meta) != header.checksum:
         raise ValueError(f"transfer of step {header.step} from rank {src}: the marker's checksum does not match")
     return header, meta.tobytes()
@@ -131,7 +120,7 @@ class Files:
         for n in lengths:
             part = self.buffer[pos : pos + n]
             if n:
-                _wait(dist.irecv(torch.from_numpy(part), self.src, group=self.group), self.timeout)
+                wait(dist.irecv(torch.from_numpy(part), self.src, group=self.group), self.timeout)
             out.append(part)
             pos += n
         self.done = True
@@ -225,7 +214,7 @@ class Incoming:
                  timeout: float, into: "list[np.ndarray | None] | None" = None) -> None:
         self.src, self.timeout = src, timeout
         h = torch.zeros(6, dtype=torch.int64)
-        _wait(dist.irecv(h, src, group=group), timeout)
+        wait(dist.irecv(h, src, group=group), timeout)
         magic, got_step, got_saved, count, nbytes, ok = (int(x) for x in h.tolist())
         if magic != FETCH_MAGIC:
             raise ValueError(f"fetch header from rank {src} has magic {magic:#x}, expected {FETCH_MAGIC:#x}")
@@ -244,7 +233,7 @@ class Incoming:
         with self._lock:
             if not self._done[i]:
                 t0 = time.perf_counter()
-                _wait(self._works[i], self.timeout)
+                wait(self._works[i], self.timeout)
                 self._done[i] = True
                 self.waited += time.perf_counter() - t0
 
