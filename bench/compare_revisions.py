@@ -10,7 +10,7 @@ Each revision's ``src/`` is exported (``git archive REV src``) into a temporary 
 and every run is a fresh process of *this* tree's bench code with ``PYTHONPATH`` = that
 revision's ``src`` (then ``bench/``): the same bench code against both sources, so a
 figure moves only because the library did (the benches use the public API, plus a few
-module constants, e.g. ``flexckpt.load.pending.FETCH_BYTES``, that both revisions have). The runs
+module constants found at their path before or after the move into folders, ``harness.flexckpt_module``). The runs
 take turns: in each round every bench runs once per revision, the revisions' order
 flipping from round to round (before, after; after, before; ...), so a drift in the
 machine's load falls on both alike. Sizes are small (a few seconds a run) so that the
