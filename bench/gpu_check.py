@@ -22,8 +22,13 @@ Parts:
   pinned-memory async stager and against torch_checkpointing with pinned staging.
 - ``mxfp8``: flexshard's MXFP8 quantize (row, column, tile blocks) of an 8192 x 8192 fp32
   matrix against a bf16 cast of it, CUDA event timing.
+- ``fanout``: the load's read-once fan-out over NCCL (``Checkpointer(fanout="nccl")``): its
+  device wire's copies (a 4 MiB batch to the GPU and back, bit-exact) and, on 2+ GPUs only
+  (NCCL takes one GPU a rank), a replicated 64 MB state saved at W=2 and loaded with the
+  NCCL fan-out: bit-exact, each stored byte read once (the byte counters).
 
-Without CUDA it prints why and exits 0. Multi-rank NCCL needs more than one GPU: not here.
+Without CUDA it prints why and exits 0. Multi-rank NCCL needs more than one GPU: only
+``fanout``'s W=2 load uses two, and says so where there is one.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ sys.path[:0] = [str(REPO / "src")]
 
 import torch  # noqa: E402
 
-TIMEOUTS = {"roundtrip": 30, "mxfp8": 20, "staging": 30, "flextrain": 60, "wait": 90}  # 230 s at most
+TIMEOUTS = {"roundtrip": 30, "mxfp8": 20, "staging": 30, "flextrain": 60, "wait": 75, "fanout": 20}  # 235 s
 GB = 1e9
 
 
@@ -463,8 +468,62 @@ def part_flextrain(device: torch.device, small: bool = False) -> Iterator[dict]:
                f"(loss {a[20]['loss']:.6f})", "ok": len(same) == len(later) and len(later) > 0}
 
 
+def _fanout_rank(rank: int, world: int, root: str) -> dict:
+    """One rank of ``fanout``'s W=2 NCCL load: a replicated state (HSDP's replicate dim) saved
+    from cuda:rank, loaded back into zeros there with ``fanout="nccl"``."""
+    from flexckpt import Checkpointer
+    from flexckpt.save.commit import read_manifest
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    g = torch.Generator().manual_seed(29)
+    full = {f"w{i}": torch.randn(1 << 22, generator=g) for i in range(4)}  # 64 MB, every rank all of it
+    with Checkpointer(root) as ck:
+        ck.save(1, {k: v.to(device) for k, v in full.items()}).result(120)
+    target = {k: torch.zeros_like(v, device=device) for k, v in full.items()}
+    with Checkpointer(root, fanout="nccl") as ck:
+        t0 = time.perf_counter()
+        ck.load(target, step=1)
+        seconds = time.perf_counter() - t0
+        s = ck.last_load_stats
+    m = read_manifest(Checkpointer(root, read_only=True).storage, 1)
+    return {"exact": all(torch.equal(target[k].cpu(), full[k]) for k in full), "seconds": seconds,
+            "store": s.bytes_from_store - s.metadata_bytes, "peers": s.bytes_from_peers,
+            "reread": s.peer_chunks_reread, "needed": sum(int(m.files[f].lengths.sum()) for f in m.files)}
+
+
+def part_fanout(device: torch.device, small: bool = False) -> Iterator[dict]:
+    from flexckpt.load.exchange import DeviceWire
+
+    wire = DeviceWire(device)
+    host = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(29))
+    sent = wire.out(host)
+    buf = wire.into(host)
+    buf.copy_(sent)  # what NCCL's send and receive do between two GPUs
+    back = torch.zeros_like(host)
+    wire.landed(buf, back)
+    yield {"part": "fanout", "what": f"device wire: a 4 MiB batch host -> {sent.device} -> host (W=1)",
+           "value": "bit-exact" if torch.equal(back, host) else "differs",
+           "ok": torch.equal(back, host) and sent.device == buf.device == device and back.device.type == "cpu"}
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        yield {"part": "fanout", "what": "W=2 load with fanout='nccl'", "ok": None,
+               "value": f"not run: {torch.cuda.device_count()} GPU(s) here; NCCL takes one a rank (needs 2+)"}
+        return
+    from flexshard.spawn import run_workers
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("GPU_CHECK_TMP")) as tmp:
+        got = run_workers(_fanout_rank, 2, os.path.join(tmp, "ckpt"), backend="nccl", timeout=TIMEOUTS["fanout"] - 2)
+    needed = got[0]["needed"]
+    ok = (all(r["exact"] and not r["reread"] for r in got) and sum(r["store"] for r in got) == needed
+          and all(r["store"] + r["peers"] == needed for r in got))
+    yield {"part": "fanout", "what": f"W=2 load with fanout='nccl' of a replicated {needed / 1e6:.0f} MB state: "
+           f"store / peers bytes by rank {[(r['store'], r['peers']) for r in got]} "
+           f"({max(r['seconds'] for r in got):.2f} s)", "value": "bit-exact" if all(r["exact"] for r in got)
+           else "differs", "against": f"{needed} stored bytes, each read once", "ok": ok}
+
+
 PARTS = {"roundtrip": part_roundtrip, "flextrain": part_flextrain, "staging": part_staging, "wait": part_wait,
-         "mxfp8": part_mxfp8}
+         "mxfp8": part_mxfp8, "fanout": part_fanout}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,7 +118,9 @@ class Checkpointer:
             them and sent to the others over the process group, so that the job reads each
             stored byte once. ``"auto"`` (default): when the store is remote (``s3://``;
             not a local folder) and the group runs on gloo; ``True``: whenever several
-            ranks load (an NCCL group is refused); ``False``: never. A peer that fails or
+            ranks load (an NCCL group is refused); ``"nccl"``: whenever several ranks load,
+            over an NCCL group (each message copied to the GPU to travel and back to the
+            host, where its chunks are checked and placed); ``False``: never. A peer that fails or
             dies fails the load on every rank within ``flexckpt.load.exchange.PEER_TIMEOUT``
             (60 s), naming it. ``last_load_stats.bytes_from_store``/``bytes_from_peers``
             count where each rank's bytes came from.
@@ -157,8 +159,8 @@ class Checkpointer:
     ) -> None:
         check_arguments(keep_last=keep_last, chunk_bytes=chunk_bytes, stage_delay=stage_delay, read_only=read_only,
                         local=local)
-        if not (fanout is True or fanout is False or fanout == "auto"):
-            raise ValueError(f"fanout must be 'auto', True or False, got {fanout!r}")
+        if not (fanout is True or fanout is False or fanout in ("auto", "nccl")):
+            raise ValueError(f"fanout must be 'auto', True or False, got {fanout!r} (or 'nccl': over an NCCL group)")
         self.fanout = fanout
         self.group = process_group
         who = who_saves(rank, world_size, ranks, process_group)

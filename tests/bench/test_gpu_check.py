@@ -44,3 +44,9 @@ def test_the_default_timeouts_fit_in_four_minutes():
 def test_the_cpu_runnable_parts_pass_on_the_cpu(part):
     rows = list(gpu_check.PARTS[part](CPU, small=True))
     assert rows and all(r["ok"] for r in rows), rows
+
+
+def test_the_fanout_part_checks_the_device_wire_and_says_when_it_needs_two_gpus():
+    rows = list(gpu_check.PARTS["fanout"](CPU, small=True))
+    assert rows[0]["ok"] is True and rows[0]["value"] == "bit-exact"
+    assert rows[1]["ok"] is None and "needs 2+" in rows[1]["value"] and len(rows) == 2

@@ -357,3 +357,73 @@ def test_a_reader_that_dies_fails_every_rank_and_its_receiver_names_it(tmp_path)
     assert sorted(got) == [0, 1, 3]
     assert got[0][0] == "PeerFailure" and "rank 2" in got[0][1], got[0]
     assert all(kind is not None and seconds < 15.0 for kind, _, seconds in got.values()), got
+
+
+# -- the device wire (Checkpointer(fanout="nccl")) on the CPU: the same exchange over a spawned
+# gloo group, each message copied to and from a "device" (the CPU) around every send and
+# receive, as to and from the GPU over NCCL (bench/gpu_check.py's "fanout" part: on GPUs) -----
+def test_nccl_fanout_needs_an_nccl_group():
+    from flexckpt.load.fanout import wanted
+
+    assert wanted("nccl", 2, True, "/ckpt", "nccl") is True  # a local store too: asked for
+    assert wanted("nccl", 1, True, "/ckpt", "nccl") is False
+    with pytest.raises(ValueError, match="fanout='nccl' needs the load's process group on NCCL"):
+        wanted("nccl", 2, False, "s3://b/c", "gloo")
+
+
+def _wire_worker(rank: int, world: int, root: str) -> dict:
+    import threading
+
+    import torch
+
+    import flexckpt.load.exchange as ex
+    from flexckpt import Checkpointer
+
+    log: list[tuple[str, str, int, bool]] = []  # (thread, step, bytes, a copy)
+
+    class Logged(ex.DeviceWire):
+        def out(self, t):
+            got = super().out(t)
+            log.append((threading.current_thread().name, "out", got.nbytes, got.data_ptr() != t.data_ptr()))
+            return got
+
+        def into(self, t):
+            got = super().into(t)
+            log.append((threading.current_thread().name, "into", got.nbytes, got.data_ptr() != t.data_ptr()))
+            return got
+
+        def landed(self, got, t):
+            super().landed(got, t)
+            log.append((threading.current_thread().name, "landed", got.nbytes, bool(torch.equal(got, t))))
+
+    ck = Checkpointer(root, chunk_bytes=512)
+    ck.save(1, _state("ddp", rank, world, zero=False)).result(60)
+    ck.close()
+    ex.HostWire = lambda: Logged("cpu")  # fanout_for's wire: the device wire, on the CPU
+    ck = Checkpointer(root, fanout=True)
+    state = _state("ddp", rank, world, zero=True)
+    ck.load(state, step=1)
+    s = ck.last_load_stats
+    want = _state("ddp", rank, world, zero=False)
+    return {"exact": all(torch.equal(_local(state[k]), _local(want[k])) for k in want), "log": log,
+            "store": s.bytes_from_store - s.metadata_bytes, "peers": s.bytes_from_peers,
+            "reread": s.peer_chunks_reread}
+
+
+def test_the_device_wire_copies_every_message_out_and_back_around_the_same_exchange(tmp_path):
+    from flexshard.spawn import run_workers
+
+    results = run_workers(_wire_worker, 2, str(tmp_path), timeout=120)
+    for r in results:
+        assert r["exact"] and r["reread"] == 0  # a chunk not copied back would fail its check and be re-read
+        assert r["peers"] > 0 and r["store"] > 0
+        assert all(copy for *_, copy in r["log"])  # each step a real copy (out, into) / equal bytes (landed)
+        recv = [x for x in r["log"] if "-recv-" in x[0]]
+        # a receiver: each message received into a wire buffer, then landed on the host, in that order
+        assert [x[1] for x in recv] == ["into", "landed"] * (len(recv) // 2) and recv
+        assert sum(n for _, step, n, _ in recv[3::4]) == r["peers"]  # header, data: the data's bytes
+        sends = [x for x in r["log"] if "-send-" in x[0]]
+        assert sends and all(x[1] == "out" for x in sends)
+    # what each rank sent is what the other received (headers and data)
+    assert [sum(n for t, _, n, _ in r["log"] if "-send-" in t) for r in results] == \
+           [sum(n for t, s, n, _ in r["log"] if "-recv-" in t and s == "landed") for r in results[::-1]]

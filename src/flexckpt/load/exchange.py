@@ -23,8 +23,11 @@
    (:class:`PeerFailure`, naming it). The load's agreement then names the reader on every
    rank (:func:`flexckpt.agree.first_failed_rank` ranks a peer's failure after its cause).
 
-Only CPU tensors over a gloo group; an NCCL group would need the chunks verified on the
-device or copied to the host first (DESIGN: "Read once, fan out").
+The chunks travel over a :class:`HostWire` (CPU tensors as they are, a gloo group) or, with
+``Checkpointer(fanout="nccl")``, a :class:`DeviceWire` (an NCCL group: each message copied
+host->device before its send and received into a device buffer, then copied to the host,
+where its chunks are checked and placed as over gloo). One exchange, either wire (DESIGN:
+"Read once, fan out").
 """
 from __future__ import annotations
 
@@ -60,14 +63,51 @@ class PeerFailure(LoadError):
         self.peer = peer
 
 
+class HostWire:
+    """Messages travel as the CPU tensors they are (a gloo group)."""
+
+    def out(self, t: torch.Tensor) -> torch.Tensor:
+        """What is sent for host tensor ``t`` (kept alive until its send completes)."""
+        return t
+
+    def into(self, t: torch.Tensor) -> torch.Tensor:
+        """What is received into, for host tensor ``t``."""
+        return t
+
+    def landed(self, got: torch.Tensor, t: torch.Tensor) -> None:
+        """After the receive into ``got`` completed: ``t`` holds its bytes."""
+
+
+class DeviceWire(HostWire):
+    """Messages travel as tensors on ``device`` (an NCCL group's): each sent one copied
+    host->device, each received one received into a buffer there and copied to the host
+    (where its chunks are checked and placed). A message's device copy lives as long as
+    its host bytes are held: the exchange's bounds hold on the device too."""
+
+    def __init__(self, device: "torch.device | str") -> None:
+        self.device = torch.device(device)
+
+    def out(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, copy=True)
+
+    def into(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=self.device)
+
+    def landed(self, got: torch.Tensor, t: torch.Tensor) -> None:
+        t.copy_(got)  # blocking: ordered after the receive (its wait), done before the bytes are checked
+
+
 class Fanout:
     """A load's fan-out settings, decided alike on every rank (:func:`flexckpt.load.fanout.wanted`):
-    the load's group, this rank and the world, and the seconds a rank waits for a peer's
-    next message. ``joined``: this rank took part in :func:`gather_needs` (a rank that
-    failed before calls :meth:`join_failed`, so that no rank waits in the gather)."""
+    the load's group, this rank and the world, the seconds a rank waits for a peer's next
+    message and the wire the messages travel on. ``joined``: this rank took part in
+    :func:`gather_needs` (a rank that failed before calls :meth:`join_failed`, so that no
+    rank waits in the gather)."""
 
-    def __init__(self, rank: int, world: int, group: "dist.ProcessGroup | None", timeout: float | None = None) -> None:
+    def __init__(self, rank: int, world: int, group: "dist.ProcessGroup | None", timeout: float | None = None,
+                 wire: HostWire | None = None) -> None:
         self.rank, self.world, self.group = rank, world, group
+        self.wire = HostWire() if wire is None else wire
         self.timeout = PEER_TIMEOUT if timeout is None else timeout
         self.joined = False
 
@@ -84,12 +124,14 @@ class Fanout:
 
 def fanout_for(mode: "str | bool", storage: "Storage", rank: int, world: int,
                group: "dist.ProcessGroup | None") -> Fanout | None:
-    """A load's fan-out (:func:`flexckpt.load.fanout.wanted`, decided alike on every rank), or None."""
+    """A load's fan-out (:func:`flexckpt.load.fanout.wanted`, decided alike on every rank), or None;
+    ``mode="nccl"``: over a :class:`DeviceWire` on this rank's current CUDA device."""
     if not distributed(world):
         return None
     if not wanted(mode, world, storage.local, storage.url, dist.get_backend(group)):
         return None
-    return Fanout(rank, world, group)
+    wire = DeviceWire(torch.device("cuda", torch.cuda.current_device())) if mode == "nccl" else HostWire()
+    return Fanout(rank, world, group, wire=wire)
 
 
 def gather_needs(fan: Fanout, rows: np.ndarray | None) -> list[np.ndarray]:
@@ -100,7 +142,7 @@ def gather_needs(fan: Fanout, rows: np.ndarray | None) -> list[np.ndarray]:
     fan.joined = True
     n = torch.tensor([-1 if rows is None else len(rows)], dtype=torch.int64)
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(fan.world)]
-    dist.all_gather(counts, n, group=fan.group)
+    _all_gather(fan, counts, n)
     sizes = [int(c.item()) for c in counts]
     if -1 in sizes:
         failed = sizes.index(-1)
@@ -111,8 +153,15 @@ def gather_needs(fan: Fanout, rows: np.ndarray | None) -> list[np.ndarray]:
     mine = torch.zeros((most, 4), dtype=torch.int64)
     mine[: len(rows)] = torch.from_numpy(rows)  # type: ignore[arg-type]
     out = [torch.zeros((most, 4), dtype=torch.int64) for _ in range(fan.world)]
-    dist.all_gather(out, mine, group=fan.group)
+    _all_gather(fan, out, mine)
     return [o[:s].numpy() for o, s in zip(out, sizes)]
+
+
+def _all_gather(fan: Fanout, out: list[torch.Tensor], mine: torch.Tensor) -> None:
+    got = [fan.wire.into(o) for o in out]
+    dist.all_gather(got, fan.wire.out(mine), group=fan.group)
+    for g, o in zip(got, out):
+        fan.wire.landed(g, o)
 
 
 def _by_file(everyone: list[np.ndarray], names: list[str]
@@ -178,7 +227,7 @@ def fetch_fanned(fan: Fanout, names: list[str], plans: list[FilePlan], loop: "Fe
                 e.checksums[b.first : b.stop].tolist())
 
     exchange = Exchange(plan, fan.rank, fan.group, fan.to_global, batch_of, loop.fetch,
-                        lambda r: landing(r, loop.views), store.read_into, checks, fan.timeout, threads)
+                        lambda r: landing(r, loop.views), store.read_into, checks, fan.timeout, threads, fan.wire)
     exchange.start()
     error: BaseException | None = None
     whole: list[int] = []
@@ -258,15 +307,16 @@ class Exchange:
     (the fetch loop, through the given source). ``mine``: this rank's request of each batch
     it takes part in, by batch index. ``read(file, offset, out)``: a ranged read from the
     store (counted by the caller). ``chunk_checks(k)``: batch ``k``'s chunks' stored offsets,
-    lengths and checksums."""
+    lengths and checksums. ``wire``: what the messages travel as (:class:`HostWire`: CPU tensors)."""
 
     def __init__(self, plan: FanoutPlan, rank: int, group: "dist.ProcessGroup | None", to_global: Callable[[int], int],
                  mine: dict[int, Request], place: Callable[[Request, "BufferSource | InPlace"], int],
                  spot: Callable[[Request], np.ndarray | None],
                  read: Callable[[str, int, memoryview], None],
                  chunk_checks: Callable[[int], tuple[list[int], list[int], list[int]]], timeout: float,
-                 reads_ahead: int = 2) -> None:
+                 reads_ahead: int = 2, wire: HostWire | None = None) -> None:
         self.plan, self.rank, self.group, self.to_global = plan, rank, group, to_global
+        self.wire = HostWire() if wire is None else wire
         self.mine, self.place, self.spot, self.read, self.chunk_checks = mine, place, spot, read, chunk_checks
         self.timeout = timeout
         self.reads_ahead = max(1, reads_ahead)  # a reader's batches read at once (the load's read threads)
@@ -331,15 +381,15 @@ class Exchange:
                 buf, out, source = future.result()
                 b = self.plan.batches[k]
                 works = []
+                sent = [self.wire.out(_header(k, True, b.length)), self.wire.out(as_tensor(out))]
                 for dst in b.receivers:
                     g = self.to_global(dst)
                     try:
-                        works.append((dst, dist.isend(_header(k, True, b.length), g, group=self.group)))
-                        works.append((dst, dist.isend(as_tensor(out), g, group=self.group)))
+                        works.extend((dst, dist.isend(t, g, group=self.group)) for t in sent)
                     except Exception as exc:  # noqa: BLE001 - the pair is closed: that rank died
                         raise self._not_taken(dst, exc) from None
                 told += 1
-                held.append((works, out, b.length))
+                held.append((works, (out, sent), b.length))
                 self._placed(self.place(self.mine[k], source))
             while held:
                 self._settle(held.popleft())
@@ -392,7 +442,8 @@ class Exchange:
                 if dst not in told:
                     told.add(dst)
                     try:
-                        wait(dist.isend(_header(k, False, 0), self.to_global(dst), group=self.group), self.timeout)
+                        wait(dist.isend(self.wire.out(_header(k, False, 0)), self.to_global(dst), group=self.group),
+                             self.timeout)
                     except Exception:  # noqa: BLE001 - that rank fails on its own timeout instead
                         pass
 
@@ -427,12 +478,14 @@ class Exchange:
             raise error
 
     def _recv(self, into: torch.Tensor, src: int, reader: int, what: str) -> None:
+        got = self.wire.into(into)
         try:
-            wait(dist.irecv(into, src, group=self.group), self.timeout)
+            wait(dist.irecv(got, src, group=self.group), self.timeout)
         except Exception as exc:  # noqa: BLE001 - the reader died or hangs: fail naming it
             raise PeerFailure(f"rank {self.rank}: no message from rank {reader}, which reads {what} for it in this "
                               f"load, within {self.timeout:g} s (rank {reader} failed or died; see its error): {exc}",
                               reader) from None
+        self.wire.landed(got, into)
 
     def _place_checked(self, k: int, b: Batch, data: np.ndarray, source: "BufferSource | InPlace") -> None:
         """Place batch ``k`` (received into ``data``); where a chunk fails its check, read

@@ -151,16 +151,24 @@ def _batches(shared: dict[tuple[int, ...], list[tuple[str, int]]], given: dict[t
     return out
 
 
-FANOUT_MODES = ("auto", True, False)
+FANOUT_MODES = ("auto", True, False, "nccl")
 
 
 def wanted(mode: "str | bool", world: int, local: bool, url: str, backend: str | None) -> bool:
     """Whether a load fans out: never for one rank; ``"auto"``: when the store is remote
     (not a local folder, nor ``memory://``, which is each process's own) and the load's
     group runs on gloo (the exchange sends CPU tensors); ``True``: whenever there are
-    ranks to share with (an NCCL group is refused: the exchange is CPU-only)."""
+    ranks to share with (an NCCL group is refused: the chunks travel as CPU tensors);
+    ``"nccl"``: likewise, over an NCCL group (the chunks travel as device tensors: the
+    exchange's :class:`flexckpt.load.exchange.DeviceWire`), any other group refused."""
     if world <= 1 or mode is False:
         return False
+    if mode == "nccl":
+        if "nccl" not in str(backend):
+            raise ValueError(f"fanout='nccl' needs the load's process group on NCCL (the chunks travel as CUDA "
+                             f"tensors); this group's backend is {backend!r}: pass process_group= an NCCL group, "
+                             f"or fanout=True for a gloo one")
+        return True
     if "gloo" not in str(backend):  # "gloo", or a group with gloo for its CPU tensors ("cpu:gloo,cuda:nccl")
         if mode is True:
             raise ValueError(f"fanout=True needs the load's process group on gloo (the chunks travel as CPU tensors); "
