@@ -52,7 +52,7 @@ class _Only:
 
 
 def test_the_protocols_name_what_the_tier_needs():
-    assert _members(TierHost) == ["group", "rank", "read_threads", "run_id", "session", "steps", "storage", "world_size"]
+    assert _members(TierHost) == ["group", "rank", "read_threads", "run_id", "session", "storage", "world_size"]
     assert _members(StagedSaves) == ["capture", "plan_for", "release", "share_staged"]
 
 
