@@ -33,7 +33,7 @@ import torch.distributed as dist
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError
 from flexckpt.format.codec import parse_compression
-from flexckpt.format.manifest import GROUP, step_dir
+from flexckpt.format.names import GROUP, step_dir
 from flexckpt.load.committed import load_committed
 from flexckpt.load.pending import LoadStats
 from flexckpt.load.rebuild import load_dict

@@ -27,7 +27,8 @@ import torch
 
 from flexckpt.errors import ManifestError, StructureMismatch
 from flexckpt.load.exchange import Fanout, fetch_fanned
-from flexckpt.format.manifest import Manifest, keyed_name, step_dir
+from flexckpt.format.manifest import Manifest
+from flexckpt.format.names import keyed_name, step_dir
 from flexckpt.format.tables import file_entries, from_peer
 from flexckpt.format.write_plan import part_of_world
 from flexckpt.load.fetch import FetchLoop, StoreSource, byte_view, run_shares, target_views, verify
