@@ -1,6 +1,6 @@
 """What the ranks agree on with a collective, outside the save path: at load, the step
 (rank 0 picks, everyone gets it) and whether any rank failed. With a process group, on its
-ranks. (At construction the ids go through the store, not a collective: see ``savers``.)"""
+ranks. (At construction the ids go through the store, not a collective: see :mod:`flexckpt.save.savers`.)"""
 from __future__ import annotations
 
 from typing import Callable

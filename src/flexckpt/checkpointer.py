@@ -3,17 +3,19 @@ write, and the coordinator commits. ``load`` restores at any world size.
 
 This module is the facade: construction, ``save``/``save_local``/``load``/``check``,
 ``wait``/``close``, ``steps``/``contents``. It owns its parts and hands each call on:
-  save.pipeline - ``SavePipeline``: planning and capture on the training thread, the staging
-                  and writing threads, attempt numbering (``Attempts``);
-  committer     - ``Committer``: the commit thread of rank 0 and the group leaders, records,
-                  failure reports, the other ranks' wait for the commit (pure steps in commit);
-  save_job      - the settings both share, and the job a save is on its way;
-  handle        - ``SaveHandle``, what a save returns, and ``InFlight``, the saves not yet done;
-  agree         - the collectives of load (the step, the first failed rank);
-  savers        - who saves (``ranks=``), and the ids they agree on at construction, through
-                  the process group's store rather than a collective;
-  tier          - the fast tier (``local=``), given this facade as its host and the pipeline
-                  as its staging.
+  save.pipeline  - ``SavePipeline``: planning and capture on the training thread, the staging
+                   and writing threads, attempt numbering (``Attempts``);
+  save.committer - ``Committer``: the commit thread of rank 0 and the group leaders, records,
+                   failure reports, the other ranks' wait for the commit (pure steps in
+                   ``save.commit``);
+  save.job       - the settings both share, and the job a save is on its way;
+  save.handle    - ``SaveHandle``, what a save returns, and ``InFlight``, the saves not yet done;
+  save.savers    - who saves (``ranks=``), and the ids they agree on at construction, through
+                   the process group's store rather than a collective;
+  load.committed - the store's load: the step agreed, read, success agreed, the fallback;
+  load.rebuild   - ``load_dict``, a saved state without a template;
+  tier           - the fast tier (``local=``), given this rank's identity and store as its
+                   host (``tier.seam.TierHost``, values) and the pipeline as its staging.
 No thread holds the Checkpointer, and none ever enters a collective on the save path.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError
 from flexckpt.format.codec import parse_compression
-from flexckpt.format.manifest import GROUP, step_dir
+from flexckpt.format.names import GROUP, step_dir
 from flexckpt.load.committed import load_committed
 from flexckpt.load.pending import LoadStats
 from flexckpt.load.rebuild import load_dict
@@ -45,6 +47,7 @@ from flexckpt.state.structure import check_state, excluder, walk
 from flexckpt.storage import DEFAULT_STALL_TIMEOUT, Storage
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier
+from flexckpt.tier.seam import TierHost
 from flexshard import current_world
 
 log = logging.getLogger("flexckpt")
@@ -200,9 +203,11 @@ class Checkpointer:
         since = time.time() - (0.0 if self.storage.local else CLOCK_SKEW)
         self._committer = Committer(settings, self._in_flight, keep_last=keep_last, since=since)
         self._pipeline = SavePipeline(settings, self._committer, self._in_flight, max_in_flight)
-        # the tier's host is this facade through a weak proxy: the tier's thread must not keep a
-        # Checkpointer dropped without close() alive
-        self.tier = None if local is None else FastTier(local, host=weakref.proxy(self), staging=self._pipeline)
+        # the tier's host is this rank's identity and store, as values: the tier holds no reference
+        # to this facade (its thread must not keep a Checkpointer dropped without close() alive)
+        host = TierHost(rank=self.rank, world_size=self.world_size, run_id=self.run_id, session=self.session,
+                        storage=self.storage, group=self.group, read_threads=self.read_threads)
+        self.tier = None if local is None else FastTier(local, host=host, staging=self._pipeline)
 
     def _start_reclaim(self) -> threading.Thread | None:
         """The coordinator removes the files of saves cut short before this launch on a thread

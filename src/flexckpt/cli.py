@@ -46,7 +46,8 @@ from flexckpt.convert.reshard import checked_layouts, cmd_reshard, no_checkpoint
 from flexckpt.errors import CheckpointError
 from flexckpt.format.checksum import checksum
 from flexckpt.format.codec import Compression, decompress_into, parse_compression
-from flexckpt.format.manifest import MAX_WORLD, Manifest, step_dir
+from flexckpt.format.manifest import MAX_WORLD, Manifest
+from flexckpt.format.names import step_dir
 from flexckpt.load.pending import read_bytes_values
 from flexckpt.restore_plan import restore_plan
 from flexckpt.save.commit import committed_steps, read_manifest

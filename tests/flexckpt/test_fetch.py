@@ -1,6 +1,6 @@
 """The load's read-and-verify loop on a local file: a fetch's chunks are read in groups of
 about ``READ_GROUP_BYTES`` and each group verified before the next is read; the reading
-threads' shares run under one stall watch each (``stall.bounded_all``)."""
+threads' shares run under one stall watch each (``storage_stall.bounded_all``)."""
 import os
 import threading
 import time

@@ -4,9 +4,9 @@ Every ``import`` statement counts, at module level and inside functions alike (a
 import inside a function is still a dependency that runs back up). An edge goes to the
 module named (``from flexckpt.tier import LocalTier`` names ``flexckpt.tier``;
 ``from flexckpt import cli`` names ``flexckpt.cli``), not to the parent packages Python
-also imports on the way. Sub-packages count as one node too: ``save_pipeline`` importing
-``tier.inventory`` while ``tier.fast`` imports ``save_pipeline`` is a circle between
-``save_pipeline`` and the ``tier`` package."""
+also imports on the way. Sub-packages count as one node too: ``save.pipeline`` importing
+``tier.inventory`` while ``tier.fast`` imports ``save.pipeline`` is a circle between
+the ``save`` and ``tier`` packages."""
 from __future__ import annotations
 
 import ast

@@ -1,5 +1,6 @@
-"""The read plan over columns (readplan.file_plan, requests, read_groups, scatter) against
-the computation it replaced, one object a chunk and a copy (kept here as the reference),
+"""The read plan over columns (read_plan.file_plan, requests, read_groups, scatter) against
+the computation it replaced, one object a chunk and a copy (the reference, in
+tests/helpers/read_plan_reference.py and below),
 over random plans: the same chunks, the same bytes to the same places, the same requests
 and read groups; and a load simulated from the plan's lists alone rebuilds every target."""
 from __future__ import annotations

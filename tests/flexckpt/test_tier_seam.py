@@ -52,8 +52,19 @@ class _Only:
 
 
 def test_the_protocols_name_what_the_tier_needs():
-    assert _members(TierHost) == ["group", "rank", "read_threads", "run_id", "session", "steps", "storage", "world_size"]
+    assert _members(TierHost) == ["group", "rank", "read_threads", "run_id", "session", "storage", "world_size"]
     assert _members(StagedSaves) == ["capture", "plan_for", "release", "share_staged"]
+
+
+def test_the_checkpointer_hands_its_tier_values_not_itself(tmp_path):
+    """The tier never calls back into the facade: its host is a TierHost of this rank's
+    identity and store, not the Checkpointer (nor a proxy of it)."""
+    local = LocalTier(dir=str(tmp_path / "shm"), replicas=0, lineage="host")
+    with Checkpointer(str(tmp_path / "store"), rank=0, world_size=1, run_id="host", local=local) as ck:
+        host = ck.tier.host
+        assert type(host) is TierHost
+        assert (host.rank, host.world_size, host.run_id, host.session) == (0, 1, ck.run_id, ck.session)
+        assert host.storage is ck.storage and host.read_threads == ck.read_threads
 
 
 def test_a_fast_tier_saves_and_recovers_through_the_protocols_alone(tmp_path):

@@ -1,5 +1,5 @@
-"""Chunk checksums: xxh3-64 (the xxhash package), which runs at tens of GB/s, so verifying
-every read never becomes the bottleneck."""
+"""Chunk checksums: xxh3-64 (the xxhash package), cheap enough that every chunk of every
+read is verified (a load's cost of it: bench/RESULTS.md)."""
 from __future__ import annotations
 
 import xxhash
@@ -8,10 +8,10 @@ ALGORITHM = "xxh3_64"
 
 
 def checksum_int(data: "bytes | memoryview") -> int:
-    """xxh3-64 of ``data``, in one call: python-xxhash (4.1.0 measured) lets go of the GIL
-    while it hashes a large input (measured: a second thread keeps running through a 64 MiB
-    hash), so a training thread is not held up by a background thread's hash. The digest
-    equals one streamed in pieces (what earlier versions computed)."""
+    """xxh3-64 of ``data``, in one call; equal to the digest of the same bytes streamed in
+    pieces (:func:`digest_parts`). python-xxhash (4.1.0, the version constraints.txt pins;
+    bench/RESULTS.md) releases the GIL while it hashes a large input, so a background
+    thread's hash does not hold up the training thread."""
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     return xxhash.xxh3_64_intdigest(view)
 

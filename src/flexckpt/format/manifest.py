@@ -112,7 +112,7 @@ class FileEntry:
     """A data file: its raw stream's size and its chunks as columns, one row a chunk: raw
     byte offset and length, stored offset and length (int64), checksum (uint64), codec
     (uint8, an index into CODECS). A load plans and verifies over the columns (thousands of
-    chunks a file: one object each was most of a warm load's planning); :attr:`chunks`, one
+    chunks a file: no Python object a chunk on that path); :attr:`chunks`, one
     :class:`StoredChunk` each, is built on first use for the callers that walk them one by
     one (verify, inspect)."""
 

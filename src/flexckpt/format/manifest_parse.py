@@ -293,7 +293,7 @@ _new = object.__new__
 def _saved_tensor(spec: TensorSpec, source: PlanPieces) -> SavedTensor:
     """``SavedTensor(spec.name, spec.dtype, spec.shape, spec.layout, None, source)``,
     built without the frozen dataclass's per-field ``__setattr__`` (a load builds one a
-    tensor, and that was a fifth of reading a manifest)."""
+    tensor, on the manifest's hot path); the same object the constructor would give."""
     t = _new(SavedTensor)
     t.__dict__.update(name=spec.name, dtype=spec.dtype, shape=spec.shape, layout=spec.layout, pieces=None,
                       source=source)

@@ -1,15 +1,15 @@
-"""The fetch loop of a load: the requests of a read plan (:func:`flexckpt.load.read_plan.plan_requests`)
+"""The fetch loop of a load: the requests of a read plan (:func:`flexckpt.load.read_plan.plan_file_requests`)
 turned into bytes placed in the targets, every chunk verified against its checksum first.
 
 The steps, each a name of its own:
 
 - :func:`target_views`: where the bytes land, a writable view of each target (or of a CPU
   staging copy, copied home by ``PendingLoad.apply``);
-- the seam, :class:`ByteSource`: what *obtains* a request's stored bytes. Today one
-  implementation, :class:`StoreSource`, a ranged read of the step's file on the storage;
-  :meth:`FetchLoop.source_for` picks the source of each request, so a later change can
-  obtain some requests' bytes elsewhere (a peer that read them once) with the rest of the
-  loop unchanged: whatever the source, the loop verifies every chunk it places;
+- the seam, :class:`ByteSource`: what *obtains* a request's stored bytes:
+  :class:`StoreSource`, a ranged read of the step's file on the storage (or on a fast
+  tier's recovery view), or the bytes of a batch a peer read once
+  (:class:`flexckpt.load.exchange.BufferSource`); :meth:`FetchLoop.source_for` picks the
+  source of each request. Whatever the source, the loop verifies every chunk it places;
 - :class:`FetchLoop`: per request, obtain its bytes, verify its chunks, place them
   (straight into the targets when uncompressed; decompressed through a scratch buffer
   otherwise); :func:`run_shares` spreads the requests over the storage's helper threads.
@@ -236,8 +236,8 @@ class FetchLoop:
             verify_scattered(sc, r.first, r.stop, bufs, self.where(r))
         else:
             # a local file: read a group of chunks, then verify them while their bytes are
-            # still in the CPU's cache (hashing after a 16 MiB read fetched every byte from
-            # memory a second time: a quarter of a warm load's CPU)
+            # still in the CPU's cache (hashing after the whole request is read would fetch
+            # every byte from memory a second time)
             first, begin = r.first, 0
             for end, place_end in r.groups:
                 source.read_scatter(file, sc.offsets[first], places[begin : place_end - x])

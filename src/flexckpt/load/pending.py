@@ -27,7 +27,8 @@ import torch
 
 from flexckpt.errors import ManifestError, StructureMismatch
 from flexckpt.load.exchange import Fanout, fetch_fanned
-from flexckpt.format.manifest import Manifest, keyed_name, step_dir
+from flexckpt.format.manifest import Manifest
+from flexckpt.format.names import keyed_name, step_dir
 from flexckpt.format.tables import file_entries, from_peer
 from flexckpt.format.write_plan import part_of_world
 from flexckpt.load.fetch import FetchLoop, StoreSource, byte_view, run_shares, target_views, verify
@@ -348,8 +349,8 @@ def subset_load() -> Iterator[None]:
 def collection_paused() -> Iterator[None]:
     """The garbage collector held off while a load plans and reads: it allocates thousands
     of small tuples (pieces, chunks, copies) and no reference cycles, and the collections
-    they trigger walk every object of the trainer (about 170k with torch imported; a full
-    one took 85-300 ms, longer than the load) for nothing."""
+    they would trigger walk every object of the trainer for nothing. The collector's state
+    is restored on the way out, whatever happens."""
     was = gc.isenabled()
     gc.disable()
     try:

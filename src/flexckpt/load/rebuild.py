@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 
 from flexckpt.errors import ManifestError, StructureMismatch
-from flexckpt.format.manifest import MAX_ZSTD_RATIO, Manifest, step_dir
+from flexckpt.format.manifest import MAX_ZSTD_RATIO, Manifest
+from flexckpt.format.names import step_dir
 from flexckpt.load.pending import PendingLoad, decode_per_rank, read_bytes_values, subset_load
 from flexckpt.state.dtypes import itemsize
 from flexckpt.state.plain import decode_plain

@@ -102,7 +102,7 @@ class Committer:
             self.report_failure(job, exc, "committing")
             return
         job.handle.timings["commit_s"] = time.perf_counter() - t0
-        job.handle._done.set()  # committed: retention below is housekeeping, not part of the save
+        job.handle._succeed()  # committed: retention below is housekeeping, not part of the save
         try:
             with self.folders_lock:
                 apply_retention(self.storage, self.keep_last, job.step, job.attempt, self.since,
@@ -150,7 +150,7 @@ class Committer:
         except BaseException as exc:  # noqa: BLE001
             self.report_failure(job, exc, "gathering its group's records")
             return
-        job.handle._done.set()
+        job.handle._succeed()
 
     def record(self, job: SaveJob) -> bytes:
         """This rank's record of ``job`` for its group leader (rank 0's own, for its gather)."""
@@ -186,7 +186,7 @@ class Committer:
         except BaseException as exc:  # noqa: BLE001
             self.report_failure(job, exc, "writing its record")
             return
-        job.handle._done.set()
+        job.handle._succeed()
 
     def report_failure(self, job: SaveJob, exc: BaseException, what: str) -> None:
         """Every rank announces its own failure to the attempt's other ranks (rank 0's

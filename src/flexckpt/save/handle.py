@@ -71,6 +71,10 @@ class SaveHandle:
             self._wait_commit(self.step, left)
         return self.step
 
+    def _succeed(self) -> None:
+        """This rank's part is done (called by the pipeline's committer or the fast tier)."""
+        self._done.set()
+
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error

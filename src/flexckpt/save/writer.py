@@ -117,7 +117,7 @@ def write_rank_files(
 
 def encode_per_rank(value: Any) -> Any:
     """A per-rank value as JSON: itself, or a small tensor as dtype, shape and base64 bytes
-    (``load.decode_per_rank`` reads it back)."""
+    (:func:`flexckpt.load.pending.decode_per_rank` reads it back)."""
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         return {

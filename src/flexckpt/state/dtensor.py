@@ -59,7 +59,7 @@ def _types() -> tuple:
 
 def dtensor_type() -> Any:
     """DTensor's class, or None while ``torch.distributed.tensor`` is not imported: a DTensor
-    cannot exist before its module is, and importing it here (it pulls in sympy, 1.5-2 s of
+    cannot exist before its module is, and importing it here (it pulls in sympy, seconds of
     CPU) would cost every process that imports flexckpt, DTensors or not."""
     if _TYPES is None and "torch.distributed.tensor" not in sys.modules:
         return None

@@ -307,7 +307,7 @@ class FastTier:
             self.failing = 0
         h.timings["failed_in_a_row"] = 0.0
         self._busy.clear()
-        h._done.set()
+        h._succeed()
 
     def _replicate(self, job: FastJob, doc: dict, meta: bytes, files: list) -> None:
         """A copy of the saved files to each live partner, sent from where they are (the

@@ -15,7 +15,8 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from flexckpt.format.manifest import FileEntry, Manifest, data_name
+from flexckpt.format.manifest import FileEntry, Manifest
+from flexckpt.format.names import data_name
 from flexckpt.load.pending import FETCH_BYTES
 from flexckpt.load.read_plan import Request, plan_requests
 

@@ -29,7 +29,7 @@ from flexckpt.format.manifest_parse import parse_manifest
 from flexckpt.format.names import keyed_name, step_dir, table_name, values_name
 from flexckpt.format.write_plan import PlanRules
 from flexckpt.load.pending import PendingLoad
-from flexckpt.save.commit import SavedPlan, build_manifest, read_manifest, write_keyed
+from flexckpt.save.commit import SavedPlan, build_manifest, committed_steps, read_manifest, write_keyed
 from flexckpt.save.stage_union import union_structure
 from flexckpt.state.dtypes import dtype_from_name
 from flexckpt.state.structure import TensorSpec, Walk, excluder, walk
@@ -166,7 +166,7 @@ class StepRecovery:
             w = full.without(gone)
             fp = compat_fingerprint(w.structure_json())
             held = scan(tier.storage)
-            persistent = self.host.steps() if tier.rank == 0 else []
+            persistent = committed_steps(self.host.storage) if tier.rank == 0 else []
             mine = (tier.node, [(h.step, h.attempt, h.rank, h.world, h.doc) for h in held], persistent, fp, "",
                     tier.folder_id)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below

@@ -1,9 +1,11 @@
-"""What the fast tier needs of the objects it is composed with: its host (the
-``Checkpointer``: who this rank is, the run's store) and the persistent save pipeline's
+"""What the fast tier needs of the objects it is composed with: its host (who this rank is,
+the run and its persistent store, as values the ``Checkpointer`` hands over: the tier holds
+no reference to the facade and never calls back into it) and the persistent save pipeline's
 staging (plans, captures, and the staged buffer of the save of the same step). The tier
 reads nothing else of either."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -13,8 +15,10 @@ if TYPE_CHECKING:
     from flexckpt.state.structure import Walk
 
 
-class TierHost(Protocol):
-    """The job the tier serves: this rank, the run, and its persistent store."""
+@dataclass(frozen=True)
+class TierHost:
+    """The job the tier serves: this rank, the run, and its persistent store (whose
+    committed steps a recovery reads itself, with ``committed_steps(storage)``)."""
 
     rank: int
     world_size: int
@@ -23,10 +27,6 @@ class TierHost(Protocol):
     storage: "Storage"  # the persistent store: the run folder's record, and a recovery's missing ranks
     group: Any  # the torch.distributed process group of the job, or None (the default group)
     read_threads: int  # parallel ranged reads of a recovery's load
-
-    def steps(self) -> list[int]:
-        """The persistent store's committed steps, oldest first."""
-        ...
 
 
 class StagedSaves(Protocol):
