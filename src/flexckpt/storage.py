@@ -341,6 +341,12 @@ class Storage:
     def open_reader(self, rel: str) -> "RangeReader":
         return RangeReader(self, rel)
 
+    def from_peer(self, rel: str) -> bool:
+        """Whether ``rel``'s bytes come from ranges a peer sent rather than from this storage:
+        never here (a fast tier's recovery view, :class:`flexckpt.tier.view.StepView`, says yes
+        for the files it routes to a peer's ranges)."""
+        return False
+
     # -- listing and removal ----------------------------------------------------------------
     @_watched
     def list_names(self, rel: str = "") -> list[str]:

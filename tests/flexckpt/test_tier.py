@@ -188,6 +188,7 @@ def _restart(rank, world, url, root, nodes, oracle_step=None):
     want = make_state(rank, world, step)
     exact = all(torch.equal(state[n].local, want[n].local) for n in SHAPES)
     rec = ck.tier.last_recovery
+    from_peers = ck.last_load_stats.bytes_from_peers if rec.source == "tier" else None
     store_bytes, store_files, oracle = read[0], dict(by_file), None
     if oracle_step is not None:
         by_file.clear()
@@ -202,7 +203,7 @@ def _restart(rank, world, url, root, nodes, oracle_step=None):
             "want_lanes": want["data"].values, "meta": state["meta"], "source": rec.source, "reason": rec.reason,
             "parts": rec.parts, "seconds": seconds, "tier_left": os.path.exists(ck.tier.root),
             "fetched": rec.fetched, "sent": rec.sent_bytes, "received": rec.fetched_bytes, "store_files": store_files,
-            "oracle": oracle}
+            "oracle": oracle, "from_peers": from_peers}
 
 
 def _copy_nodes(root: str, dst: str, lose: list[str], drop_steps: tuple[int, ...] = ()) -> str:
@@ -287,6 +288,7 @@ def test_node_lost_restores_fast_step_renumbered_without_reading_the_store(kille
         assert all(n == r["oracle"][name] for name, n in got.items()), (got, r["oracle"])
     assert any(fetched)
     assert sum(r["sent"] for r in res) == sum(r["received"] for r in res) > 0
+    assert [r["from_peers"] for r in res] == [r["received"] for r in res]  # the load counts what the tier fetched
     whole = os.path.getsize(os.path.join(url, "step-000000000008",
                                          *[f for f in _files(url, 8) if f.endswith("r00001.data")]))
     partial = [n for r in res for rel, n in r["fetched"].items() if rel.endswith(".data") and n < whole]

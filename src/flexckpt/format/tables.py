@@ -43,16 +43,6 @@ def file_entries(manifest: Manifest, files: Iterable[str]) -> dict[str, FileEntr
     return {file: listed[file] for file in files}
 
 
-def from_peer(storage: Any, rel: str) -> bool:
-    """Whether ``storage`` reads file ``rel`` from ranges a peer sent: a fast tier's
-    recovery view (:class:`flexckpt.tier.view.StepView`) routes such files to a
-    ``Received`` (no ``Storage``: it has no ``open_reader``); every other read is the
-    storage's own."""
-    routes = getattr(storage, "routes", None)
-    route = routes.get(rel) if isinstance(routes, dict) else None
-    return route is not None and not hasattr(route, "open_reader")
-
-
 class TableFiles(DataFiles):
     """Version 2's (and later) ``manifest.files``: the data files by name, each read on
     first use from its rank's table file (verified against the manifest), never all at once."""
@@ -144,7 +134,7 @@ class TableFiles(DataFiles):
                 f"{what} {rel}: {len(data)} bytes with checksum {got}, the manifest says {nbytes} bytes with {want}; "
                 f"it is damaged or belongs to another save"
             )
-        peer = from_peer(self.storage, rel)
+        peer = self.storage.from_peer(rel)
         with self._lock:
             self.bytes_read += len(data)
             self.peer_bytes_read += len(data) if peer else 0

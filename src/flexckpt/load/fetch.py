@@ -26,7 +26,6 @@ from flexckpt.errors import ChecksumError
 from flexckpt.format.checksum import checksum, digest, digest_parts
 from flexckpt.format.codec import decompress_into
 from flexckpt.format.manifest import CODECS
-from flexckpt.format.tables import from_peer
 from flexckpt.load.read_plan import Request, Scatter
 from flexckpt.storage import RangeReader, Storage
 from flexckpt.storage_stall import bounded_all
@@ -86,7 +85,7 @@ class StoreSource:
     """Obtains stored bytes by ranged reads of the step's files on ``storage`` (one reader a
     file, opened on first use, closed by :meth:`close`). Counts what it read:
     ``bytes_from_store``, and ``bytes_from_peers`` for the files a fast tier's recovery
-    view routes to ranges a peer sent (:func:`flexckpt.format.tables.from_peer`)."""
+    view routes to ranges a peer sent (``Storage.from_peer``)."""
 
     def __init__(self, storage: Storage, folder: str) -> None:
         self.storage = storage
@@ -101,7 +100,7 @@ class StoreSource:
             got = self._readers.get(file)
             if got is None:
                 rel = f"{self.folder}/{file}"
-                got = self._readers[file] = (self.storage.open_reader(rel), from_peer(self.storage, rel))
+                got = self._readers[file] = (self.storage.open_reader(rel), self.storage.from_peer(rel))
             return got
 
     def _count(self, peer: bool, n: int) -> None:

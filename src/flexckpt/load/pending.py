@@ -29,7 +29,7 @@ from flexckpt.errors import ManifestError, StructureMismatch
 from flexckpt.load.exchange import Fanout, fetch_fanned
 from flexckpt.format.manifest import Manifest
 from flexckpt.format.names import keyed_name, step_dir
-from flexckpt.format.tables import file_entries, from_peer
+from flexckpt.format.tables import file_entries
 from flexckpt.format.write_plan import part_of_world
 from flexckpt.load.fetch import FetchLoop, StoreSource, byte_view, run_shares, target_views, verify
 from flexckpt.load.read_plan import file_plans, gather_runs, requests_of
@@ -236,7 +236,7 @@ class PendingLoad:
         finally:
             store.close()
         keyed = sum(len(v) for v in self._keyed.values())
-        keyed_from_peer = keyed and from_peer(self.storage, f"{folder}/{keyed_name(m.attempt)}")  # type: ignore[arg-type]
+        keyed_from_peer = keyed and self.storage.from_peer(f"{folder}/{keyed_name(m.attempt)}")
         tables = [now - before for now, before in zip(_metadata_read(m), tables_before)]
         s = self.stats
         s.fetches = len(requests)

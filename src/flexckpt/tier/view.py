@@ -98,6 +98,9 @@ class StepView:
     def _source(self, rel: str) -> "Storage | Received":
         return self.routes.get(rel, self.default)
 
+    def from_peer(self, rel: str) -> bool:
+        return isinstance(self.routes.get(rel), Received)
+
     def open_reader(self, rel: str):  # -> RangeReader | Received
         src = self._source(rel)
         return src if isinstance(src, Received) else src.open_reader(rel)
