@@ -16,8 +16,10 @@ The state is the same as save_latency's (Shard(0) pieces of fp32 tensors; DTenso
 DCP, ShardedTensors for flexckpt), saved once by each library at world 2 (flexckpt
 without compression). Each load goes into zeroed tensors of the target world's layout
 and is checked element by element afterwards. Seconds are the slowest rank's, from a
-barrier to the end of its load call; MiB/s is the whole state over those seconds. The
-raw reference reads the flexckpt checkpoint's data files themselves, split into equal
+barrier to the end of its load call (the state dict of DTensors or ShardedTensors is
+built before the barrier, as a trainer holds it; until issue 29's fifth session it was
+built inside the timed call: ~3 ms of the flexckpt figure); MiB/s is the whole state over
+those seconds. The raw reference reads the flexckpt checkpoint's data files themselves, split into equal
 byte ranges over the ranks, with pread into a buffer, cold and warm. Each run (fresh
 rank processes per world) makes ``--loads`` rounds of the raw read and every library's
 load, cold then warm; figures are medians over every round of every run (on a machine
@@ -168,13 +170,15 @@ def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -
         tensors that came out wrong, flexckpt's load stats."""
         for t in target.values():
             t.zero_()
+        # the state to load into, built before the clock starts (a trainer holds it already)
+        state = _sharded(target, specs, rank, world) if lib == "flexckpt" else _dtensors(target, specs, world)
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         if lib == "flexckpt":
-            ckpt.load(_sharded(target, specs, rank, world))
+            ckpt.load(state)
             stats = vars(ckpt.last_load_stats).copy() if ckpt.last_load_stats else {}
         else:
-            dcp.load(_dtensors(target, specs, world), checkpoint_id=os.path.join(root, "dcp"))
+            dcp.load(state, checkpoint_id=os.path.join(root, "dcp"))
             stats = {}
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         return seconds, cpu, H.mismatches(target, specs, rank, world, version=7), stats
@@ -199,7 +203,9 @@ def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -
             seconds, cpu, bad_c, out[f"{lib}_stats"] = load(lib)
             out[f"{lib}_cold"].append(seconds)
             out[f"{lib}_cpu_cold"].append(cpu)
-            seconds, cpu, bad_w, _ = load(lib)
+            seconds, cpu, bad_w, warm_stats = load(lib)
+            for ph in PHASES if lib == "flexckpt" else ():  # where a warm load's time went (LoadStats' seconds)
+                out.setdefault(f"{ph}_warm", []).append(warm_stats.get(ph, math.nan))
             out[f"{lib}_warm"].append(seconds)
             out[f"{lib}_cpu_warm"].append(cpu)
             out[f"{lib}_bad"] = sorted(set(out.get(f"{lib}_bad", []) + bad_c + bad_w))[:5]
@@ -209,6 +215,7 @@ def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -
     return out
 
 
+PHASES = ("plan_s", "fetch_s", "agree_s", "apply_s")
 LIMIT_KEYS = tuple(f"lim{part}_{kind}" for part in ("", "_read", "_sum") for kind in ("cold", "warm"))
 
 
@@ -399,13 +406,14 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     wall = time.monotonic() - t_start
 
-    rows, goal_rows, limit_rows = [], [], []
+    rows, goal_rows, limit_rows, phase_rows = [], [], [], []
     headline: dict[str, float] = {}  # the medians bench/compare_revisions.py compares
     any_bad = False
     for world in args.load_worlds:
         summ = [_summ(r) for r in results[world]]
         limit, got = limit_row(world, summ)
         limit_rows.append(limit)
+        phase_rows.append(phase_row(world, summ))
         for kind in ("cold", "warm"):
             headline[f"restore 2->{world} {kind} s"] = H.median(x for s in summ for x in s[f"flexckpt_{kind}"])
             headline[f"restore/limit 2->{world} {kind}"] = got[kind][0]
@@ -469,6 +477,13 @@ def main(argv: list[str] | None = None) -> int:
         H.markdown_table(["load", "restore cold s (median / p99)", "limit cold s", "ratio cold (median / p99)",
                           "restore warm s", "limit warm s", "ratio warm", "rounds"], limit_rows),
         "",
+        "Where a warm load's time goes (`last_load_stats`: plan = manifest read and parsed, checks, chunk tables, "
+        "read plan; fetch = bytes read, verified, placed; agree = the step and success agreements, waiting for the "
+        "slowest rank included; apply = values set; ms, the ranks' mean, median over the rounds), against the limit:",
+        "",
+        H.markdown_table(["load", "restore warm ms (slowest rank)", "plan", "fetch", "agree", "apply", "limit warm ms",
+                          "fetch / limit"], phase_rows),
+        "",
         "### flexckpt against the issue's load goals (this run)",
         "",
         H.markdown_table(["load", "goal", "measured", "met"], goal_rows),
@@ -526,7 +541,19 @@ def _summ(ranks: list[dict]) -> dict:
     out: dict[str, Any] = {k: [max(r[k][i] if k in r else math.nan for r in ranks) for i in range(rounds)]
                            for k in KEYS}  # nan: a library left out (--libs)
     out["bad"] = sorted({b for r in ranks for lib in ("flexckpt", "dcp") for b in r.get(f"{lib}_bad", [])})
+    for ph in PHASES:  # the ranks' mean in each round
+        out[f"{ph}_warm"] = [sum(r[f"{ph}_warm"][i] for r in ranks) / len(ranks) if f"{ph}_warm" in ranks[0] else math.nan
+                             for i in range(rounds)]
     return out
+
+
+def phase_row(world: int, summ: list[dict]) -> list[str]:
+    """Where a warm load's seconds went (``LoadStats``' phases, the ranks' mean, median over
+    the rounds) beside the load (slowest rank) and the limit."""
+    med = {k: H.median(x for s in summ for x in s[k]) for k in ("flexckpt_warm", "lim_warm", *(f"{p}_warm" for p in PHASES))}
+    ms = lambda k: f"{med[k] * 1e3:.1f}"  # noqa: E731
+    return [f"2 -> {world}", ms("flexckpt_warm"), *(ms(f"{p}_warm") for p in PHASES), ms("lim_warm"),
+            f"{med['fetch_s_warm'] / med['lim_warm']:.2f}x"]
 
 
 if __name__ == "__main__":

@@ -65,3 +65,42 @@ def test_a_resharding_load_counts_only_the_chunks_its_part_touches_and_the_table
     assert want < m.ranks[0].stored_nbytes  # a part of the file, not all of it
     assert stats.bytes_from_store == want + m.ranks[0].table_nbytes
     assert stats.bytes_from_peers == 0
+
+
+def test_a_load_says_where_its_time_went_plan_fetch_agree_apply(tmp_path, monkeypatch):
+    """``LoadStats``' seconds: a slow manifest read shows in ``plan_s``, slow data reads in
+    ``fetch_s``, each only there; the phases add up to no more than the load's wall time."""
+    import time
+
+    import flexckpt.load.committed as committed
+    import flexckpt.load.fetch as fetch
+
+    url = str(tmp_path / "ck")
+    with Checkpointer(url, chunk_bytes=1024) as ck:
+        ck.save(1, _state()).result()
+    read_manifest_, read_scatter = committed.read_manifest, fetch.StoreSource.read_scatter
+
+    def slow_manifest(*a, **k):
+        time.sleep(0.2)
+        return read_manifest_(*a, **k)
+
+    def slow_read(self, *a, **k):
+        time.sleep(0.1)
+        return read_scatter(self, *a, **k)
+
+    target = {"w": torch.zeros(64, 32), "b": torch.zeros(100), "blob": b""}
+    with Checkpointer(url, run_id="reader", read_only=True) as ck:
+        monkeypatch.setattr(committed, "read_manifest", slow_manifest)
+        t0 = time.perf_counter()
+        ck.load(target)
+        wall = time.perf_counter() - t0
+        s = ck.last_load_stats
+        assert s.plan_s >= 0.2 and s.fetch_s < 0.2, (s.plan_s, s.fetch_s)
+        monkeypatch.setattr(committed, "read_manifest", read_manifest_)
+        monkeypatch.setattr(fetch.StoreSource, "read_scatter", slow_read)
+        ck.load(target)
+        s2 = ck.last_load_stats
+        assert s2.fetch_s >= 0.1 * s2.fetches and s2.plan_s < 0.1, (s2.fetch_s, s2.plan_s, s2.fetches)
+    assert s.agree_s >= 0 and s.apply_s >= 0
+    assert s.plan_s + s.fetch_s + s.agree_s + s.apply_s <= wall
+    assert torch.equal(target["w"], _state()["w"])

@@ -5,6 +5,7 @@ success before any value is set. A failure on any rank fails the load on all; wi
 from __future__ import annotations
 
 import logging
+import time
 import torch.distributed as dist
 
 from flexckpt.agree import agree_step, first_failed_rank
@@ -28,27 +29,34 @@ def load_committed(storage: Storage, w: Walk, *, rank: int, world_size: int, gro
     def steps() -> list[int]:
         return committed_steps(storage)
 
+    t0 = time.perf_counter()
     chosen = agree_step(rank, world_size, group, steps, storage.url, step, None)
+    agreed = time.perf_counter() - t0  # the step agreements' seconds
     while True:
         error: BaseException | None = None
         pending = None
         fan = fanout_for(fanout, storage, rank, world_size, group)
         try:
+            t0 = time.perf_counter()
             manifest = read_manifest(storage, chosen)
             pending = PendingLoad(storage, manifest, w, rank, world_size, strict, gone)
+            pending.stats.plan_s = time.perf_counter() - t0
             pending.read(read_threads, fan)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
             error = exc
             if fan is not None:
                 fan.join_failed()  # a rank that failed before the fan-out's gather still joins it
+        t0 = time.perf_counter()
         try:
             failed_rank = first_failed_rank(rank, world_size, group, error is not None, isinstance(error, PeerFailure))
         except Exception:  # noqa: BLE001 - a peer that died breaks the agreement too: name it, not the group
             if isinstance(error, PeerFailure):
                 raise error from None
             raise
+        agreed += time.perf_counter() - t0
         if failed_rank is None:
             assert pending is not None
+            pending.stats.agree_s = agreed
             pending.apply()
             return chosen, pending.stats
         if error is not None and fallback:  # handled, not raised: say what failed (raised: never logged too)
@@ -58,5 +66,7 @@ def load_committed(storage: Storage, w: Walk, *, rank: int, world_size: int, gro
                 raise error
             raise LoadError(f"load of step {chosen} failed on rank {failed_rank}; see that rank's error")
         previous = chosen
+        t0 = time.perf_counter()
         chosen = agree_step(rank, world_size, group, steps, storage.url, None, previous)
+        agreed += time.perf_counter() - t0
         log.warning("flexckpt: load of step %d failed; falling back to step %d", previous, chosen)

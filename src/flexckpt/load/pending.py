@@ -20,6 +20,7 @@ import gc
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -58,6 +59,15 @@ class LoadStats:
     bytes_from_store: int = 0
     bytes_from_peers: int = 0  # with fan-out (Checkpointer(fanout=)) also the chunks other ranks read for this one
     peer_chunks_reread: int = 0  # fan-out: chunks received from a peer that failed their check, read from the store
+    # where this rank's load spent its time (wall seconds): ``plan_s``, the manifest read and
+    # parsed, the checks, the chunk tables and the read plan; ``fetch_s``, the bytes read (or
+    # received), verified and placed; ``agree_s``, the step and success agreements with the
+    # other ranks (waiting for the slowest rank included); ``apply_s``, the values set and
+    # staged tensors copied home. Their sum is most of the load's wall time.
+    plan_s: float = 0.0
+    fetch_s: float = 0.0
+    agree_s: float = 0.0
+    apply_s: float = 0.0
     # strict=False (or exclude=): ``missing``, the state's keys the checkpoint lacks (they keep
     # what they held); ``not_loaded``, the checkpoint's keys this rank's state did not take
     # (per-rank values at another world size too); ``skipped``, both, sorted
@@ -214,6 +224,7 @@ class PendingLoad:
         """Plan the reads (the chunk tables they need read first: :func:`flexckpt.format.tables.file_entries`),
         read and check the small values, then fetch every request (:mod:`flexckpt.load.fetch`)."""
         m = self.manifest
+        t0 = time.perf_counter()
         tables_before = _metadata_read(m)
         targets = [(m.tensors[self.walk.specs[i].name], rng) for i, rng in self.targets]
         by_file = gather_runs(targets)
@@ -224,6 +235,8 @@ class PendingLoad:
         store = StoreSource(self.storage, folder)
         loop = FetchLoop(views, store, folder)
         exchange = None
+        t1 = time.perf_counter()
+        self.stats.plan_s += t1 - t0
         try:
             if fanout is None:
                 requests = requests_of(plans, FETCH_BYTES, READ_GROUP_BYTES)
@@ -235,6 +248,7 @@ class PendingLoad:
                                                          self.storage.url)
         finally:
             store.close()
+            self.stats.fetch_s += time.perf_counter() - t1
         keyed = sum(len(v) for v in self._keyed.values())
         keyed_from_peer = keyed and self.storage.from_peer(f"{folder}/{keyed_name(m.attempt)}")
         tables = [now - before for now, before in zip(_metadata_read(m), tables_before)]
@@ -301,6 +315,7 @@ class PendingLoad:
         """Copy staged tensors home, set plain, per-lane and per-rank values (all decoded
         and checked by :meth:`read`, before the ranks agreed), and call ``load_state_dict``
         on stateful objects (innermost first)."""
+        t0 = time.perf_counter()
         for t, tmp in self._copy_back:
             t.copy_(tmp, non_blocking=False)
         m, w = self.manifest, self.walk
@@ -321,6 +336,7 @@ class PendingLoad:
             w.per_rank[name].restored = False
         for _name, obj, sd in reversed(w.statefuls):
             obj.load_state_dict(sd)
+        self.stats.apply_s = time.perf_counter() - t0
         if self.stats.not_loaded and self.rank == 0 and not getattr(_subset, "on", False):
             names = self.stats.not_loaded
             log.warning("flexckpt: load of step %d with strict=False left out %d key(s) the checkpoint holds: %s%s "
