@@ -24,7 +24,7 @@ from flexckpt.errors import MissingFile, TooLarge, TruncatedFile
 from flexckpt.format.manifest import MAX_MANIFEST_BYTES, SEAL_FIELD, seal, unseal
 from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
-from flexshard import HybridShard, ShardedTensor
+from flexshard import HybridShard, Shard, ShardedTensor
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "v1"
 HERE = Path(__file__).resolve().parents[1]
@@ -138,6 +138,35 @@ def test_each_damage_the_issue_found_is_flexckpts_own_error_in_every_command(tmp
     for argv in (("inspect", root, "--tensors"), ("plan", root, "--world", 3)):
         rc, out = _run(*argv)
         assert rc == 2 and out.startswith("flexckpt: invalid checkpoint manifest"), out
+
+
+def _v2_alike(tmp_path):
+    root = tmp_path / "v2a"  # six tensors of one dtype, shape and layout: the entry a manifest repeats
+    with Checkpointer(str(root), run_id="bad", chunk_bytes=256) as ck:
+        ck.save(3, {f"w{i}": ShardedTensor.from_global(torch.ones(1, 4), Shard(0), 0, 1) for i in range(6)}).result(timeout=30)
+    return root
+
+
+ALIKE = {  # entries changed to JSON equal (==) to the other tensors' but of another type; the first bad one named
+    "a dimension true": ([("w3", "shape", [True, 4])], r"tensor 'w3' dimension must be an int in \[0, \d+\], got True"),
+    "a dimension 4.0": ([("w0", "shape", [1, 4.0])], r"tensor 'w0' dimension must be an int in \[0, \d+\], got 4.0"),
+    "a layout dim false": ([("w5", "layout", {"kind": "shard", "dim": False})],
+                           r"tensor 'w5': layout field 'dim' must be an int, got False"),
+    "two, the later first": ([("w4", "dtype", "float99"), ("w2", "layout", {"kind": "shard", "dim": 0.0})],
+                             r"tensor 'w2': layout field 'dim' must be an int, got 0.0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ALIKE))
+def test_a_tensor_whose_entry_only_equals_the_others_in_json_is_named_and_refused(tmp_path, case):
+    # the parse checks each distinct entry once (issue 29): a bool or a float for an int is another entry
+    root = _v2_alike(tmp_path)
+    m = read_manifest(Storage(str(root)), 3)
+    assert {(t.dtype, t.shape, t.layout) for t in m.tensors.values()} == {(torch.float32, (1, 4), Shard(0))}
+    edits, message = ALIKE[case]
+    _edit(root, lambda doc: [doc["tensors"][name].__setitem__(field, value) for name, field, value in edits])
+    with pytest.raises(ManifestError, match=message):
+        read_manifest(Storage(str(root)), 3)
 
 
 @pytest.mark.parametrize("make", [_v1, _v2])

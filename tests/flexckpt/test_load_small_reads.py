@@ -169,3 +169,21 @@ def test_random_box_and_flat_targets_of_random_shapes_load_exact_through_small_r
         for k, v in want.items():
             expect = ShardedTensor.from_global(v, target[k].layout, rank, 4).local
             assert torch.equal(target[k].local, expect), (k, target[k].layout, rank)
+
+
+def test_a_files_chunk_columns_are_read_only_so_no_load_changes_the_next(tmp_path):
+    # issue 29: a file's raw chunk bounds are the plan's, shared by every load of the structure
+    from flexckpt.save.commit import read_manifest
+    from flexckpt.storage import Storage
+
+    url = str(tmp_path / "ck")
+    with Checkpointer(url, chunk_bytes=256) as ck:
+        ck.save(1, {"w": torch.arange(300.0)}).result(timeout=30)
+    storage = Storage(url)
+    (name,) = read_manifest(storage, 1).files
+    entry = read_manifest(storage, 1).files[name]
+    for column in (entry.raw_offsets, entry.raw_lengths):
+        with pytest.raises(ValueError, match="read-only"):
+            column[0] = 7
+    again = read_manifest(storage, 1).files[name]
+    assert again == entry and again.raw_offsets.tolist()[:2] == [0, 256] and len(again) == 6

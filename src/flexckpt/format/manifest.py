@@ -262,7 +262,7 @@ class PlanPieces:
     def __init__(self, plan: WritePlan, attempt: str) -> None:
         self.plan = plan
         self.attempt = attempt
-        self.index = {s.name: i for i, s in enumerate(plan.specs)}
+        self.index = plan.spec_index
         self._files: dict[int, str] = {}
 
     def offset(self, rank: int, spec_index: int) -> int:
@@ -282,12 +282,11 @@ class PlanPieces:
         """:meth:`pieces_in` of the flat range ``[lo, hi)`` (not empty) of a flat-layout
         tensor, as ``(file, start, stop, raw_offset)`` tuples (each a flat range of the whole
         tensor); None for a mesh layout, whose pieces are boxes."""
-        i = self.index[name]
-        plan = self.plan
-        if plan._geometry[i].kind == "mesh":
+        found = self.plan.flat_pieces(self.index[name], lo, hi)
+        if found is None:
             return None
-        files, offsets = self._files, plan.offsets
-        return [(files.get(r) or self._file(r), a, b, offsets(r)[i]) for r, a, b in plan.flat_spans(i, lo, hi)]
+        files = self._files
+        return [(files.get(r) or self._file(r), a, b, offset) for r, a, b, offset in found]
 
     def _file(self, rank: int) -> str:
         name = self._files.get(rank)

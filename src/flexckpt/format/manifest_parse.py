@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 import threading
 from typing import Any
 
+import orjson
 import torch
 
+from flexckpt.errors import ManifestError
 from flexckpt.format.checksum import ALGORITHM
 from flexckpt.format.chunktable import MAX_TABLE_BYTES
 from flexckpt.format.jsondoc import SEAL_FIELD, fail, get_field, get_int, parse_json, show, unseal
@@ -139,14 +142,8 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
     codec = doc.get("codec")
     if codec not in CODECS:
         raise fail(where, f"codec {show(codec)} is not one of {CODECS}")
-    fields = []  # (name, dtype, shape, layout) a tensor: the plan's key, TensorSpecs only for a new plan
-    for name, entry in get_field(doc, "tensors", dict, where).items():
-        dtype, shape, layout = _tensor_fields(name, entry, where)
-        if entry.keys() != _V2_TENSOR_FIELDS:
-            raise fail(where, f"tensor {show(name)} has fields {sorted(entry)}, expected dtype, shape and layout")
-        if version < 3 and isinstance(layout, MeshLayout):
-            raise fail(where, f"tensor {show(name)} has a mesh layout, which a version-{version} manifest cannot hold")
-        fields.append((name, dtype, shape, layout))
+    # (name, dtype, shape, layout) a tensor: the plan's key, TensorSpecs only for a new plan
+    fields = _v2_tensors(get_field(doc, "tensors", dict, where), where, version)
     try:
         plan = _write_plan(fields, world, rules)
     except (ValueError, OverflowError) as e:  # OverflowError: sizes past int64 (a block of 2**62)
@@ -182,7 +179,7 @@ def _parse_v2(doc: dict, step: int, run_id: str, world: int, wall: float, fp: st
                     version, attempt, rules, codec, ranks_t, keyed=keyed, tree=tree)
 
 
-_PLANS: dict[tuple, WritePlan] = {}  # the newest few, oldest first
+_PLANS: list[tuple[tuple, WritePlan]] = []  # the newest few, newest last
 _PLANS_KEPT = 2
 _plans_lock = threading.Lock()
 
@@ -191,18 +188,19 @@ def _write_plan(fields: list[tuple], world: int, rules: PlanRules) -> WritePlan:
     """The plan of a structure (``(name, dtype, shape, layout)`` a tensor) at a world size
     under the rules: a pure function of the three, which caches each rank's pieces and
     chunks as they are asked for. Manifests of one structure (each step a job saves, each
-    load of it) share one, so a repeated load plans once."""
-    key = (tuple(fields), world, rules)
+    load of it) share one, so a repeated load plans once. Found by equality, not by hash:
+    comparing two structures whose layouts are the same objects costs a third of hashing
+    one (a layout's hash is Python code, its equality to itself is not)."""
+    key = (world, rules, fields)
     with _plans_lock:
-        plan = _PLANS.pop(key, None)
-        if plan is not None:
-            _PLANS[key] = plan  # now the newest
-            return plan
+        for k, (known, plan) in enumerate(_PLANS):
+            if known == key:
+                _PLANS.append(_PLANS.pop(k))  # now the newest
+                return plan
     plan = WritePlan([TensorSpec(*f) for f in fields], world, rules)
     with _plans_lock:
-        _PLANS[key] = plan
-        while len(_PLANS) > _PLANS_KEPT:
-            del _PLANS[next(iter(_PLANS))]
+        _PLANS.append((key, plan))
+        del _PLANS[:-_PLANS_KEPT]
     return plan
 
 
@@ -286,6 +284,44 @@ def _explain_bad_chunk(name: str, i: int, c: Any, raw_pos: int, pos: int, where:
 
 
 _V2_TENSOR_FIELDS = frozenset(("dtype", "shape", "layout"))
+
+
+def _v2_entry(name: str, entry: Any, where: str, version: int) -> tuple[torch.dtype, tuple[int, ...], Layout]:
+    """A version-2 (and later) tensor's dtype, shape and layout, validated."""
+    fields = _tensor_fields(name, entry, where)
+    if entry.keys() != _V2_TENSOR_FIELDS:
+        raise fail(where, f"tensor {show(name)} has fields {sorted(entry)}, expected dtype, shape and layout")
+    if version < 3 and isinstance(fields[2], MeshLayout):
+        raise fail(where, f"tensor {show(name)} has a mesh layout, which a version-{version} manifest cannot hold")
+    return fields
+
+
+def _v2_tensors(raw: dict, where: str, version: int) -> list[tuple]:
+    """``(name, dtype, shape, layout)`` of every tensor of ``raw``, validated.
+
+    A manifest has hundreds of tensors and a handful of distinct entries: each distinct
+    entry is checked once, found by its JSON text (which tells its value exactly: a bool
+    is not an int there, nor 1.0 the int 1; ``raw`` is orjson's, which refuses NaN and
+    infinity, the only values it would write as another's text), so equal texts give
+    equal fields. Where
+    anything fails, the tensors are checked one by one, so that the error names the first
+    bad tensor as it always has."""
+    names, entries = list(raw), list(raw.values())
+    try:
+        texts = list(map(orjson.dumps, entries))
+    except TypeError:  # nested too deep to write back: checked one by one below
+        texts = None
+    if texts is not None and "" not in raw and max(map(len, names), default=0) <= 4096:
+        try:
+            fields_of = {text: _v2_entry(name, entry, where, version)
+                         for text, (name, entry) in dict(zip(texts, zip(names, entries))).items()}
+        except ManifestError:
+            pass
+        else:
+            return list(map(operator.add, zip(names), map(fields_of.__getitem__, texts)))
+    return [(name, *_v2_entry(name, entry, where, version)) for name, entry in raw.items()]
+
+
 _INT_ONLY = frozenset((int,))
 _new = object.__new__
 

@@ -8,7 +8,6 @@ rank's per-rank values file. :func:`file_entries` reads the entries a read plan 
 that the planner (:mod:`flexckpt.load.read_plan`) is given them and does no I/O itself."""
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from typing import Any, Iterable, Iterator
@@ -167,8 +166,7 @@ class TableFiles(DataFiles):
         lengths = table.stored_lengths
         if (lengths > MAX_CHUNK_BYTES).any() or int(lengths.sum(dtype=np.uint64)) != self.ranks[rank].stored_nbytes:
             raise ManifestError(f"{where}: chunk lengths do not add up to the {self.ranks[rank].stored_nbytes} bytes stored")
-        bounds = np.fromiter(itertools.chain.from_iterable(raw.chunks), dtype=np.int64, count=2 * len(raw.chunks))
-        raw_offsets, raw_lengths = bounds[0::2], bounds[1::2]  # (offset, length) a chunk
+        raw_offsets, raw_lengths = self.plan.chunk_columns(rank)
         stored = lengths.astype(np.int64)  # each at most MAX_CHUNK_BYTES: checked
         if self.codec == "none" and (stored != raw_lengths).any():
             bad = int(np.flatnonzero(stored != raw_lengths)[0])

@@ -92,6 +92,9 @@ class RankPlan:
     chunks: tuple[Chunk, ...]
 
 
+_FLAT_PIECES_KEPT = 1 << 16  # a plan's flat_pieces answers kept: a few a tensor for 16K tensors
+
+
 def _align(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
@@ -107,7 +110,8 @@ class WritePlan:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         specs = sorted(specs, key=lambda s: s.name)
         names = [s.name for s in specs]
-        if len(set(names)) != len(names):
+        self.spec_index = {name: i for i, name in enumerate(names)}  # a spec's index, by its name
+        if len(self.spec_index) != len(names):
             raise ValueError(f"duplicate tensor names in state: {sorted({n for n in names if names.count(n) > 1})}")
         for s in specs:
             if isinstance(s.layout, HybridShard):
@@ -125,6 +129,8 @@ class WritePlan:
         self._rank_pieces: dict[int, tuple[list[Piece], int]] = {}
         self._offsets: dict[int, dict[int, int]] = {}
         self._wholes: dict[int, Box] = {}
+        self._chunk_columns: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._flat_pieces: dict[tuple[int, int, int], tuple[tuple[int, int, int, int], ...]] = {}
         self._geometry = _geometries(self.specs, world_size, rules)
 
     @property
@@ -138,6 +144,17 @@ class WritePlan:
             if not 0 <= rank < self.world_size:
                 raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
             cached = self._rank_plans[rank] = self._make_rank_plan(rank)
+        return cached
+
+    def chunk_columns(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rank ``rank``'s chunks as two int64 columns, raw offset and raw length, computed
+        once (read-only: every load of the structure shares them)."""
+        cached = self._chunk_columns.get(rank)
+        if cached is None:
+            chunks = self.rank_plan(rank).chunks
+            bounds = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=2 * len(chunks))
+            bounds.flags.writeable = False
+            cached = self._chunk_columns[rank] = (bounds[0::2], bounds[1::2])
         return cached
 
     def rank_pieces(self, rank: int) -> tuple[list[Piece], int]:
@@ -264,6 +281,23 @@ class WritePlan:
         flat ranges they write as parts of the whole tensor."""
         box = self._whole(i)
         return [(r, Part(box, a, b)) for r, a, b in self.flat_spans(i, lo, hi)]
+
+    def flat_pieces(self, i: int, lo: int, hi: int) -> tuple[tuple[int, int, int, int], ...] | None:
+        """:meth:`flat_spans` of elements ``[lo, hi)`` (not empty) of tensor ``i`` with where
+        each piece starts in its writer's stream: ``(rank, start, stop, raw_offset)``; None
+        for a mesh layout (its pieces are boxes). A pure function of the plan, asked once a
+        tensor a load: kept (bounded), so a load of a known structure looks it up."""
+        key = (i, lo, hi)
+        found = self._flat_pieces.get(key)
+        if found is None:
+            if self._geometry[i].kind == "mesh":
+                return None
+            offsets = self.offsets
+            found = tuple([(r, a, b, offsets(r)[i]) for r, a, b in self.flat_spans(i, lo, hi)])
+            if len(self._flat_pieces) >= _FLAT_PIECES_KEPT:
+                self._flat_pieces.clear()
+            self._flat_pieces[key] = found
+        return found
 
     def flat_spans(self, i: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """:meth:`writers` of elements ``[lo, hi)`` (not empty) of a flat-layout tensor as
