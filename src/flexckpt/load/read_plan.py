@@ -23,20 +23,23 @@ from typing import Mapping, NamedTuple
 import numpy as np
 
 from flexckpt.errors import ManifestError
-from flexckpt.format.manifest import FileEntry, Manifest, SavedTensor
+from flexckpt.format.manifest import FileEntry, Manifest, PlanPieces, SavedTensor
+from flexckpt.format.names import data_name
 from flexckpt.state.dtypes import itemsize
-from flexshard import FlatRange, Part, runs
+from flexshard import FlatRange, MeshLayout, Part, runs
 from flexshard.box import whole
 
 
 class _Runs:
     """The runs a load wants from one file: raw byte start, length, target, byte position
-    in the target. A flat piece (every flexshard layout) adds its one run as plain ints; an
-    n-D box adds its runs (one a row, maybe thousands) as arrays."""
+    in the target. A flat piece of a version-1 or mesh-layout tensor adds its one run as
+    plain ints; an n-D box adds its runs (one a row, maybe thousands) as arrays; the flat
+    wants of version-2 tensors come as columns (:class:`_PlanSpans`)."""
 
     def __init__(self) -> None:
         self.ints: tuple[list[int], ...] = ([], [], [], [])
         self.arrays: list[tuple[np.ndarray, ...]] = []
+        self.spans: list[np.ndarray] | None = None
 
     def add_flat(self, target: int, raw_offset: int, start: int, stop: int, want: FlatRange | Part, size: int) -> int:
         """The one run two flat ranges of a tensor share at most: elements ``[start, stop)``,
@@ -54,9 +57,104 @@ class _Runs:
 
     def columns(self) -> list[np.ndarray]:
         cols = [np.array(c, dtype=np.int64) for c in self.ints]
+        if self.spans is not None:  # in target order, as one loop over the targets would have added them
+            if len(cols[0]):
+                cols = [np.concatenate([a, b]) for a, b in zip(self.spans, cols)]
+                order = np.argsort(cols[2], kind="stable")
+                cols = [c[order] for c in cols]
+            else:
+                cols = self.spans
         if self.arrays:
             cols = [np.concatenate([c, *(a[k] for a in self.arrays)]) for k, c in enumerate(cols)]
         return cols
+
+
+class _PlanSpans:
+    """The flat wants of version-2 tensors of one plan (a :class:`PlanPieces`): their
+    writers' flat spans found, clipped to the wants, checked and split by file as columns,
+    for all the wants at once. A row split's writers (most tensors: ``Shard``,
+    ``BlockShard``) are computed for every want together (:func:`_row_writers`); another
+    layout's are :meth:`WritePlan.flat_spans`' tuples."""
+
+    def __init__(self, source: PlanPieces) -> None:
+        self.source = source
+        self.items: list[tuple[int, SavedTensor, FlatRange | Part]] = []  # (target, saved tensor, want)
+
+    def runs(self, by_file: dict[str, _Runs], sizes: dict) -> tuple[int, int] | None:
+        """Adds the runs to ``by_file``; the first target whose writers do not cover its
+        want and the elements they hold of it, if any."""
+        plan, index = self.source.plan, self.source.index
+        geometry, flat_spans = plan._geometry, plan.flat_spans
+        wants: list[tuple[int, ...]] = []  # target, spec index, start, stop, element size; a row split's
+        # elements a rank and the tensor's (0, 0: its spans listed)
+        spans: list[tuple[int, int, int]] = []  # (rank, start, stop) of the listed wants' writers, in order
+        listed: list[int] = []  # the wants whose spans are listed
+        counts: list[int] = []  # ... and how many each
+        for t, saved, want in self.items:
+            i = index[saved.name]
+            geo = geometry[i]
+            size = sizes.get(saved.dtype) or sizes.setdefault(saved.dtype, itemsize(saved.dtype))
+            if geo.kind == "rows" and geo.span:
+                wants.append((t, i, want.start, want.stop, size, geo.span, geo.n))
+                continue
+            got = flat_spans(i, want.start, want.stop)
+            listed.append(len(wants))
+            counts.append(len(got))
+            spans += got
+            wants.append((t, i, want.start, want.stop, size, 0, 0))
+        w = np.fromiter(itertools.chain.from_iterable(wants), np.int64, 7 * len(wants)).reshape(-1, 7)
+        of, rank, start, stop = _row_writers(w, plan.world_size)
+        if listed:
+            cols = np.fromiter(itertools.chain.from_iterable(spans), np.int64, 3 * len(spans)).reshape(-1, 3)
+            of_listed = np.repeat(np.array(listed, dtype=np.int64), counts)
+            if len(of):  # each want's spans together, in want order
+                order = np.argsort(np.concatenate((of, of_listed)), kind="stable")
+                of, rank, start, stop = (np.concatenate(c)[order] for c in ((of, of_listed), (rank, cols[:, 0]),
+                                                                            (start, cols[:, 1]), (stop, cols[:, 2])))
+            else:
+                of, rank, start, stop = of_listed, cols[:, 0], cols[:, 1], cols[:, 2]
+        t, i, want_lo, want_hi, size = w[of, :5].T
+        lo, hi = np.maximum(start, want_lo), np.minimum(stop, want_hi)
+        n_el = np.maximum(hi - lo, 0)
+        held = np.concatenate(([0], np.cumsum(n_el)))[np.cumsum(np.bincount(of, minlength=len(w)))]
+        found = held - np.concatenate(([0], held[:-1]))  # elements each want's writers hold
+        short = np.flatnonzero(found != w[:, 3] - w[:, 2])
+        keep = np.flatnonzero(n_el > 0)
+        order = keep[np.argsort(rank[keep], kind="stable")]  # by file, each in target order
+        ends = [*(np.flatnonzero(rank[order[1:]] != rank[order[:-1]]) + 1).tolist(), len(order)]
+        offsets, attempt = plan.offsets, self.source.attempt
+        begin = 0
+        for end in ends if len(order) else ():
+            part = order[begin:end]
+            begin = end
+            r = int(rank[part[0]])
+            at = offsets(r)
+            raw = np.array([at[k] for k in i[part].tolist()], dtype=np.int64)
+            sz = size[part]
+            file = data_name(attempt, r)
+            acc = by_file.get(file)
+            if acc is None:
+                acc = by_file[file] = _Runs()
+            acc.spans = [raw + (lo[part] - start[part]) * sz, n_el[part] * sz, t[part], (lo[part] - want_lo[part]) * sz]
+        if len(short):
+            k = int(short[0])
+            return int(w[k, 0]), int(found[k])
+        return None
+
+
+def _row_writers(w: np.ndarray, world: int) -> tuple[np.ndarray, ...]:
+    """The writers of the wants ``w`` (rows as :meth:`_PlanSpans.runs` makes them) of
+    row-split tensors (those with a span): :meth:`WritePlan.flat_spans` of them all, as
+    columns (the want, the rank, its flat range), in want order. Rank ``k`` writes
+    elements ``[k * span, min((k + 1) * span, n))``."""
+    rows = np.flatnonzero(w[:, 5])
+    lo, hi, span, n = w[rows, 2], w[rows, 3], w[rows, 5], w[rows, 6]
+    first = lo // span
+    count = np.maximum(np.minimum(world, -(-hi // span)) - first, 0)
+    of = np.repeat(rows, count)
+    rank = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(len(of))
+    start = rank * w[of, 5]
+    return of, rank, start, np.minimum(start + w[of, 5], w[of, 6])
 
 
 def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str, list[np.ndarray]]:
@@ -65,22 +163,21 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
     files' chunk tables (:func:`cut_runs` then cuts them at the chunks' bounds)."""
     by_file: dict[str, _Runs] = {}
     sizes: dict = {}
+    plans: dict[int, _PlanSpans] = {}  # the flat wants of version-2 tensors, by plan
+    src, items = None, None
+    short: tuple[int, int] | None = None
     for t, (saved, want) in enumerate(targets):
+        if (saved.pieces is None and want.stop > want.start and not isinstance(saved.layout, MeshLayout)
+                and (isinstance(want, FlatRange) or want.box.sizes == saved.shape)):
+            # version 2, a flat range of a flat layout wanted: each writer's piece a flat range, one run at most
+            if saved.source is not src:
+                src = saved.source
+                items = (plans.get(id(src)) or plans.setdefault(id(src), _PlanSpans(src))).items  # type: ignore[arg-type]
+            items.append((t, saved, want))  # type: ignore[union-attr]
+            continue
         shape = saved.shape
         size = sizes.get(saved.dtype) or sizes.setdefault(saved.dtype, itemsize(saved.dtype))
         flat_want = isinstance(want, FlatRange) or want.box.sizes == shape
-        if flat_want and saved.pieces is None and want.stop > want.start:  # version 2, a flat range wanted
-            spans = saved.source.flat_pieces(saved.name, want.start, want.stop)  # type: ignore[union-attr]
-            if spans is not None:  # a flat layout: each writer's piece a flat range, one run at most
-                found = 0
-                for file, start, stop, raw_offset in spans:
-                    acc = by_file.get(file)
-                    if acc is None:
-                        acc = by_file[file] = _Runs()
-                    found += acc.add_flat(t, raw_offset, start, stop, want, size)
-                if found != want.stop - want.start:
-                    _not_covered(saved, want, found)
-                continue
         if isinstance(want, FlatRange):
             want = Part(whole(shape), want.start, want.stop)
         found = 0
@@ -96,8 +193,15 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
                 found += int(shared[:, 2].sum())
                 acc.arrays.append((piece.raw_offset + shared[:, 0] * size, shared[:, 2] * size,
                                    np.full(len(shared), t, dtype=np.int64), shared[:, 1] * size))
-        if found != len(want):
-            _not_covered(saved, want, found)
+        if found != len(want) and short is None:
+            short = (t, found)
+    for acc_plan in plans.values():
+        got = acc_plan.runs(by_file, sizes)
+        if got is not None and (short is None or got < short):
+            short = got
+    if short is not None:  # the first target in order whose want the checkpoint does not cover
+        t, found = short
+        _not_covered(targets[t][0], targets[t][1], found)
     return {file: acc.columns() for file, acc in by_file.items()}
 
 
@@ -314,29 +418,25 @@ def requests(plan: FilePlan, max_bytes: int, labels: np.ndarray | None = None) -
     return out
 
 
-def read_groups(lengths: list[int], stops: list[int], group_bytes: int) -> list[list[int]]:
+def read_groups(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes: int) -> list[list[int]]:
     """Where a local read cuts requests of chunks of stored ``lengths`` (consecutive
     requests ending at ``stops``) into groups: after the first chunk that brings a group to
     ``group_bytes``, and after a request's last. Each request's group ends (indices into
-    ``lengths``). A plain loop: one addition a chunk costs less than an array call a group."""
+    ``lengths``). Where a group from each chunk would end is one array call; then one step
+    a group."""
+    cum = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    after = np.searchsorted(cum, cum[:-1] + group_bytes, "left")  # a group from chunk k ends after chunk after[k] - 1
+    nxt = np.maximum(after, np.arange(1, len(cum))).tolist()  # (at least one chunk: a group_bytes of 0)
     out: list[list[int]] = []
-    cum = [0, *itertools.accumulate(lengths)]
     k = 0
     for stop in stops:
-        if cum[stop] - cum[k] < group_bytes:  # the whole request is short of one group
-            out.append([stop])
-            k = stop
-            continue
-        ends, total = [], 0
+        ends = []
         while k < stop:
-            total += lengths[k]
-            k += 1
-            if total >= group_bytes:
-                ends.append(k)
-                total = 0
-        if not ends or ends[-1] != stop:
-            ends.append(stop)
-        out.append(ends)
+            k = nxt[k]
+            if k >= stop:
+                k = stop
+            ends.append(k)
+        out.append(ends or [stop])
     return out
 
 
@@ -345,13 +445,15 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
     :class:`Scatter`: every list the fetch loop needs, built in one vectorized pass."""
     if not reqs:
         return []
-    lengths = plan.entry.lengths[plan.ids]
+    entry, ids = plan.entry, plan.ids
     seg_first, dest, pos, seg_len = plan.seg_first, plan.seg_dest, plan.seg_pos, plan.seg_len
-    n = len(plan.ids)
-    group_ends = read_groups(lengths.tolist(), [r.stop for r in reqs], group_bytes)
+    n = len(ids)
+    stops = [r.stop for r in reqs]
+    group_ends = read_groups(entry.lengths[ids], stops, group_bytes)
     cut_chunks = [c for r, ends in zip(reqs, group_ends) for c in (r.first, *ends[:-1])]  # ascending
-    sink = dest == SINK
-    if sink.any():  # a request's sink starts at 0: sink positions counted from its first segment's
+    one_each = len(seg_len) == n  # one segment a chunk: its first is all of it
+    sink = None if one_each else dest == SINK  # (a chunk of one segment has no sink: it is the chunk's copy)
+    if sink is not None and sink.any():  # a request's sink starts at 0: sink positions counted from its first segment's
         sink_before = np.concatenate(([0], np.cumsum(np.where(sink, seg_len, 0))))  # at each segment
         req_segs = seg_first[[r.first for r in reqs] + [n]]
         pos = np.where(sink, pos - np.repeat(sink_before[req_segs[:-1]], np.diff(req_segs)), pos)
@@ -367,18 +469,22 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
     start[seg_first[cut_chunks]] = True
     firsts = np.flatnonzero(start)
     place_len = np.add.reduceat(seg_len, firsts) if len(firsts) else seg_len
-    places = np.searchsorted(firsts, seg_first, "left").tolist()  # each chunk's first place (and the end)
-    multi = np.diff(seg_first) > 1
-    if multi.any():
-        multi_before = np.concatenate(([0], np.cumsum(multi))).tolist()
+    # the first place of each chunk a request or a group starts at (and of the end)
+    at = cut_chunks + stops
+    places = dict(zip(at, np.searchsorted(firsts, seg_first[at], "left").tolist()))
+    if one_each:
+        heads = dest.tolist(), pos.tolist(), seg_len.tolist()
+        multi, multi_before, segs = [False] * n, [0] * (n + 1), ([], [], [], [])
+    else:
+        multi_a = np.diff(seg_first) > 1
+        first = seg_first[:-1]
+        heads = dest[first].tolist(), pos[first].tolist(), seg_len[first].tolist()
+        multi, multi_before = multi_a.tolist(), np.concatenate(([0], np.cumsum(multi_a))).tolist()
         segs = (seg_first.tolist(), dest.tolist(), pos.tolist(), seg_len.tolist())
-    else:  # one segment a chunk: its first is all of it
-        multi_before, segs = [0] * (n + 1), ([], [], [], [])
-    heads = seg_first[:-1]
-    lists = Scatter(dest[firsts].tolist(), pos[firsts].tolist(), place_len.tolist(), plan.entry.checksums[plan.ids].tolist(),
-                    plan.entry.offsets[plan.ids].tolist(), multi.tolist(), multi_before, sunk_before,
-                    dest[heads].tolist(), pos[heads].tolist(), seg_len[heads].tolist(), *segs)
-    packed = np.concatenate(([0], np.cumsum(plan.entry.codec_ids[plan.ids] != 0))).tolist()
-    return [Request(plan, a, b, offset, length, lists, packed[b] > packed[a], sinks[b] - sinks[a], places[a],
-                    ((b, places[b]),) if len(ends) == 1 else tuple([(e, places[e]) for e in ends]))
+    lists = Scatter(dest[firsts].tolist(), pos[firsts].tolist(), place_len.tolist(), entry.checksums[ids].tolist(),
+                    entry.offsets[ids].tolist(), multi, multi_before, sunk_before, *heads, *segs)
+    codecs = entry.codec_ids[ids] != 0
+    packed = np.concatenate(([0], np.cumsum(codecs))).tolist() if codecs.any() else None
+    return [Request(plan, a, b, offset, length, lists, packed is not None and packed[b] > packed[a], sinks[b] - sinks[a],
+                    places[a], tuple([(e, places[e]) for e in ends]))
             for (_, a, b, offset, length, *_), ends in zip(reqs, group_ends)]
