@@ -275,11 +275,12 @@ def file_plan(file: str, entry: FileEntry, columns: list[np.ndarray]) -> FilePla
     and each touched chunk tiled by segments (:class:`FilePlan`). Copies of one chunk must
     not overlap."""
     chunk, chunk_pos, nbytes, dest, dest_pos = cut_runs(file, entry, *columns)
-    order = np.lexsort((chunk_pos, chunk))
-    chunk, chunk_pos, nbytes, dest, dest_pos = (c[order] for c in (chunk, chunk_pos, nbytes, dest, dest_pos))
     n = len(chunk)
     new_chunk = np.ones(n, dtype=bool)
     new_chunk[1:] = chunk[1:] != chunk[:-1]
+    if not new_chunk.all():  # a chunk of several copies: they go by position in it (cut_runs gave them by chunk)
+        order = np.lexsort((chunk_pos, chunk))
+        chunk, chunk_pos, nbytes, dest, dest_pos = (c[order] for c in (chunk, chunk_pos, nbytes, dest, dest_pos))
     last_in_chunk = np.ones(n, dtype=bool)
     last_in_chunk[:-1] = new_chunk[1:]
     ends = chunk_pos + nbytes
@@ -387,8 +388,8 @@ def requests_of(plans: list[FilePlan], max_bytes: int, group_bytes: int | None =
     each chunk with the batch it comes in, :mod:`flexckpt.load.fanout`)."""
     out: list[Request] = []
     for plan in plans:
-        reqs = requests(plan, max_bytes, None if labels is None else labels.get(plan.file))
-        out += reqs if group_bytes is None else scatter(plan, reqs, group_bytes)
+        reads = _reads(plan, max_bytes, None if labels is None else labels.get(plan.file))
+        out += [Request(plan, *r) for r in reads] if group_bytes is None else _scatter(plan, reads, group_bytes)
     return out
 
 
@@ -396,6 +397,11 @@ def requests(plan: FilePlan, max_bytes: int, labels: np.ndarray | None = None) -
     """``plan``'s touched chunks merged into ranged reads: runs of chunks touching in the
     file (and of one label, where ``labels`` gives each touched chunk one), cut where a
     request would pass ``max_bytes`` (one chunk may)."""
+    return [Request(plan, *r) for r in _reads(plan, max_bytes, labels)]
+
+
+def _reads(plan: FilePlan, max_bytes: int, labels: np.ndarray | None) -> list[tuple[int, int, int, int]]:
+    """:func:`requests` as tuples: first and stop touched chunk, stored offset, length."""
     if not len(plan.ids):
         return []
     offsets = plan.entry.offsets[plan.ids]
@@ -403,18 +409,23 @@ def requests(plan: FilePlan, max_bytes: int, labels: np.ndarray | None = None) -
     cut = offsets[1:] != ends[:-1]
     if labels is not None:
         cut |= labels[1:] != labels[:-1]
-    breaks = (np.flatnonzero(cut) + 1).tolist()
+    breaks = np.flatnonzero(cut) + 1
+    first, stop = np.concatenate(([0], breaks)), np.append(breaks, len(offsets))  # the runs of touching chunks
+    start = offsets[first]
+    length = ends[stop - 1] - start
+    if (length <= max_bytes).all():  # each run one request
+        return list(zip(first.tolist(), stop.tolist(), start.tolist(), length.tolist()))
     starts, stops = offsets.tolist(), ends.tolist()
-    out: list[Request] = []
-    for a, b in zip([0, *breaks], [*breaks, len(starts)]):
+    out: list[tuple[int, int, int, int]] = []
+    for a, b in zip(first.tolist(), stop.tolist()):
         while a < b:
             start = starts[a]
             if stops[b - 1] - start <= max_bytes:
-                stop = b
+                end = b
             else:
-                stop = max(a + 1, a + int(np.searchsorted(ends[a:b], start + max_bytes, "right")))
-            out.append(Request(plan, a, stop, start, stops[stop - 1] - start))
-            a = stop
+                end = max(a + 1, a + int(np.searchsorted(ends[a:b], start + max_bytes, "right")))
+            out.append((a, end, start, stops[end - 1] - start))
+            a = end
     return out
 
 
@@ -423,39 +434,56 @@ def read_groups(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes
     requests ending at ``stops``) into groups: after the first chunk that brings a group to
     ``group_bytes``, and after a request's last. Each request's group ends (indices into
     ``lengths``). Where a group from each chunk would end is one array call; then one step
-    a group."""
+    a group, in the requests longer than one."""
+    n = len(lengths)
     cum = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     after = np.searchsorted(cum, cum[:-1] + group_bytes, "left")  # a group from chunk k ends after chunk after[k] - 1
-    nxt = np.maximum(after, np.arange(1, len(cum))).tolist()  # (at least one chunk: a group_bytes of 0)
+    nxt = np.append(np.maximum(after, np.arange(1, n + 1)), n + 1)  # (at least one chunk: a group_bytes of 0)
+    ends_at = np.array(stops, dtype=np.int64)
+    firsts = np.concatenate(([0], ends_at[:-1]))
+    one = nxt[firsts] >= ends_at  # the request is one group
+    if one.all():
+        return [[stop] for stop in stops]
+    nxt_l = nxt.tolist()
     out: list[list[int]] = []
-    k = 0
-    for stop in stops:
+    for k, stop, whole in zip(firsts.tolist(), stops, one.tolist()):
+        if whole:
+            out.append([stop])
+            continue
         ends = []
         while k < stop:
-            k = nxt[k]
+            k = nxt_l[k]
             if k >= stop:
                 k = stop
             ends.append(k)
-        out.append(ends or [stop])
+        out.append(ends)
     return out
 
 
 def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Request]:
     """``reqs`` (of ``plan``, in order) with their read groups and the file's
     :class:`Scatter`: every list the fetch loop needs, built in one vectorized pass."""
-    if not reqs:
+    return _scatter(plan, [(r.first, r.stop, r.offset, r.length) for r in reqs], group_bytes)
+
+
+def _scatter(plan: FilePlan, reads: list[tuple[int, int, int, int]], group_bytes: int) -> list[Request]:
+    """:func:`scatter` of the reads :func:`_reads` gives."""
+    if not reads:
         return []
     entry, ids = plan.entry, plan.ids
     seg_first, dest, pos, seg_len = plan.seg_first, plan.seg_dest, plan.seg_pos, plan.seg_len
     n = len(ids)
-    stops = [r.stop for r in reqs]
+    stops = [r[1] for r in reads]
     group_ends = read_groups(entry.lengths[ids], stops, group_bytes)
-    cut_chunks = [c for r, ends in zip(reqs, group_ends) for c in (r.first, *ends[:-1])]  # ascending
+    if sum(map(len, group_ends)) == len(reads):  # each request one group
+        cut_chunks = [r[0] for r in reads]
+    else:
+        cut_chunks = [c for r, ends in zip(reads, group_ends) for c in (r[0], *ends[:-1])]  # ascending
     one_each = len(seg_len) == n  # one segment a chunk: its first is all of it
     sink = None if one_each else dest == SINK  # (a chunk of one segment has no sink: it is the chunk's copy)
     if sink is not None and sink.any():  # a request's sink starts at 0: sink positions counted from its first segment's
         sink_before = np.concatenate(([0], np.cumsum(np.where(sink, seg_len, 0))))  # at each segment
-        req_segs = seg_first[[r.first for r in reqs] + [n]]
+        req_segs = seg_first[[r[0] for r in reads] + [n]]
         pos = np.where(sink, pos - np.repeat(sink_before[req_segs[:-1]], np.diff(req_segs)), pos)
         sinks = sink_before[seg_first].tolist()
         sunk = np.add.reduceat(sink, seg_first[:-1]) > 0
@@ -485,6 +513,7 @@ def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Reque
                     entry.offsets[ids].tolist(), multi, multi_before, sunk_before, *heads, *segs)
     codecs = entry.codec_ids[ids] != 0
     packed = np.concatenate(([0], np.cumsum(codecs))).tolist() if codecs.any() else None
-    return [Request(plan, a, b, offset, length, lists, packed is not None and packed[b] > packed[a], sinks[b] - sinks[a],
-                    places[a], tuple([(e, places[e]) for e in ends]))
-            for (_, a, b, offset, length, *_), ends in zip(reqs, group_ends)]
+    make = Request._make  # (half the time of Request(...): a resharding load makes hundreds)
+    return [make((plan, a, b, offset, length, lists, packed is not None and packed[b] > packed[a], sinks[b] - sinks[a],
+                  places[a], ((b, places[b]),) if len(ends) == 1 else tuple([(e, places[e]) for e in ends])))
+            for (a, b, offset, length), ends in zip(reads, group_ends)]
