@@ -16,6 +16,7 @@ the entries from ``manifest.files`` (give it a mapping that holds them, as the t
 planning-only view does: a version-2 manifest's own reads any table it lacks)."""
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
@@ -423,7 +424,7 @@ def _reads(plan: FilePlan, max_bytes: int, labels: np.ndarray | None) -> list[tu
             if stops[b - 1] - start <= max_bytes:
                 end = b
             else:
-                end = max(a + 1, a + int(np.searchsorted(ends[a:b], start + max_bytes, "right")))
+                end = max(a + 1, bisect.bisect_right(stops, start + max_bytes, a, b))
             out.append((a, end, start, stops[end - 1] - start))
             a = end
     return out
@@ -431,10 +432,17 @@ def _reads(plan: FilePlan, max_bytes: int, labels: np.ndarray | None) -> list[tu
 
 def read_groups(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes: int) -> list[list[int]]:
     """Where a local read cuts requests of chunks of stored ``lengths`` (consecutive
-    requests ending at ``stops``) into groups: after the first chunk that brings a group to
-    ``group_bytes``, and after a request's last. Each request's group ends (indices into
-    ``lengths``). Where a group from each chunk would end is one array call; then one step
-    a group, in the requests longer than one."""
+    requests from chunk 0, ending at ``stops``) into groups: after the first chunk that
+    brings a group to ``group_bytes``, and after a request's last. Each request's group ends
+    (indices into ``lengths``)."""
+    ends, bounds = _group_ends(lengths, stops, group_bytes)
+    return [ends[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _group_ends(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes: int) -> tuple[list[int], list[int]]:
+    """:func:`read_groups` flat: every group's end, in order, and where each request's
+    ends begin in them (one more entry). Where a group from each chunk would end is one
+    array call; then one step a group, in the requests longer than one group."""
     n = len(lengths)
     cum = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     after = np.searchsorted(cum, cum[:-1] + group_bytes, "left")  # a group from chunk k ends after chunk after[k] - 1
@@ -443,21 +451,20 @@ def read_groups(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes
     firsts = np.concatenate(([0], ends_at[:-1]))
     one = nxt[firsts] >= ends_at  # the request is one group
     if one.all():
-        return [[stop] for stop in stops]
+        return list(stops), list(range(len(stops) + 1))
     nxt_l = nxt.tolist()
-    out: list[list[int]] = []
+    ends: list[int] = []
+    bounds = [0]
     for k, stop, whole in zip(firsts.tolist(), stops, one.tolist()):
-        if whole:
-            out.append([stop])
-            continue
-        ends = []
-        while k < stop:
-            k = nxt_l[k]
-            if k >= stop:
-                k = stop
-            ends.append(k)
-        out.append(ends)
-    return out
+        if not whole:
+            while True:
+                k = nxt_l[k]
+                if k >= stop:
+                    break
+                ends.append(k)
+        ends.append(stop)
+        bounds.append(len(ends))
+    return ends, bounds
 
 
 def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Request]:
@@ -474,11 +481,8 @@ def _scatter(plan: FilePlan, reads: list[tuple[int, int, int, int]], group_bytes
     seg_first, dest, pos, seg_len = plan.seg_first, plan.seg_dest, plan.seg_pos, plan.seg_len
     n = len(ids)
     stops = [r[1] for r in reads]
-    group_ends = read_groups(entry.lengths[ids], stops, group_bytes)
-    if sum(map(len, group_ends)) == len(reads):  # each request one group
-        cut_chunks = [r[0] for r in reads]
-    else:
-        cut_chunks = [c for r, ends in zip(reads, group_ends) for c in (r[0], *ends[:-1])]  # ascending
+    ends, bounds = _group_ends(entry.lengths[ids], stops, group_bytes)  # requests from chunk 0, one after another
+    cut_chunks = [0, *ends[:-1]]  # each group's first chunk
     one_each = len(seg_len) == n  # one segment a chunk: its first is all of it
     sink = None if one_each else dest == SINK  # (a chunk of one segment has no sink: it is the chunk's copy)
     if sink is not None and sink.any():  # a request's sink starts at 0: sink positions counted from its first segment's
@@ -497,9 +501,8 @@ def _scatter(plan: FilePlan, reads: list[tuple[int, int, int, int]], group_bytes
     start[seg_first[cut_chunks]] = True
     firsts = np.flatnonzero(start)
     place_len = np.add.reduceat(seg_len, firsts) if len(firsts) else seg_len
-    # the first place of each chunk a request or a group starts at (and of the end)
-    at = cut_chunks + stops
-    places = dict(zip(at, np.searchsorted(firsts, seg_first[at], "left").tolist()))
+    # the place each group ends at (the next one's first, or the end)
+    place_end = np.searchsorted(firsts, seg_first[ends], "left").tolist()
     if one_each:
         heads = dest.tolist(), pos.tolist(), seg_len.tolist()
         multi, multi_before, segs = [False] * n, [0] * (n + 1), ([], [], [], [])
@@ -515,5 +518,5 @@ def _scatter(plan: FilePlan, reads: list[tuple[int, int, int, int]], group_bytes
     packed = np.concatenate(([0], np.cumsum(codecs))).tolist() if codecs.any() else None
     make = Request._make  # (half the time of Request(...): a resharding load makes hundreds)
     return [make((plan, a, b, offset, length, lists, packed is not None and packed[b] > packed[a], sinks[b] - sinks[a],
-                  places[a], ((b, places[b]),) if len(ends) == 1 else tuple([(e, places[e]) for e in ends])))
-            for (a, b, offset, length), ends in zip(reads, group_ends)]
+                  place_end[g - 1] if g else 0, tuple(zip(ends[g:h], place_end[g:h]))))
+            for (a, b, offset, length), g, h in zip(reads, bounds, bounds[1:])]
