@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
@@ -79,33 +80,34 @@ class _PlanSpans:
 
     def __init__(self, source: PlanPieces) -> None:
         self.source = source
-        self.items: list[tuple[int, SavedTensor, FlatRange | Part]] = []  # (target, saved tensor, want)
+        self.targets: list[int] = []
+        self.saved: list[SavedTensor] = []
+        self.wants: list[FlatRange | Part] = []
 
     def runs(self, by_file: dict[str, _Runs], sizes: dict) -> tuple[int, int] | None:
         """Adds the runs to ``by_file``; the first target whose writers do not cover its
-        want and the elements they hold of it, if any."""
-        plan, index = self.source.plan, self.source.index
-        geometry, flat_spans = plan._geometry, plan.flat_spans
-        wants: list[tuple[int, ...]] = []  # target, spec index, start, stop, element size; a row split's
-        # elements a rank and the tensor's (0, 0: its spans listed)
-        spans: list[tuple[int, int, int]] = []  # (rank, start, stop) of the listed wants' writers, in order
-        listed: list[int] = []  # the wants whose spans are listed
-        counts: list[int] = []  # ... and how many each
-        for t, saved, want in self.items:
-            i = index[saved.name]
-            geo = geometry[i]
-            size = sizes.get(saved.dtype) or sizes.setdefault(saved.dtype, itemsize(saved.dtype))
-            if geo.kind == "rows" and geo.span:
-                wants.append((t, i, want.start, want.stop, size, geo.span, geo.n))
-                continue
-            got = flat_spans(i, want.start, want.stop)
-            listed.append(len(wants))
-            counts.append(len(got))
-            spans += got
-            wants.append((t, i, want.start, want.stop, size, 0, 0))
-        w = np.fromiter(itertools.chain.from_iterable(wants), np.int64, 7 * len(wants)).reshape(-1, 7)
-        of, rank, start, stop = _row_writers(w, plan.world_size)
+        want and the elements they hold of it, if any. (Columns by C-level maps over the
+        wants: a Python step a want would cost more than the rest.)"""
+        plan, m = self.source.plan, len(self.wants)
+        spec = list(map(self.source.index.__getitem__, map(_NAME, self.saved)))
+        geo = list(map(plan._geometry.__getitem__, spec))
+        dtypes = list(map(_DTYPE, self.saved))
+        for d in set(dtypes) - sizes.keys():
+            sizes[d] = itemsize(d)
+        size = np.fromiter(map(sizes.__getitem__, dtypes), np.int64, m)
+        want_lo = np.fromiter(map(_START, self.wants), np.int64, m)
+        want_hi = np.fromiter(map(_STOP, self.wants), np.int64, m)
+        span = np.fromiter([g.span if g.kind == "rows" else 0 for g in geo], np.int64, m)  # 0: spans listed
+        of, rank, start, stop = _row_writers(want_lo, want_hi, span, np.fromiter(map(_N, geo), np.int64, m),
+                                             plan.world_size)
+        listed = np.flatnonzero(span == 0).tolist()
         if listed:
+            spans: list[tuple[int, int, int]] = []  # (rank, start, stop) of the listed wants' writers, in order
+            counts = []
+            for k in listed:
+                got = plan.flat_spans(spec[k], self.wants[k].start, self.wants[k].stop)
+                counts.append(len(got))
+                spans += got
             cols = np.fromiter(itertools.chain.from_iterable(spans), np.int64, 3 * len(spans)).reshape(-1, 3)
             of_listed = np.repeat(np.array(listed, dtype=np.int64), counts)
             if len(of):  # each want's spans together, in want order
@@ -114,12 +116,13 @@ class _PlanSpans:
                                                                             (start, cols[:, 1]), (stop, cols[:, 2])))
             else:
                 of, rank, start, stop = of_listed, cols[:, 0], cols[:, 1], cols[:, 2]
-        t, i, want_lo, want_hi, size = w[of, :5].T
-        lo, hi = np.maximum(start, want_lo), np.minimum(stop, want_hi)
+        t = np.array(self.targets, dtype=np.int64)[of]
+        i, lo_want, size = np.array(spec, dtype=np.int64)[of], want_lo[of], size[of]
+        lo, hi = np.maximum(start, lo_want), np.minimum(stop, want_hi[of])
         n_el = np.maximum(hi - lo, 0)
-        held = np.concatenate(([0], np.cumsum(n_el)))[np.cumsum(np.bincount(of, minlength=len(w)))]
+        held = np.concatenate(([0], np.cumsum(n_el)))[np.cumsum(np.bincount(of, minlength=m))]
         found = held - np.concatenate(([0], held[:-1]))  # elements each want's writers hold
-        short = np.flatnonzero(found != w[:, 3] - w[:, 2])
+        short = np.flatnonzero(found != want_hi - want_lo)
         keep = np.flatnonzero(n_el > 0)
         order = keep[np.argsort(rank[keep], kind="stable")]  # by file, each in target order
         ends = [*(np.flatnonzero(rank[order[1:]] != rank[order[:-1]]) + 1).tolist(), len(order)]
@@ -129,33 +132,37 @@ class _PlanSpans:
             part = order[begin:end]
             begin = end
             r = int(rank[part[0]])
-            at = offsets(r)
-            raw = np.array([at[k] for k in i[part].tolist()], dtype=np.int64)
+            raw = np.fromiter(map(offsets(r).__getitem__, i[part].tolist()), np.int64, len(part))
             sz = size[part]
             file = data_name(attempt, r)
             acc = by_file.get(file)
             if acc is None:
                 acc = by_file[file] = _Runs()
-            acc.spans = [raw + (lo[part] - start[part]) * sz, n_el[part] * sz, t[part], (lo[part] - want_lo[part]) * sz]
+            acc.spans = [raw + (lo[part] - start[part]) * sz, n_el[part] * sz, t[part], (lo[part] - lo_want[part]) * sz]
         if len(short):
             k = int(short[0])
-            return int(w[k, 0]), int(found[k])
+            return self.targets[k], int(found[k])
         return None
 
 
-def _row_writers(w: np.ndarray, world: int) -> tuple[np.ndarray, ...]:
-    """The writers of the wants ``w`` (rows as :meth:`_PlanSpans.runs` makes them) of
-    row-split tensors (those with a span): :meth:`WritePlan.flat_spans` of them all, as
-    columns (the want, the rank, its flat range), in want order. Rank ``k`` writes
-    elements ``[k * span, min((k + 1) * span, n))``."""
-    rows = np.flatnonzero(w[:, 5])
-    lo, hi, span, n = w[rows, 2], w[rows, 3], w[rows, 5], w[rows, 6]
+_NAME, _DTYPE, _START, _STOP, _N = (operator.attrgetter(a) for a in ("name", "dtype", "start", "stop", "n"))
+
+
+def _row_writers(lo: np.ndarray, hi: np.ndarray, span: np.ndarray, n: np.ndarray, world: int) -> tuple[np.ndarray, ...]:
+    """The writers of flat wants ``[lo, hi)`` of row-split tensors (those with a ``span``,
+    elements a rank; ``n`` elements in all): :meth:`WritePlan.flat_spans` of them all, as
+    columns (the want, the rank, its flat range), in want order. Rank ``k`` writes elements
+    ``[k * span, min((k + 1) * span, n))``."""
+    rows = np.flatnonzero(span)
+    lo, hi, span, n = lo[rows], hi[rows], span[rows], n[rows]
     first = lo // span
     count = np.maximum(np.minimum(world, -(-hi // span)) - first, 0)
     of = np.repeat(rows, count)
-    rank = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(len(of))
-    start = rank * w[of, 5]
-    return of, rank, start, np.minimum(start + w[of, 5], w[of, 6])
+    within = np.arange(len(of)) - np.repeat(np.cumsum(count) - count, count)
+    rank = np.repeat(first, count) + within
+    span, n = np.repeat(span, count), np.repeat(n, count)
+    start = rank * span
+    return of, rank, start, np.minimum(start + span, n)
 
 
 def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str, list[np.ndarray]]:
@@ -165,7 +172,7 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
     by_file: dict[str, _Runs] = {}
     sizes: dict = {}
     plans: dict[int, _PlanSpans] = {}  # the flat wants of version-2 tensors, by plan
-    src, items = None, None
+    src = acc_plan = None
     short: tuple[int, int] | None = None
     for t, (saved, want) in enumerate(targets):
         if (saved.pieces is None and want.stop > want.start and not isinstance(saved.layout, MeshLayout)
@@ -173,8 +180,10 @@ def gather_runs(targets: list[tuple[SavedTensor, FlatRange | Part]]) -> dict[str
             # version 2, a flat range of a flat layout wanted: each writer's piece a flat range, one run at most
             if saved.source is not src:
                 src = saved.source
-                items = (plans.get(id(src)) or plans.setdefault(id(src), _PlanSpans(src))).items  # type: ignore[arg-type]
-            items.append((t, saved, want))  # type: ignore[union-attr]
+                acc_plan = plans.get(id(src)) or plans.setdefault(id(src), _PlanSpans(src))  # type: ignore[arg-type]
+            acc_plan.targets.append(t)
+            acc_plan.saved.append(saved)
+            acc_plan.wants.append(want)
             continue
         shape = saved.shape
         size = sizes.get(saved.dtype) or sizes.setdefault(saved.dtype, itemsize(saved.dtype))
@@ -515,8 +524,9 @@ def _scatter(plan: FilePlan, reads: list[tuple[int, int, int, int]], group_bytes
     lists = Scatter(dest[firsts].tolist(), pos[firsts].tolist(), place_len.tolist(), entry.checksums[ids].tolist(),
                     entry.offsets[ids].tolist(), multi, multi_before, sunk_before, *heads, *segs)
     codecs = entry.codec_ids[ids] != 0
-    packed = np.concatenate(([0], np.cumsum(codecs))).tolist() if codecs.any() else None
+    packed = np.concatenate(([0], np.cumsum(codecs))).tolist() if codecs.any() else [0] * (n + 1)
+    groups, place_start = list(zip(ends, place_end)), [0, *place_end]  # a request's first place: its first group's
     make = Request._make  # (half the time of Request(...): a resharding load makes hundreds)
-    return [make((plan, a, b, offset, length, lists, packed is not None and packed[b] > packed[a], sinks[b] - sinks[a],
-                  place_end[g - 1] if g else 0, tuple(zip(ends[g:h], place_end[g:h]))))
+    return [make((plan, a, b, offset, length, lists, packed[b] > packed[a], sinks[b] - sinks[a], place_start[g],
+                  tuple(groups[g:h])))
             for (a, b, offset, length), g, h in zip(reads, bounds, bounds[1:])]
