@@ -308,16 +308,20 @@ def file_plan(file: str, entry: FileEntry, columns: list[np.ndarray]) -> FilePla
         return FilePlan(file, entry, ids, copy_first, dest, dest_pos, nbytes, copy_first, chunk_pos, nbytes, dest,
                         dest_pos)
     # segments, three slots a copy: the gap before it, itself, the chunk's tail after it
-    lens = np.stack([gap, nbytes, tail], axis=1).reshape(-1)
-    dests = np.stack([np.full(n, SINK), dest, np.full(n, SINK)], axis=1).reshape(-1)
-    poss = np.stack([np.zeros(n, dtype=np.int64), dest_pos, np.zeros(n, dtype=np.int64)], axis=1).reshape(-1)
-    keep = lens > 0
-    lens, dests, poss = lens[keep], dests[keep], poss[keep]
+    lens = np.empty((n, 3), dtype=np.int64)
+    lens[:, 0], lens[:, 1], lens[:, 2] = gap, nbytes, tail
+    dests = np.full((n, 3), SINK, dtype=np.int64)
+    dests[:, 1] = dest
+    poss = np.zeros((n, 3), dtype=np.int64)
+    poss[:, 1] = dest_pos
+    keep = lens.reshape(-1) > 0
+    lens, dests, poss = lens.reshape(-1)[keep], dests.reshape(-1)[keep], poss.reshape(-1)[keep]
     sink = dests == SINK
     sink_lens = np.where(sink, lens, 0)
     poss = np.where(sink, np.cumsum(sink_lens) - sink_lens, poss)
-    seg_chunk = np.repeat(chunk, 3)[keep]
-    seg_start = np.flatnonzero(np.append(True, seg_chunk[1:] != seg_chunk[:-1])) if len(seg_chunk) else seg_chunk
+    # a chunk's first segment: its first copy's gap, or the copy itself (never empty)
+    kept_before = np.cumsum(keep) - keep
+    seg_start = kept_before[3 * copy_start + (gap[copy_start] == 0)]
     return FilePlan(file, entry, ids, np.append(seg_start, len(lens)).astype(np.int64), dests, poss, lens, copy_first,
                     chunk_pos, nbytes, dest, dest_pos)
 
