@@ -278,16 +278,6 @@ class PlanPieces:
             for r, part in plan.writers(i, want)
         ]
 
-    def flat_pieces(self, name: str, lo: int, hi: int) -> list[tuple[str, int, int, int]] | None:
-        """:meth:`pieces_in` of the flat range ``[lo, hi)`` (not empty) of a flat-layout
-        tensor, as ``(file, start, stop, raw_offset)`` tuples (each a flat range of the whole
-        tensor); None for a mesh layout, whose pieces are boxes."""
-        found = self.plan.flat_pieces(self.index[name], lo, hi)
-        if found is None:
-            return None
-        files = self._files
-        return [(files.get(r) or self._file(r), a, b, offset) for r, a, b, offset in found]
-
     def _file(self, rank: int) -> str:
         name = self._files.get(rank)
         if name is None:

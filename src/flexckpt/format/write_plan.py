@@ -92,9 +92,6 @@ class RankPlan:
     chunks: tuple[Chunk, ...]
 
 
-_FLAT_PIECES_KEPT = 1 << 16  # a plan's flat_pieces answers kept: a few a tensor for 16K tensors
-
-
 def _align(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
@@ -130,8 +127,7 @@ class WritePlan:
         self._offsets: dict[int, dict[int, int]] = {}
         self._wholes: dict[int, Box] = {}
         self._chunk_columns: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._flat_pieces: dict[tuple[int, int, int], tuple[tuple[int, int, int, int], ...]] = {}
-        self._geometry = _geometries(self.specs, world_size, rules)
+        self.geometry = _geometries(self.specs, world_size, rules)  # each spec's shape of pieces (the read plan's columns use it)
 
     @property
     def chunk_bytes(self) -> int:
@@ -183,7 +179,7 @@ class WritePlan:
         pieces = []
         offset = 0
         align = self.rules.align
-        for i, (spec, geo) in enumerate(zip(self.specs, self._geometry)):
+        for i, (spec, geo) in enumerate(zip(self.specs, self.geometry)):
             if geo.kind == "mesh":  # a box, written whole by one of its holders
                 part = self._mesh_written_by(i, rank)
                 if part is None or part.stop <= part.start:
@@ -204,7 +200,7 @@ class WritePlan:
         return RankPlan(tuple(pieces), offset, tuple(cut_chunks(pieces, offset, self.rules.chunk_bytes, self.rules)))
 
     def _flat_written_by(self, i: int, rank: int) -> FlatRange | None:
-        geo = self._geometry[i]
+        geo = self.geometry[i]
         n, span = geo.n, geo.span
         if geo.kind == "rows":
             start = min(rank * span, n)
@@ -225,7 +221,7 @@ class WritePlan:
     def _mesh_written_by(self, i: int, rank: int) -> Part | None:
         """A box is written whole by one of the ranks that hold it: replica
         ``(first + box index) mod replicas`` along the mesh's replicate dims."""
-        spec, geo = self.specs[i], self._geometry[i]
+        spec, geo = self.specs[i], self.geometry[i]
         layout: MeshLayout = spec.layout  # type: ignore[assignment]
         coord = layout.coordinate(rank)
         if coord is None or _replica(layout, coord) != (geo.first + _box_index(layout, coord)) % geo.replicas:
@@ -239,7 +235,7 @@ class WritePlan:
         spec = self.specs[i]
         if want.stop <= want.start:
             return []
-        if self._geometry[i].kind == "mesh":
+        if self.geometry[i].kind == "mesh":
             return self._mesh_writers(i, Part(self._whole(i), want.start, want.stop) if isinstance(want, FlatRange) else want)
         if isinstance(want, FlatRange) or want.box.sizes == spec.shape:
             return self._flat_writers(i, want.start, want.stop)
@@ -251,7 +247,7 @@ class WritePlan:
         return self._flat_writers(i, first, last + 1)
 
     def _mesh_writers(self, i: int, want: Part) -> list[tuple[int, Part]]:
-        spec, geo = self.specs[i], self._geometry[i]
+        spec, geo = self.specs[i], self.geometry[i]
         layout: MeshLayout = spec.layout  # type: ignore[assignment]
         bound = bounding_box(want)
         if bound is None:
@@ -282,28 +278,11 @@ class WritePlan:
         box = self._whole(i)
         return [(r, Part(box, a, b)) for r, a, b in self.flat_spans(i, lo, hi)]
 
-    def flat_pieces(self, i: int, lo: int, hi: int) -> tuple[tuple[int, int, int, int], ...] | None:
-        """:meth:`flat_spans` of elements ``[lo, hi)`` (not empty) of tensor ``i`` with where
-        each piece starts in its writer's stream: ``(rank, start, stop, raw_offset)``; None
-        for a mesh layout (its pieces are boxes). A pure function of the plan, asked once a
-        tensor a load: kept (bounded), so a load of a known structure looks it up."""
-        key = (i, lo, hi)
-        found = self._flat_pieces.get(key)
-        if found is None:
-            if self._geometry[i].kind == "mesh":
-                return None
-            offsets = self.offsets
-            found = tuple([(r, a, b, offsets(r)[i]) for r, a, b in self.flat_spans(i, lo, hi)])
-            if len(self._flat_pieces) >= _FLAT_PIECES_KEPT:
-                self._flat_pieces.clear()
-            self._flat_pieces[key] = found
-        return found
-
     def flat_spans(self, i: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """:meth:`writers` of elements ``[lo, hi)`` (not empty) of a flat-layout tensor as
         ``(rank, start, stop)``: the flat ranges they write, no object each (a load asks
         once a tensor)."""
-        geo, w = self._geometry[i], self.world_size
+        geo, w = self.geometry[i], self.world_size
         n, span = geo.n, geo.span
         if geo.kind == "replicate":
             r = self.replicated_writer.get(i)

@@ -90,7 +90,7 @@ class _PlanSpans:
         wants: a Python step a want would cost more than the rest.)"""
         plan, m = self.source.plan, len(self.wants)
         spec = list(map(self.source.index.__getitem__, map(_NAME, self.saved)))
-        geo = list(map(plan._geometry.__getitem__, spec))
+        geo = list(map(plan.geometry.__getitem__, spec))
         dtypes = list(map(_DTYPE, self.saved))
         for d in set(dtypes) - sizes.keys():
             sizes[d] = itemsize(d)
