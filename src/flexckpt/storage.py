@@ -46,20 +46,28 @@ def _watched(method: F) -> F:
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        storage = self if isinstance(self, Storage) else self.storage
         try:
-            if storage.stall_timeout is None or watched():
+            if watched():
+                return method(self, *args, **kwargs)
+            stall = _storage(self).stall_timeout
+            if stall is None:
                 return method(self, *args, **kwargs)
             what = f"{method.__name__}({args[0]!r})" if args and isinstance(args[0], str) else method.__name__
-            return bounded(storage.stall_timeout, f"{what} on {storage.url}", lambda: method(self, *args, **kwargs))
+            return bounded(stall, f"{what} on {_storage(self).url}", lambda: method(self, *args, **kwargs))
         except (CheckpointError, FileNotFoundError, StorageStalled):
             raise
         except Exception as exc:
+            storage = _storage(self)
             if storage.local:
                 raise  # a local disk's OSError keeps its errno (ENOSPC) and says what it is
             raise store_error(storage.url, exc) from exc
 
     return call  # type: ignore[return-value]
+
+
+def _storage(obj: Any) -> "Storage":
+    """The ``Storage`` of a storage call's object (a ``Storage``, or a ``RangeReader``)."""
+    return obj if isinstance(obj, Storage) else obj.storage
 
 
 def store_error(url: str, exc: BaseException) -> StorageError:
