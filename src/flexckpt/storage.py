@@ -24,7 +24,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from flexckpt.errors import CheckpointError, MissingFile, StorageError, TooLarge, TruncatedFile
-from flexckpt.storage_stall import StorageStalled, bounded, progress
+from flexckpt.storage_stall import StorageStalled, bounded, progress, watched
 
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer address, offsets and lengths on this boundary
 DIRECT_WRITE_BYTES = 64 << 20
@@ -40,22 +40,34 @@ class OutsideRoot(CheckpointError, PermissionError):
 
 
 def _watched(method: F) -> F:
-    """Run the storage call under the stall timeout of its ``Storage``."""
+    """Run the storage call under the stall timeout of its ``Storage``: handed to a helper
+    thread and watched, or, made inside a watched call (a load's reads under its fetch
+    loop's watch), run directly (see ``storage_stall.bounded``)."""
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        storage = self if isinstance(self, Storage) else self.storage
-        what = f"{method.__name__}({args[0]!r})" if args and isinstance(args[0], str) else method.__name__
         try:
-            return bounded(storage.stall_timeout, f"{what} on {storage.url}", lambda: method(self, *args, **kwargs))
+            if watched():
+                return method(self, *args, **kwargs)
+            stall = _storage(self).stall_timeout
+            if stall is None:
+                return method(self, *args, **kwargs)
+            what = f"{method.__name__}({args[0]!r})" if args and isinstance(args[0], str) else method.__name__
+            return bounded(stall, f"{what} on {_storage(self).url}", lambda: method(self, *args, **kwargs))
         except (CheckpointError, FileNotFoundError, StorageStalled):
             raise
         except Exception as exc:
+            storage = _storage(self)
             if storage.local:
                 raise  # a local disk's OSError keeps its errno (ENOSPC) and says what it is
             raise store_error(storage.url, exc) from exc
 
     return call  # type: ignore[return-value]
+
+
+def _storage(obj: Any) -> "Storage":
+    """The ``Storage`` of a storage call's object (a ``Storage``, or a ``RangeReader``)."""
+    return obj if isinstance(obj, Storage) else obj.storage
 
 
 def store_error(url: str, exc: BaseException) -> StorageError:
@@ -475,11 +487,14 @@ class RangeReader:
         out[:] = data
 
     @_watched
-    def read_scatter(self, offset: int, outs: list[memoryview]) -> None:
+    def read_scatter(self, offset: int, outs: list[memoryview]) -> int:
         """Bytes from ``offset`` on, filling ``outs`` one after the other (one preadv per
-        IOV_MAX buffers on a local file; one ranged GET elsewhere)."""
+        IOV_MAX buffers on a local file; one ranged GET elsewhere). Returns the bytes read:
+        all of ``outs``."""
+        total = 0
+        for o in outs:
+            total += o.nbytes
         if self._fd is None:
-            total = sum(o.nbytes for o in outs)
             data = memoryview(self._cat(offset, total))
             if data.nbytes != total:
                 raise TruncatedFile(f"{self.path}: asked for {total} bytes at {offset}, got {data.nbytes}")
@@ -487,16 +502,23 @@ class RangeReader:
             for o in outs:
                 o[:] = data[pos : pos + o.nbytes]
                 pos += o.nbytes
-            return
-        pending = [o for o in outs if o.nbytes]
-        i, pos = 0, offset
-        while i < len(pending):
-            batch = pending[i : i + IOV_MAX]
-            got = os.preadv(self._fd, batch, pos)
-            if got == 0:
-                raise TruncatedFile(f"{self.path} ends at byte {pos}, expected {pos + sum(o.nbytes for o in batch)}")
-            pos += got
+            return total
+        if len(outs) <= IOV_MAX:
+            got = os.preadv(self._fd, outs, offset)  # a local file's read is whole but for its end
             progress()
+            if got == total:
+                return total
+        else:
+            got = 0
+        self._read_rest(offset, outs, got)
+        return total
+
+    def _read_rest(self, offset: int, outs: list[memoryview], got: int) -> None:
+        """:meth:`read_scatter`'s ``outs`` from byte ``got`` of them on (a short read, or more
+        buffers than one preadv takes)."""
+        pending = [o for o in outs if o.nbytes]
+        i, pos = 0, offset + got
+        while True:
             while got:  # step past what was filled; a short read leaves a buffer partly filled
                 n = pending[i].nbytes
                 if got >= n:
@@ -505,6 +527,14 @@ class RangeReader:
                 else:
                     pending[i] = pending[i][got:]
                     got = 0
+            if i == len(pending):
+                return
+            batch = pending[i : i + IOV_MAX]
+            got = os.preadv(self._fd, batch, pos)
+            if got == 0:
+                raise TruncatedFile(f"{self.path} ends at byte {pos}, expected {pos + sum(o.nbytes for o in batch)}")
+            pos += got
+            progress()
 
     def _cat(self, offset: int, n: int) -> bytes:
         try:

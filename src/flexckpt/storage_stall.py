@@ -9,8 +9,11 @@ or a system call): its helper thread is a daemon and is left to finish or fail a
 what it may still write belongs to a save that has already been reported failed.
 Helper threads are reused (a thread started for every call costs more than a small read;
 figures: bench/RESULTS.md, "P99 and restore against the old main"). A helper returns to the idle pool
-when its call ends and ends after ``IDLE_EXIT_S`` without one, so the pool holds at most as
-many threads as calls recently ran at once (plus those stuck in given-up calls).
+when its call ends, before its caller is woken (so the caller's next call finds it there), and
+ends after ``IDLE_EXIT_S`` without one, so the pool holds at most as many threads as calls
+recently ran at once (plus those stuck in given-up calls). A call's end is signalled by
+releasing a plain lock its caller waits to take (cheaper than an ``Event``: a small read pays
+the hand-off both ways).
 """
 from __future__ import annotations
 
@@ -21,7 +24,13 @@ import time
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
-_current = threading.local()
+
+
+class _Current(threading.local):
+    call: "_Call | None" = None  # the bounded call this thread runs, if any
+
+
+_current = _Current()
 
 
 class StorageStalled(TimeoutError):
@@ -29,23 +38,37 @@ class StorageStalled(TimeoutError):
 
 
 class _Call:
+    __slots__ = ("fn", "last", "done", "ended", "result", "error")
+
     def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
+        self.fn: Callable[[], Any] | None = fn
         self.last = time.monotonic()
-        self.done = threading.Event()
+        self.done = threading.Lock()  # held until the call ends: its caller waits to take it
+        self.done.acquire()
+        self.ended = False
         self.result: Any = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
         _current.call = self
         try:
-            self.result = self.fn()
+            self.result = self.fn()  # type: ignore[misc]
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             self.error = e
         finally:
             _current.call = None
             self.fn = None  # drop what the call held (buffers) as soon as it ends
-            self.done.set()
+
+    def end(self) -> None:
+        """Wake the caller: the result (or error) is in place."""
+        self.ended = True
+        self.done.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether the call ended within ``timeout`` seconds (None: wait for it)."""
+        if timeout is None:
+            return self.done.acquire()
+        return self.done.acquire(timeout=min(max(0.0, timeout), threading.TIMEOUT_MAX))
 
 
 IDLE_EXIT_S = 2.0  # an idle helper thread ends after this long without a call
@@ -64,9 +87,10 @@ def _helper(inbox: "queue.SimpleQueue[_Call]") -> None:
                     return
             continue  # taken just now: its call is on the way
         call.run()
-        del call
         with _lock:
-            _idle.append(inbox)
+            _idle.append(inbox)  # idle before the caller wakes: its next call finds this thread
+        call.end()
+        del call
 
 
 def _forget_helpers() -> None:
@@ -91,25 +115,35 @@ def _start(call: _Call) -> None:
 
 def progress() -> None:
     """Tell the watch over the current storage call that bytes moved (no-op outside one)."""
-    call = getattr(_current, "call", None)
+    call = _current.call
     if call is not None:
         call.last = time.monotonic()
+
+
+def watched() -> bool:
+    """Whether this thread runs under a stall watch (a bounded call): a storage call made
+    here runs directly, the outer watch covering it."""
+    return _current.call is not None
+
+
+def _stalled(what: str, stall_timeout: float) -> StorageStalled:
+    return StorageStalled(
+        f"storage call {what} made no progress for {stall_timeout:g} s (the stall timeout); it was "
+        "given up. Check the storage endpoint, or raise Checkpointer(stall_timeout=...) for a slow one"
+    )
 
 
 def bounded(stall_timeout: float | None, what: str, fn: Callable[[], T]) -> T:
     """``fn()``, given up with ``StorageStalled`` once it makes no progress for
     ``stall_timeout`` seconds (None: wait for ever). Calls nested in a bounded call run
     directly: the outer watch covers them."""
-    if stall_timeout is None or getattr(_current, "call", None) is not None:
+    if stall_timeout is None or _current.call is not None:
         return fn()
     call = _Call(fn)
     _start(call)
-    while not call.done.wait(max(0.0, call.last + stall_timeout - time.monotonic())):
+    while not call.wait(call.last + stall_timeout - time.monotonic()):
         if time.monotonic() - call.last >= stall_timeout:
-            raise StorageStalled(
-                f"storage call {what} made no progress for {stall_timeout:g} s (the stall timeout); it was "
-                "given up. Check the storage endpoint, or raise Checkpointer(stall_timeout=...) for a slow one"
-            )
+            raise _stalled(what, stall_timeout)
     if call.error is not None:
         raise call.error
     return call.result
@@ -121,7 +155,7 @@ def bounded_all(stall_timeout: float | None, what: str, fns: list[Callable[[], T
     ``stall_timeout`` seconds is given up with ``StorageStalled``. The first error of a
     call is raised once every call has ended. Nested in a bounded call: one after another,
     directly (the outer watch covers them)."""
-    if getattr(_current, "call", None) is not None:
+    if _current.call is not None:
         return [fn() for fn in fns]
     calls = [_Call(fn) for fn in fns]
     for call in calls:
@@ -129,16 +163,12 @@ def bounded_all(stall_timeout: float | None, what: str, fns: list[Callable[[], T
     pending = list(calls)
     while pending:
         if stall_timeout is None:
-            pending.pop(0).done.wait()
+            pending.pop(0).wait(None)
             continue
         now = time.monotonic()
-        stuck = next((c for c in pending if not c.done.is_set() and now - c.last >= stall_timeout), None)
-        if stuck is not None:
-            raise StorageStalled(
-                f"storage call {what} made no progress for {stall_timeout:g} s (the stall timeout); it was "
-                "given up. Check the storage endpoint, or raise Checkpointer(stall_timeout=...) for a slow one"
-            )
-        if pending[0].done.wait(max(0.0, min(c.last for c in pending) + stall_timeout - now)):
+        if any(not c.ended and now - c.last >= stall_timeout for c in pending):
+            raise _stalled(what, stall_timeout)
+        if pending[0].wait(min(c.last for c in pending) + stall_timeout - now):
             pending.pop(0)
     for call in calls:
         if call.error is not None:

@@ -180,3 +180,60 @@ def test_a_reading_thread_held_up_by_one_request_leaves_the_others_to_the_other_
     assert sorted(map(len, by_thread.values())) == [1, 15]
     slow, fast = sorted(by_thread.values(), key=len)
     assert slow == [0] and fast == [k * (128 << 10) for k in range(1, 16)]  # the rest, in file order
+
+
+def test_a_scattered_read_fills_every_buffer_over_short_reads_and_more_buffers_than_one_preadv_takes(
+        tmp_path, monkeypatch):
+    """``RangeReader.read_scatter``: one preadv where it can, the rest read on from where a
+    short read stopped (here at most 1000 bytes a call), more than IOV_MAX buffers in
+    several calls, empty buffers skipped; returns the bytes read; past the end: TruncatedFile."""
+    import flexckpt.storage as storage_mod
+    from flexckpt.errors import TruncatedFile
+    from flexckpt.storage import IOV_MAX, Storage
+
+    data = bytes(range(256)) * 64  # 16 KiB
+    (tmp_path / "f.data").write_bytes(data)
+    sizes = [i % 7 for i in range(IOV_MAX + 500)]  # 1524 buffers, one in seven empty: 4569 bytes
+    with Storage(str(tmp_path)).open_reader("f.data") as rd:
+        for cap in (None, 1000):
+            if cap is not None:
+                real = os.preadv
+                monkeypatch.setattr(storage_mod.os, "preadv", lambda fd, bufs, pos: real(fd, trim(bufs, cap), pos))
+            buf = bytearray(sum(sizes))
+            views, at = [], 0
+            for n in sizes:
+                views.append(memoryview(buf)[at : at + n])
+                at += n
+            assert rd.read_scatter(100, views) == len(buf)
+            assert bytes(buf) == data[100 : 100 + len(buf)]
+        with pytest.raises(TruncatedFile, match=rf"ends at byte {len(data)}, expected {len(data) + 10}"):
+            rd.read_scatter(len(data) - 2000, [memoryview(bytearray(1990)), memoryview(bytearray(20))])
+
+
+def trim(bufs, cap):
+    """The first ``cap`` bytes of the buffers ``bufs``: what a short read fills."""
+    out = []
+    for b in bufs:
+        if cap <= 0:
+            break
+        out.append(b[:cap])
+        cap -= min(cap, b.nbytes)
+    return out
+
+
+def test_a_stall_timeout_of_infinity_waits_for_ever(tmp_path):
+    """stall_timeout=float('inf') (the Storage takes any positive number) waits without a
+    bound; it used to fail every storage call (a wait longer than the platform's longest)."""
+    from flexckpt.storage import Storage
+    from flexckpt.storage_stall import bounded
+
+    (tmp_path / "x").write_bytes(b"abc")
+    assert Storage(str(tmp_path), stall_timeout=float("inf")).read_bytes("x") == b"abc"
+    assert bounded(float("inf"), "x", lambda: 1) == 1
+    assert bounded_all(1e12, "x", [lambda: 1, lambda: 2]) == [1, 2]
+    values = torch.arange(1000, dtype=torch.float32)
+    with Checkpointer(str(tmp_path / "ck"), stall_timeout=float("inf")) as ck:
+        ck.save(1, {"w": values}).result()
+        target = {"w": torch.zeros_like(values)}
+        ck.load(target)
+        assert torch.equal(target["w"], values)
