@@ -38,10 +38,11 @@ class StorageStalled(TimeoutError):
 
 
 class _Call:
-    __slots__ = ("fn", "last", "done", "ended", "result", "error")
+    __slots__ = ("fn", "watch", "last", "done", "ended", "result", "error")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], watch: bool = True) -> None:
         self.fn: Callable[[], Any] | None = fn
+        self.watch = watch  # False: run without a watch (the storage calls it makes start their own)
         self.last = time.monotonic()
         self.done = threading.Lock()  # held until the call ends: its caller waits to take it
         self.done.acquire()
@@ -50,7 +51,7 @@ class _Call:
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        _current.call = self
+        _current.call = self if self.watch else None
         try:
             self.result = self.fn()  # type: ignore[misc]
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
@@ -154,10 +155,12 @@ def bounded_all(stall_timeout: float | None, what: str, fns: list[Callable[[], T
     :func:`bounded`'s) while the caller watches them all: one that makes no progress for
     ``stall_timeout`` seconds is given up with ``StorageStalled``. The first error of a
     call is raised once every call has ended. Nested in a bounded call: one after another,
-    directly (the outer watch covers them)."""
+    directly (the outer watch covers them). With ``stall_timeout`` None they run unwatched,
+    and each storage call they make is watched by its own storage's timeout (a fast tier's
+    recovery view reads the store so: no stall goes unbounded because the view has no timeout)."""
     if _current.call is not None:
         return [fn() for fn in fns]
-    calls = [_Call(fn) for fn in fns]
+    calls = [_Call(fn, watch=stall_timeout is not None) for fn in fns]
     for call in calls:
         _start(call)
     pending = list(calls)

@@ -123,17 +123,19 @@ def test_checkpointers_dropped_without_close_are_freed_with_their_threads(tmp_pa
         ck.save(1, {"w": torch.ones(256, 1024)}).result(timeout=30)  # 1 MiB staging buffer each
         refs.append(weakref.ref(ck))
         del ck
+    def helpers():  # idle ones end after IDLE_EXIT_S (earlier tests' too: waited for below)
+        return sum(t.name == "flexckpt-storage-call" for t in threading.enumerate())
+
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         gc.collect()
-        if not any(r() for r in refs) and threads() <= before:
+        if not any(r() for r in refs) and threads() <= before and helpers() <= 4:
             break
         time.sleep(0.05)
     # before the fix: all 20 alive, with 60 threads (stager, writer, committer each)
     assert sum(r() is not None for r in refs) == 0
     assert threads() == before
-    helpers = sum(t.name == "flexckpt-storage-call" for t in threading.enumerate())
-    assert helpers <= 4, helpers  # a few reused helper threads, not some per checkpointer
+    assert helpers() <= 4, helpers()  # a few reused helper threads, not some per checkpointer
 
 
 def test_a_save_its_checkpointer_dropped_fails_on_its_handle_instead_of_hanging(tmp_path):

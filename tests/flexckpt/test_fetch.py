@@ -237,3 +237,15 @@ def test_a_stall_timeout_of_infinity_waits_for_ever(tmp_path):
         target = {"w": torch.zeros_like(values)}
         ck.load(target)
         assert torch.equal(target["w"], values)
+
+
+def test_calls_run_together_without_a_timeout_leave_each_storage_call_its_own_watch():
+    """A fast tier's recovery view has no timeout of its own (``stall_timeout`` None), so the
+    load's reads run under ``bounded_all(None, ...)``; a read it routes to the store must
+    still be given up after the store's timeout (before: it ran unwatched, for ever)."""
+    from flexckpt.storage_stall import StorageStalled, bounded, bounded_all
+
+    t0 = time.monotonic()
+    with pytest.raises(StorageStalled, match="slow read"):
+        bounded_all(None, "the load's reads", [lambda: bounded(0.2, "slow read", lambda: time.sleep(1.5))])
+    assert time.monotonic() - t0 < 1.2

@@ -20,7 +20,7 @@ this module.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -177,6 +177,10 @@ class DataFiles(Mapping):
     bytes_read = 0
     peer_bytes_read = 0
 
+    def entries(self, names: Iterable[str]) -> dict[str, "FileEntry"]:
+        """The entries of the data files ``names`` (those a load reads), by name."""
+        return {name: self[name] for name in names}
+
     def rank_values(self, rank: int) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -318,7 +322,7 @@ class Manifest:
     @property
     def metadata_bytes_read(self) -> int:
         """Bytes of table and values files read so far, besides the manifest itself."""
-        return getattr(self.files, "bytes_read", 0)  # 0: a planning-only mapping (tier.peer_ranges)
+        return self.files.bytes_read
 
     def to_bytes(self) -> bytes:
         return seal(self._body())

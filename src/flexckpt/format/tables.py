@@ -38,8 +38,7 @@ def file_entries(manifest: Manifest, files: Iterable[str]) -> dict[str, FileEntr
     for version 2 and later, each from its rank's chunk table, read and verified now unless
     read before; for version 1, as listed. Raises ``ManifestError`` for a file the manifest
     does not list, or a table that is damaged or belongs to another save."""
-    listed = manifest.files
-    return {file: listed[file] for file in files}
+    return manifest.files.entries(files)
 
 
 class TableFiles(DataFiles):
@@ -83,6 +82,17 @@ class TableFiles(DataFiles):
             with self._lock:
                 self._entries[rank] = entry
         return entry
+
+    def entries(self, names: Iterable[str]) -> dict[str, FileEntry]:
+        """As ``DataFiles.entries``; the tables not read yet are read under one stall watch
+        (one hand-off to a helper thread for them all, not one a table)."""
+        names = list(names)
+        with self._lock:
+            unread = any(self._names.get(n) not in self._entries for n in names)
+        if not unread or self.storage is None:
+            return super().entries(names)
+        return bounded(self.storage.stall_timeout, f"reading {len(names)} chunk tables on {self.storage.url}",
+                       lambda: super(TableFiles, self).entries(names))
 
     def table(self, rank: int) -> ChunkTable:
         """Rank ``rank``'s table file, read and verified once."""

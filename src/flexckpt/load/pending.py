@@ -144,8 +144,7 @@ def _elsewhere(manifest: Manifest, w: Walk, saved: set[str], world_size: int) ->
 def _metadata_read(manifest: Manifest) -> tuple[int, int]:
     """Bytes of table and values files read so far: from the storage, and from peers."""
     files = manifest.files
-    total, peer = getattr(files, "bytes_read", 0), getattr(files, "peer_bytes_read", 0)
-    return total - peer, peer
+    return files.bytes_read - files.peer_bytes_read, files.peer_bytes_read
 
 
 class PendingLoad:

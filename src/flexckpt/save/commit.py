@@ -47,6 +47,7 @@ from flexckpt.format.names import (
 from flexckpt.format.write_plan import PlanRules, WritePlan
 from flexckpt.state.structure import TensorSpec
 from flexckpt.storage import Storage
+from flexckpt.storage_stall import bounded
 
 log = logging.getLogger("flexckpt")
 
@@ -445,7 +446,14 @@ def failure_message(storage: Storage, step: int, attempt: str) -> str | None:
 
 
 def committed_steps(storage: Storage) -> list[int]:
-    """Steps whose manifest exists, ascending (listings are never served from a cache)."""
+    """Steps whose manifest exists, ascending (listings are never served from a cache). Its
+    storage calls (the listing, a check a step) run under one stall watch: one hand-off to a
+    helper thread, not one a step."""
+    return bounded(storage.stall_timeout, f"listing the committed steps on {storage.url}",
+                   lambda: _committed_steps(storage))
+
+
+def _committed_steps(storage: Storage) -> list[int]:
     steps = [s for s in (parse_step_dir(n) for n in storage.list_names("")) if s is not None]
     if storage.local:
         return [s for s in steps if storage.exists(f"{step_dir(s)}/{MANIFEST}")]

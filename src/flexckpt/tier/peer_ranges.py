@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Mapping
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from flexckpt.format.manifest import FileEntry, Manifest
+from flexckpt.format.manifest import DataFiles, FileEntry, Manifest
 from flexckpt.format.names import data_name
 from flexckpt.load.pending import FETCH_BYTES
 from flexckpt.load.read_plan import Request, plan_requests
@@ -53,7 +52,7 @@ def saved_rank(rel: str) -> int:
     return int(m.group(1))
 
 
-class _RawFiles(Mapping):
+class _RawFiles(DataFiles):
     """A version-2 manifest's data files as uncompressed streams cut by the write plan,
     without their chunk tables (checksums left empty: for planning only)."""
 
