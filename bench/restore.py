@@ -151,6 +151,8 @@ def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -
     # bytes_read, from its share's start on), plain pread, then the library's checksum
     # over them in chunk_bytes pieces, as a load verifies them: the fastest a verified load can be
     state = _sharded(target, specs, rank, world)
+    for t in target.values():
+        t.zero_()  # its pages touched, as a trainer's initialized model's are (and every timed load's below)
     dist.barrier()
     t0 = time.perf_counter()
     ckpt.load(state)  # learns bytes_read; timed apart: the first load of a process (first-use costs), warm
