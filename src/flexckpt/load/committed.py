@@ -11,7 +11,7 @@ import torch.distributed as dist
 from flexckpt.agree import agree_step, first_failed_rank
 from flexckpt.errors import LoadError
 from flexckpt.load.exchange import PeerFailure, fanout_for
-from flexckpt.load.pending import LoadStats, PendingLoad
+from flexckpt.load.pending import LoadStats, PendingLoad, collection_paused
 from flexckpt.save.commit import committed_steps, read_manifest
 from flexckpt.state.structure import Excluder, Walk
 from flexckpt.storage import Storage
@@ -38,10 +38,11 @@ def load_committed(storage: Storage, w: Walk, *, rank: int, world_size: int, gro
         fan = fanout_for(fanout, storage, rank, world_size, group)
         try:
             t0 = time.perf_counter()
-            manifest = read_manifest(storage, chosen)
-            pending = PendingLoad(storage, manifest, w, rank, world_size, strict, gone)
-            pending.stats.plan_s = time.perf_counter() - t0
-            pending.read(read_threads, fan)
+            with collection_paused():  # the plan's allocations too (a collection here walks the trainer's heap)
+                manifest = read_manifest(storage, chosen)
+                pending = PendingLoad(storage, manifest, w, rank, world_size, strict, gone)
+                pending.stats.plan_s = time.perf_counter() - t0
+                pending.read(read_threads, fan)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
             error = exc
             if fan is not None:

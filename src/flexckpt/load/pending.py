@@ -362,7 +362,8 @@ def subset_load() -> Iterator[None]:
 
 @contextlib.contextmanager
 def collection_paused() -> Iterator[None]:
-    """The garbage collector held off while a load plans and reads: it allocates thousands
+    """The garbage collector held off while a load plans and reads (the manifest's parse, the
+    checks and the read plan: ``load_committed``; the read: ``PendingLoad.read``): it allocates thousands
     of small tuples (pieces, chunks, copies) and no reference cycles, and the collections
     they would trigger walk every object of the trainer for nothing. The collector's state
     is restored on the way out, whatever happens."""
