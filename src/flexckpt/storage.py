@@ -149,6 +149,13 @@ class Storage:
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except ImportError as exc:  # fsspec's backend for the scheme is not installed
             raise ImportError(f"checkpoint location {url!r}: {exc} (s3://: pip install 'flexckpt[s3]')") from exc
+        except ValueError as exc:
+            if "Protocol not known" not in str(exc):
+                raise
+            scheme = url.split("://", 1)[0]
+            raise ValueError(f"checkpoint location {url!r}: no storage knows the scheme {scheme!r}; use a local path, "
+                             f"file://, memory:// or s3:// (pip install 'flexckpt[s3]'), or a scheme of an installed "
+                             f"fsspec backend") from None
         self.url = url
         self.fs = fs
         self.root = root.rstrip("/") or "/"

@@ -502,3 +502,8 @@ def test_a_resharding_load_reads_little_more_than_it_keeps(tmp_path):
             kept = sum(t.local.numel() * 4 for t in target.values())
             assert all(torch.equal(target[k].local, ShardedTensor.from_global(v, Shard(0), r, 4).local) for k, v in glob.items())
             assert ck.last_load_stats.bytes_read <= kept + 2 * (64 << 10) * len(glob), (r, ck.last_load_stats, kept)
+
+
+def test_an_unknown_url_scheme_is_named_with_the_schemes_that_work(tmp_path):
+    with pytest.raises(ValueError, match=r"no storage knows the scheme 'foo'; use a local path, file://, memory:// or s3://"):
+        Checkpointer("foo://bucket/run")

@@ -168,7 +168,8 @@ def saved(tmp_path_factory):
 # {src}: a committed checkpoint; {file}: a plain file; {new}: a path that does not exist yet
 BAD_ARGUMENTS = [
     (["steps", ""], "the checkpoint location is empty"),
-    (["steps", "foo://bar"], "'foo://bar' as a checkpoint location: Protocol not known: foo"),
+    (["steps", "foo://bar"], "'foo://bar' as a checkpoint location: checkpoint location 'foo://bar': no storage knows "
+                             "the scheme 'foo'; use a local path, file://, memory:// or s3://"),
     (["steps", "{file}"], "{file} is a file, not a checkpoint folder"),
     (["inspect", "{file}"], "{file} is a file, not a checkpoint folder"),
     (["verify", "{file}", "--all"], "{file} is a file, not a checkpoint folder"),
