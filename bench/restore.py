@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[int, list[dict]] = {}
     try:
         saved = run_workers(save_worker, SAVE_WORLD, cfg, root, timeout=600)
+        os.sync()  # the saved files written back: no write-back under the first run's loads
         state_mib = sum(r["bytes"] for r in saved) / H.MIB
         for run in range(args.runs):
             for world in args.load_worlds:
