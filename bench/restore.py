@@ -153,6 +153,7 @@ def load_worker(rank: int, world: int, cfg: dict, root: str, order: list[str]) -
     state = _sharded(target, specs, rank, world)
     for t in target.values():
         t.zero_()  # its pages touched, as a trainer's initialized model's are (and every timed load's below)
+    raw_read()  # every data file read once by the ranks together: warm (the save wrote past the page cache, O_DIRECT)
     dist.barrier()
     t0 = time.perf_counter()
     ckpt.load(state)  # learns bytes_read; timed apart: the first load of a process (first-use costs), warm
@@ -394,7 +395,6 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[int, list[dict]] = {}
     try:
         saved = run_workers(save_worker, SAVE_WORLD, cfg, root, timeout=600)
-        os.sync()  # the saved files written back: no write-back under the first run's loads
         state_mib = sum(r["bytes"] for r in saved) / H.MIB
         for run in range(args.runs):
             for world in args.load_worlds:

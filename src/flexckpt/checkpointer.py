@@ -35,6 +35,7 @@ from flexckpt.errors import LoadError
 from flexckpt.format.codec import parse_compression
 from flexckpt.format.names import GROUP, step_dir
 from flexckpt.load.committed import load_committed
+from flexckpt.load.fetch import read_threads_for
 from flexckpt.load.pending import LoadStats
 from flexckpt.load.rebuild import load_dict
 from flexckpt.save.commit import committed_steps, read_manifest
@@ -94,7 +95,10 @@ class Checkpointer:
             leaving without them (default 30; a save whose ranks never all arrive would
             otherwise hold the exit for ``commit_timeout``).
         fsync: make files durable before the commit (turn off only for throwaway runs).
-        read_threads: parallel ranged reads during load.
+        read_threads: parallel ranged reads during load (default None: 2, but 1 from a
+            local filesystem when this node has fewer than 2 CPUs per local rank, its
+            ``LOCAL_WORLD_SIZE`` as torchrun sets it: a local read is a copy and a checksum,
+            and threads beyond the cores only contend; see ``load.fetch.read_threads_for``).
         poll_interval: longest pause between the listings that wait for other ranks'
             records (rank 0) or for the manifest (other ranks); default 10 ms on a local
             filesystem, 100 ms on an object store (each listing is a request there).
@@ -150,7 +154,7 @@ class Checkpointer:
         exit_timeout: float = DEFAULT_EXIT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         fsync: bool = True,
-        read_threads: int = 2,
+        read_threads: int | None = None,
         poll_interval: float | None = None,
         direct_io: bool = True,
         stage_delay: float = 0.003,
@@ -175,7 +179,7 @@ class Checkpointer:
         check_shared(url, self.storage, self.world_size)
         self.commit_timeout = float(commit_timeout)
         self.exit_timeout = float(exit_timeout)
-        self.read_threads = max(1, int(read_threads))
+        self.read_threads = read_threads_for(self.storage.local) if read_threads is None else max(1, int(read_threads))
         self.is_coordinator = self.rank == 0
         self.is_leader = self.rank % GROUP == 0  # gathers its group's records (rank 0: everyone's)
         self.run_id, self.session = run_ids(run_id, who, self.commit_timeout)

@@ -38,6 +38,7 @@ def _worker(
 
         if threads:
             torch.set_num_threads(threads)
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # one node, as torchrun says it
         if backend != "none":
             store = dist.FileStore(store_path, world_size)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)

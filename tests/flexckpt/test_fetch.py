@@ -249,3 +249,23 @@ def test_calls_run_together_without_a_timeout_leave_each_storage_call_its_own_wa
     with pytest.raises(StorageStalled, match="slow read"):
         bounded_all(None, "the load's reads", [lambda: bounded(0.2, "slow read", lambda: time.sleep(1.5))])
     assert time.monotonic() - t0 < 1.2
+
+
+def test_a_load_reads_a_local_file_with_one_thread_when_its_node_has_fewer_than_two_cores_a_rank(tmp_path, monkeypatch):
+    from flexckpt import Checkpointer
+    from flexckpt.load.fetch import read_threads_for
+
+    assert read_threads_for(True, cpus=2, local_ranks=2) == 1  # this machine with 2 ranks: copying and hashing
+    assert read_threads_for(True, cpus=2, local_ranks=1) == 2
+    assert read_threads_for(True, cpus=96, local_ranks=8) == 2
+    assert read_threads_for(False, cpus=2, local_ranks=4) == 2  # a store's reads wait on the network
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert read_threads_for(True, cpus=4) == 2  # unset or unreadable: one rank
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus))
+    with Checkpointer(str(tmp_path / "a"), read_only=True) as ck:
+        assert ck.read_threads == 1
+    with Checkpointer(str(tmp_path / "b"), read_only=True, read_threads=3) as ck:
+        assert ck.read_threads == 3  # given: kept
+    with Checkpointer("memory://rt-test", read_only=True) as ck:
+        assert ck.read_threads == 2  # not a local filesystem: 2, whatever the cores

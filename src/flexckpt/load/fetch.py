@@ -16,6 +16,7 @@ The steps, each a name of its own:
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Protocol
 
@@ -253,6 +254,26 @@ class FetchLoop:
                 verify_scattered(sc, first, end, bufs, where)
                 first, begin = end, stop
         return (r.stop - r.first) - (sc.sunk_before[r.stop] - sc.sunk_before[r.first])
+
+
+def read_threads_for(local: bool, cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """The default number of a load's reading threads: 2, but 1 from a local filesystem when
+    the node has fewer than 2 CPUs (``cpus``: this process's, by default) per local rank
+    (``local_ranks``: ``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 when unset). A store's
+    reads wait on the network, so they take 2 whatever the cores; a local file's read is a
+    copy from the page cache and a checksum, CPU work that more threads than cores only
+    slows (bench/RESULTS.md: 2 -> 2 warm at 400 MiB, 1.19x the limit with 1 against 1.44x with 2
+    on 2 cores)."""
+    if not local:
+        return 2
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_ranks is None:
+        try:
+            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            local_ranks = 1
+    return 2 if cpus // local_ranks >= 2 else 1
 
 
 def run_shares(fetch: Callable[[Request], int], requests: list[Request], threads: int, stall: float | None,
