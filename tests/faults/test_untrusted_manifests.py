@@ -25,6 +25,7 @@ from flexckpt.format.manifest import MAX_MANIFEST_BYTES, SEAL_FIELD, seal, unsea
 from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
 from flexshard import HybridShard, Shard, ShardedTensor
+from manifest_edit import set_at
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "v1"
 HERE = Path(__file__).resolve().parents[1]
@@ -83,45 +84,36 @@ def _run(*argv):
     return rc, out.getvalue()
 
 
-def _set(path, value):
-    def edit(doc):
-        node = doc
-        for p in path[:-1]:
-            node = node[p]
-        node[path[-1]] = value
-    return edit
-
-
 V1_BLOCK = ("tensors", "t/block")
 CASES = {
-    "file name a list": (_v1, _set(V1_BLOCK + ("pieces", 0, 0), ["x"]), r"piece 0 names file \['x'\]"),
-    "no pieces": (_v1, _set(V1_BLOCK + ("pieces",), []), r"pieces do not cover its 210 elements exactly once"),
-    "int 1,010 lists deep": (_v1, _set(V1_BLOCK + ("pieces", 0, 1), "DEEP"), r"start must be an int .* got \[\[\[\["),
-    "time 1e20 (v1)": (_v1, _set(("time",), 1e20), r"time 1e\+20 is not seconds since 1970"),
-    "time 1e20 (v2)": (_v2, _set(("time",), 1e20), r"time 1e\+20 is not seconds since 1970"),
-    "2**30 elements, pieces not covering (v1)": (_v1, _set(V1_BLOCK + ("shape",), [2**30]),
+    "file name a list": (_v1, set_at(V1_BLOCK + ("pieces", 0, 0), ["x"]), r"piece 0 names file \['x'\]"),
+    "no pieces": (_v1, set_at(V1_BLOCK + ("pieces",), []), r"pieces do not cover its 210 elements exactly once"),
+    "int 1,010 lists deep": (_v1, set_at(V1_BLOCK + ("pieces", 0, 1), "DEEP"), r"start must be an int .* got \[\[\[\["),
+    "time 1e20 (v1)": (_v1, set_at(("time",), 1e20), r"time 1e\+20 is not seconds since 1970"),
+    "time 1e20 (v2)": (_v2, set_at(("time",), 1e20), r"time 1e\+20 is not seconds since 1970"),
+    "2**30 elements, pieces not covering (v1)": (_v1, set_at(V1_BLOCK + ("shape",), [2**30]),
                                                  r"pieces do not cover its 1073741824 elements"),
     # found by the fuzzer once it drew its own cases: RecursionError from repr in these messages
-    "run id 1,010 lists deep": (_v1, _set(("run_id",), "DEEP"), r"run id must match .*, got \[\[\[\["),
-    "rank entry 1,010 lists deep (v2)": (_v2, _set(("ranks", 0), "DEEP"), r"rank 0 entry must be .*, got \[\[\[\["),
-    "bytes value entry 1,010 lists deep (v2)": (_v2_bytes, _set(("keyed", "blob"), "DEEP"),
+    "run id 1,010 lists deep": (_v1, set_at(("run_id",), "DEEP"), r"run id must match .*, got \[\[\[\["),
+    "rank entry 1,010 lists deep (v2)": (_v2, set_at(("ranks", 0), "DEEP"), r"rank 0 entry must be .*, got \[\[\[\["),
+    "bytes value entry 1,010 lists deep (v2)": (_v2_bytes, set_at(("keyed", "blob"), "DEEP"),
                                                 r"bytes value 'blob' must be .*, got \[\[\[\["),
     # JSON equal to a valid value but of another type: never taken for the value a load kept
-    "a dimension true or 300.0 (v2)": (_v2, _set(("tensors", "w", "shape"), [True, 300.0]),
+    "a dimension true or 300.0 (v2)": (_v2, set_at(("tensors", "w", "shape"), [True, 300.0]),
                                        r"tensor 'w' dimension must be an int in \[0, \d+\], got True"),
-    "an owner true (v2)": (_v2, _set(("tensors", "w", "layout"), {"kind": "owned", "owner": True}),
+    "an owner true (v2)": (_v2, set_at(("tensors", "w", "layout"), {"kind": "owned", "owner": True}),
                            r"tensor 'w': layout field 'owner' must be an int, got True"),
     # found by the fuzzer once its state had a hybrid-sharded tensor: OverflowError from planning
-    "hybrid block of 2**62 (v2)": (_v2_hybrid, _set(("tensors", "e", "layout", "block_size"), 2**62),
+    "hybrid block of 2**62 (v2)": (_v2_hybrid, set_at(("tensors", "e", "layout", "block_size"), 2**62),
                                    r"invalid checkpoint manifest .*: Python int too large"),
     # the container tree of version 4: shapes, tags, keys, depth and counts checked before use
-    "tree 1,010 lists deep": (_v2, _set(("tree",), "DEEP"), r"container tree is malformed: its root must be a dict"),
-    "tree key 1,010 lists deep": (_v2, _set(("tree", 1, 0), "DEEP"), r"dict key list is repeated, or not"),
-    "tree key true": (_v2, _set(("tree", 1, 0), True), r"dict key bool is repeated, or not"),
-    "tree key repeated": (_v2, _set(("tree", 1), ["w", "w", "k"]), r"dict key 'w' is repeated"),
-    "tree keys without kids": (_v2, _set(("tree", 2), [0]), r"a dict node has 3 keys and 1 values"),
-    "tree tag unknown": (_v2, _set(("tree", 2, 2), ["set", [0]]), r"a container node must be .* \(tag 'set'\)"),
-    "tree 150 lists deep": (_v2, _set(("tree", 2, 2), "DEEPTREE"), r"containers nested deeper than 100 levels"),
+    "tree 1,010 lists deep": (_v2, set_at(("tree",), "DEEP"), r"container tree is malformed: its root must be a dict"),
+    "tree key 1,010 lists deep": (_v2, set_at(("tree", 1, 0), "DEEP"), r"dict key list is repeated, or not"),
+    "tree key true": (_v2, set_at(("tree", 1, 0), True), r"dict key bool is repeated, or not"),
+    "tree key repeated": (_v2, set_at(("tree", 1), ["w", "w", "k"]), r"dict key 'w' is repeated"),
+    "tree keys without kids": (_v2, set_at(("tree", 2), [0]), r"a dict node has 3 keys and 1 values"),
+    "tree tag unknown": (_v2, set_at(("tree", 2, 2), ["set", [0]]), r"a container node must be .* \(tag 'set'\)"),
+    "tree 150 lists deep": (_v2, set_at(("tree", 2, 2), "DEEPTREE"), r"containers nested deeper than 100 levels"),
 }
 
 
@@ -179,7 +171,7 @@ def test_inspect_lists_a_non_ascii_digit_lane_key(tmp_path, make):
 
 def test_a_2kb_v2_manifest_with_shape_2_30_does_not_drive_plan_or_verify_to_gigabytes(tmp_path):
     root = _v2(tmp_path)
-    _edit(root, _set(("tensors", "w", "shape"), [2**30]))
+    _edit(root, set_at(("tensors", "w", "shape"), [2**30]))
     assert os.path.getsize(glob.glob(f"{root}/step-*/manifest.json")[0]) < 2048
     tracemalloc.start()
     try:

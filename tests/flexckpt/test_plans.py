@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from flexckpt.errors import ManifestError
 from flexckpt.format.checksum import checksum
 from flexckpt.format.manifest import unseal
+from manifest_edit import set_at
 from flexckpt.format.manifest_parse import parse_manifest
 from flexckpt.format.write_plan import ALIGN, make_write_plan
 from flexckpt.load.read_plan import gather_runs
@@ -144,36 +145,28 @@ def test_a_valid_manifest_round_trips():
 
 
 def _mutations():
-    def set_(path, value):
-        def f(doc):
-            target = doc
-            for k in path[:-1]:
-                target = target[k]
-            target[path[-1]] = value
-        return f
-
     file0 = "r0"
     return {
         "path traversal in a file name": lambda d: d["files"].__setitem__("../../etc/passwd", d["files"].pop(file0)),
         "slash in a file name": lambda d: d["files"].__setitem__("a/b", d["files"].pop(file0)),
-        "piece names an unknown file": set_(["tensors", "w", "pieces", 0, 0], "nope"),
-        "negative offset": set_(["tensors", "w", "pieces", 0, 3], -1),
-        "piece past the end of its file": set_(["tensors", "w", "pieces", 0, 3], 10**6),
-        "stop beyond numel": set_(["tensors", "w", "pieces", 0, 2], 17),
-        "unknown dtype": set_(["tensors", "w", "dtype"], "float128"),
-        "negative dimension": set_(["tensors", "w", "shape"], [-8, 2]),
-        "absurd shape": set_(["tensors", "w", "shape"], [2**40, 2**40]),
-        "bool as int": set_(["step"], True),
-        "wrong version": set_(["version"], 99),
-        "wrong checksum algorithm": set_(["checksum"], "crc32"),
-        "checksum not hex": set_(["files", file0, "chunks", 0, 5], "zz" * 8),
-        "gap between chunks": set_(["files", file0, "chunks", 0, 0], 64),
-        "unknown codec": set_(["files", file0, "chunks", 0, 4], "lz4"),
-        "uncompressed chunk with a different stored length": set_(["files", file0, "chunks", 0, 3], 1),
-        "file size not covered by chunks": set_(["files", file0, "nbytes"], 10**6),
-        "unknown layout": set_(["tensors", "w", "layout"], {"kind": "cyclic"}),
-        "run id with a slash": set_(["run_id"], "../x"),
-        "per-rank list of the wrong length": set_(["per_rank"], {"rng": [1]}),
+        "piece names an unknown file": set_at(["tensors", "w", "pieces", 0, 0], "nope"),
+        "negative offset": set_at(["tensors", "w", "pieces", 0, 3], -1),
+        "piece past the end of its file": set_at(["tensors", "w", "pieces", 0, 3], 10**6),
+        "stop beyond numel": set_at(["tensors", "w", "pieces", 0, 2], 17),
+        "unknown dtype": set_at(["tensors", "w", "dtype"], "float128"),
+        "negative dimension": set_at(["tensors", "w", "shape"], [-8, 2]),
+        "absurd shape": set_at(["tensors", "w", "shape"], [2**40, 2**40]),
+        "bool as int": set_at(["step"], True),
+        "wrong version": set_at(["version"], 99),
+        "wrong checksum algorithm": set_at(["checksum"], "crc32"),
+        "checksum not hex": set_at(["files", file0, "chunks", 0, 5], "zz" * 8),
+        "gap between chunks": set_at(["files", file0, "chunks", 0, 0], 64),
+        "unknown codec": set_at(["files", file0, "chunks", 0, 4], "lz4"),
+        "uncompressed chunk with a different stored length": set_at(["files", file0, "chunks", 0, 3], 1),
+        "file size not covered by chunks": set_at(["files", file0, "nbytes"], 10**6),
+        "unknown layout": set_at(["tensors", "w", "layout"], {"kind": "cyclic"}),
+        "run id with a slash": set_at(["run_id"], "../x"),
+        "per-rank list of the wrong length": set_at(["per_rank"], {"rng": [1]}),
     }
 
 

@@ -7,6 +7,17 @@ import orjson
 from flexckpt.format.manifest import MANIFEST, SEAL_FIELD, seal, step_dir
 
 
+def set_at(path, value):
+    """An edit of a manifest document: the value at key path ``path`` (dict keys, list
+    indices) set to ``value``."""
+    def edit(doc):
+        node = doc
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return edit
+
+
 def _edit_manifest(root, step, edit):
     path = os.path.join(root, step_dir(step), MANIFEST)
     with open(path, "rb") as f:

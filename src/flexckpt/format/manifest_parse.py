@@ -311,7 +311,7 @@ def _v2_tensors(raw: dict, where: str, version: int) -> list[tuple]:
         texts = list(map(orjson.dumps, entries))
     except TypeError:  # nested too deep to write back: checked one by one below
         texts = None
-    if texts is not None and "" not in raw and max(map(len, names), default=0) <= 4096:
+    if texts is not None and all(map(_name_ok, names)):  # (a name is checked with its entry below)
         try:
             fields_of = {text: _v2_entry(name, entry, where, version)
                          for text, (name, entry) in dict(zip(texts, zip(names, entries))).items()}
@@ -336,9 +336,16 @@ def _saved_tensor(spec: TensorSpec, source: PlanPieces) -> SavedTensor:
     return t
 
 
+MAX_TENSOR_NAME = 4096  # characters
+
+
+def _name_ok(name: str) -> bool:
+    return 0 < len(name) <= MAX_TENSOR_NAME
+
+
 def _tensor_fields(name: str, entry: Any, where: str) -> tuple[torch.dtype, tuple[int, ...], Layout]:
     """A tensor's dtype, shape and layout, validated (of any version)."""
-    if not name or len(name) > 4096:
+    if not _name_ok(name):
         raise fail(where, f"tensor name {show(name[:80])} is empty or too long")
     if not isinstance(entry, dict):
         raise fail(where, f"tensor {show(name)} must be an object")
