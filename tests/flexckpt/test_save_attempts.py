@@ -549,3 +549,42 @@ def test_read_only_with_a_fast_tier_is_refused(tmp_path):
                                          r"of them$"):
         Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="r", read_only=True, local=LocalTier(dir=str(tmp_path)))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rank_whose_files_vanish_after_rank_0_failed_the_commit_reports_rank_0s_cause(tmp_path, monkeypatch):
+    """Rank 0's commit fails and it removes the save's files; rank 1, still writing its chunk
+    table, then fails on a missing file. Its handle names rank 0's failure (the cause), not
+    only its own missing file (seen in CI: a race between the two)."""
+    import flexckpt.save.committer as committer
+    import flexckpt.save.pipeline as pipeline
+    from flexckpt.save.commit import failure_message
+
+    real_gather, real_write = committer.gather, pipeline.write_rank_files
+
+    def failing_gather(*a, **k):
+        raise OSError("storage hiccup")
+
+    def late_write(storage, folder, *, rank, attempt, **k):
+        if rank == 1:  # rank 1's table is written only after rank 0 announced its failure
+            deadline = time.monotonic() + 20
+            while failure_message(storage, int(folder.rsplit("-", 1)[1]), attempt) is None:
+                assert time.monotonic() < deadline, "rank 0 never announced its failure"
+                time.sleep(0.01)
+            raise FileNotFoundError(2, "No such file or directory", f"{folder}/r00001.table")
+        return real_write(storage, folder, rank=rank, attempt=attempt, **k)
+
+    monkeypatch.setattr(committer, "gather", failing_gather)
+    monkeypatch.setattr(pipeline, "write_rank_files", late_write)
+    url = str(tmp_path / "ck")
+    cks = [Checkpointer(url, rank=r, world_size=2, run_id="race", commit_timeout=20) for r in range(2)]
+    try:
+        hs = [ck.save(1, {"w": ShardedTensor(torch.ones(4), Shard(0), (8,), r, 2)}) for r, ck in enumerate(cks)]
+        with pytest.raises(SaveError, match="storage hiccup"):
+            hs[0].result(timeout=30)
+        with pytest.raises(SaveError, match=r"rank 0 failed while committing: OSError: storage hiccup \(then this rank, "
+                                            r"while writing its chunk table: FileNotFoundError"):
+            hs[1].result(timeout=30)
+    finally:
+        monkeypatch.setattr(committer, "gather", real_gather)
+        for ck in cks:
+            ck.close()

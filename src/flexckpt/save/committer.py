@@ -191,7 +191,16 @@ class Committer:
     def report_failure(self, job: SaveJob, exc: BaseException, what: str) -> None:
         """Every rank announces its own failure to the attempt's other ranks (rank 0's
         included): nobody waits out commit_timeout for a save that cannot commit. Its files
-        go first: on a full disk that makes room for the marker."""
+        go first: on a full disk that makes room for the marker. A rank that failed after
+        another announced the save's failure reports that rank's cause (its own error is
+        likely a consequence: the failed save's files removed under its writer)."""
+        if not isinstance(exc, AnnouncedFailure):
+            try:
+                earlier = failure_message(self.storage, job.step, job.attempt)
+            except Exception:  # noqa: BLE001 - a storage that fails here: report this rank's own error
+                earlier = None
+            if earlier is not None:
+                exc = AnnouncedFailure(f"{earlier} (then this rank, while {what}: {type(exc).__name__}: {exc})")
         log.error("flexckpt rank %d: save of step %d failed while %s: %s", self.rank, job.step, what, exc,
                   exc_info=None if expected_failure(exc) else exc)  # the handle holds the traceback
         try:  # at once: a full disk must not stop every later save
