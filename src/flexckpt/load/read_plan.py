@@ -375,9 +375,8 @@ def plan_requests(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange
     """The reads a load of ``targets`` makes (a saved tensor and the part of it wanted,
     stored contiguously in the target; or a flat range of it; every wanted element must be
     in the checkpoint exactly once): the chunks it touches, each once, in file order,
-    merged into ranged reads (:func:`requests`), without an object a chunk. With
-    ``group_bytes``, each request also carries its :class:`Scatter` and its read groups
-    (:func:`read_groups`)."""
+    merged into ranged reads (:func:`requests_of`), without an object a chunk. With
+    ``group_bytes``, each request also carries its :class:`Scatter` and its read groups."""
     return plan_file_requests(gather_runs(targets), manifest.files, max_bytes, group_bytes)
 
 
@@ -407,15 +406,11 @@ def requests_of(plans: list[FilePlan], max_bytes: int, group_bytes: int | None =
     return out
 
 
-def requests(plan: FilePlan, max_bytes: int, labels: np.ndarray | None = None) -> list[Request]:
+def _reads(plan: FilePlan, max_bytes: int, labels: np.ndarray | None) -> list[tuple[int, int, int, int]]:
     """``plan``'s touched chunks merged into ranged reads: runs of chunks touching in the
     file (and of one label, where ``labels`` gives each touched chunk one), cut where a
-    request would pass ``max_bytes`` (one chunk may)."""
-    return [Request(plan, *r) for r in _reads(plan, max_bytes, labels)]
-
-
-def _reads(plan: FilePlan, max_bytes: int, labels: np.ndarray | None) -> list[tuple[int, int, int, int]]:
-    """:func:`requests` as tuples: first and stop touched chunk, stored offset, length."""
+    request would pass ``max_bytes`` (one chunk may). Each a tuple: first and stop touched
+    chunk, stored offset, length."""
     if not len(plan.ids):
         return []
     offsets = plan.entry.offsets[plan.ids]
@@ -443,19 +438,13 @@ def _reads(plan: FilePlan, max_bytes: int, labels: np.ndarray | None) -> list[tu
     return out
 
 
-def read_groups(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes: int) -> list[list[int]]:
+def _group_ends(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes: int) -> tuple[list[int], list[int]]:
     """Where a local read cuts requests of chunks of stored ``lengths`` (consecutive
     requests from chunk 0, ending at ``stops``) into groups: after the first chunk that
-    brings a group to ``group_bytes``, and after a request's last. Each request's group ends
-    (indices into ``lengths``)."""
-    ends, bounds = _group_ends(lengths, stops, group_bytes)
-    return [ends[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def _group_ends(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes: int) -> tuple[list[int], list[int]]:
-    """:func:`read_groups` flat: every group's end, in order, and where each request's
-    ends begin in them (one more entry). Where a group from each chunk would end is one
-    array call; then one step a group, in the requests longer than one group."""
+    brings a group to ``group_bytes``, and after a request's last. Every group's end (an
+    index into ``lengths``), in order, and where each request's ends begin in them (one
+    more entry). Where a group from each chunk would end is one array call; then one step a
+    group, in the requests longer than one group."""
     n = len(lengths)
     cum = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     after = np.searchsorted(cum, cum[:-1] + group_bytes, "left")  # a group from chunk k ends after chunk after[k] - 1
@@ -480,14 +469,10 @@ def _group_ends(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes
     return ends, bounds
 
 
-def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Request]:
-    """``reqs`` (of ``plan``, in order) with their read groups and the file's
-    :class:`Scatter`: every list the fetch loop needs, built in one vectorized pass."""
-    return _scatter(plan, [(r.first, r.stop, r.offset, r.length) for r in reqs], group_bytes)
-
-
 def _scatter(plan: FilePlan, reads: list[tuple[int, int, int, int]], group_bytes: int) -> list[Request]:
-    """:func:`scatter` of the reads :func:`_reads` gives."""
+    """The requests of ``reads`` (of ``plan``, in order, as :func:`_reads` gives them) with
+    their read groups (:func:`_group_ends`) and the file's :class:`Scatter`: every list the
+    fetch loop needs, built in one vectorized pass."""
     if not reads:
         return []
     entry, ids = plan.entry, plan.ids
