@@ -6,12 +6,13 @@ contiguous in both the saved piece and the target is one run; a chunk is fetched
 whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O
 (the chunk entries come in, read by :func:`flexckpt.format.tables.file_entries`).
 
-A load plans over columns (:func:`plan_requests`: a file's chunks, the runs cut at their
-bounds, each touched chunk tiled by segments, the fetch loop's plain lists), never one
-object a chunk or a copy. It is the one read planner: the load (:func:`gather_runs`, then
-:func:`plan_file_requests` over the entries it read), the fast tier's range planning
-(:mod:`flexckpt.tier.peer_ranges`) and the restore prediction (:mod:`flexckpt.restore_plan`)
-all plan through :func:`plan_file_requests`. :func:`plan_requests`, the short form, takes
+A load plans over columns (a file's chunks, the runs cut at their bounds, each touched
+chunk tiled by segments, the fetch loop's plain lists), never one object a chunk or a copy.
+It is the one read planner, in three steps: :func:`gather_runs`, :func:`file_plans` over
+the chunk entries, :func:`requests_of`. The load takes them one by one (the entries it read
+in between; a fanned-out load exchanges its file plans before it cuts its requests); the
+fast tier's range planning (:mod:`flexckpt.tier.peer_ranges`) and the restore prediction
+(:mod:`flexckpt.restore_plan`) through :func:`plan_requests`, the short form, which takes
 the entries from ``manifest.files`` (give it a mapping that holds them, as the tier's
 planning-only view does: a version-2 manifest's own reads any table it lacks)."""
 from __future__ import annotations
@@ -377,26 +378,21 @@ def plan_requests(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange
     in the checkpoint exactly once): the chunks it touches, each once, in file order,
     merged into ranged reads (:func:`requests_of`), without an object a chunk. With
     ``group_bytes``, each request also carries its :class:`Scatter` and its read groups."""
-    return plan_file_requests(gather_runs(targets), manifest.files, max_bytes, group_bytes)
-
-
-def plan_file_requests(by_file: dict[str, list[np.ndarray]], entries: Mapping[str, FileEntry], max_bytes: int,
-                       group_bytes: int | None = None) -> list[Request]:
-    """:func:`plan_requests` of the runs :func:`gather_runs` gave, over ``entries``, the
-    chunk entries of (at least) the files in ``by_file``."""
-    return requests_of(file_plans(by_file, entries), max_bytes, group_bytes)
+    return requests_of(file_plans(gather_runs(targets), manifest.files), max_bytes, group_bytes)
 
 
 def file_plans(by_file: dict[str, list[np.ndarray]], entries: Mapping[str, FileEntry]) -> list[FilePlan]:
-    """The :class:`FilePlan` of each file of ``by_file``, in file order: the first half of
-    :func:`plan_file_requests` (a fanned-out load learns every rank's chunks from them
-    before it cuts its requests)."""
+    """The :class:`FilePlan` of each file of ``by_file`` (:func:`gather_runs`' runs), in file
+    order, over ``entries``, the chunk entries of (at least) those files (a fanned-out load
+    learns every rank's chunks from them before it cuts its requests)."""
     return [file_plan(file, entries[file], by_file[file]) for file in sorted(by_file)]
 
 
 def requests_of(plans: list[FilePlan], max_bytes: int, group_bytes: int | None = None,
                 labels: "dict[str, np.ndarray] | None" = None) -> list[Request]:
-    """The second half of :func:`plan_file_requests`. ``labels``: per file, a label for
+    """The requests of ``plans`` (:func:`file_plans`): each file's touched chunks merged
+    into ranged reads (:func:`_reads`); with ``group_bytes``, each also carries its
+    :class:`Scatter` and its read groups (:func:`_scatter`). ``labels``: per file, a label for
     each touched chunk; a request never holds chunks of two labels (a fanned-out load labels
     each chunk with the batch it comes in, :mod:`flexckpt.load.fanout`)."""
     out: list[Request] = []
