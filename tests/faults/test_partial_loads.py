@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer, LoadError, ManifestError, PerRank
 from flexckpt.format.checksum import checksum
-from flexckpt.format.manifest import step_dir, values_name
+from flexckpt.format.names import step_dir, values_name
 from flexckpt.save.commit import read_manifest
 from flexshard import Shard, ShardedTensor
 from flexshard.spawn import run_workers

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer, ChecksumError, LoadError, PerRank
-from flexckpt.format.manifest import data_name, step_dir
+from flexckpt.format.names import data_name, step_dir
 from flexckpt.save.commit import read_manifest
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor, assign_owners
 from flexshard.spawn import run_workers

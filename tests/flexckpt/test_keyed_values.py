@@ -24,7 +24,7 @@ from flexckpt import (
     TruncatedFile,
     UnsupportedState,
 )
-from flexckpt.format.manifest import keyed_name, step_dir
+from flexckpt.format.names import keyed_name, step_dir
 from flexckpt.save.commit import read_manifest
 from flexckpt.state.values import MAX_BYTES_VALUE
 from flexckpt.storage import Storage
