@@ -2,7 +2,7 @@
 when the world differs), flexckpt's ``Checkpointer.load`` against ``dcp.load``, from a
 cold page cache (the checkpoint's files dropped with fadvise) and from a warm one.
 
-    python3 dev.py bench restore [--mb-per-rank 50] [--tensors 200] [--load-worlds 2 1 4]
+    python3 dev.py bench restore [--mb-per-rank 50 [MB ...]] [--tensors 200] [--load-worlds 2 1 4]
         [--runs 3] [--loads 3] [--libs flexckpt dcp] [--read-threads N] [--dir PATH] [--out PATH]
     python3 dev.py bench restore --versus c0aceba [--runs 3] [--repeat 5]
 
@@ -33,6 +33,15 @@ runs flexckpt's checksum over them in chunk_bytes pieces (the fastest a verified
 be); the report gives restore / (read + checksum), cold and warm, median and p99 over every
 round (goal: <= 1.25). The JSON report's ``headline`` holds the medians
 ``compare_revisions.py`` compares.
+
+Several sizes (``--mb-per-rank 25 100 400``) separate a load's fixed cost from its cost a
+byte: each size is saved into its own folder and measured as above (its own rank processes,
+the sizes taking turns within each run and world), the tables come once a size (the first
+size's headline keys unchanged, the others' with the size in them), and a last table gives,
+per load world and kind, the restore's and the limit's medians at every size and a
+least-squares line through the sizes' medians, restore = F + r x limit (``fit_against_limit``):
+F the fixed cost a load (plan, agreements, the wait for the slowest rank), r the ratio a
+byte, and the smallest state at which the median ratio would be <= 1.25 under that line.
 """
 from __future__ import annotations
 
@@ -45,7 +54,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import harness as H
 
@@ -320,7 +329,7 @@ def versus(args: argparse.Namespace, cfg: dict) -> int:
             for name in (list(trees) if run % 2 == 0 else list(trees)[::-1]):
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([trees[name], here]))
                 cmd = [sys.executable, os.path.abspath(__file__), "--one-process", os.path.join(root, name),
-                       "--mb-per-rank", str(args.mb_per_rank), "--tensors", str(args.tensors), "--repeat", str(args.repeat)]
+                       "--mb-per-rank", str(cfg["mb_per_rank"]), "--tensors", str(args.tensors), "--repeat", str(args.repeat)]
                 done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=900)
                 got[name] = json.loads(done.stdout.strip().splitlines()[-1])
                 any_bad |= bool(got[name]["bad"])
@@ -338,7 +347,7 @@ def versus(args: argparse.Namespace, cfg: dict) -> int:
     text = "\n".join([
         f"## Restore 2 -> 1 in one process: this tree against {args.versus}",
         "",
-        f"State: {args.mb_per_rank * SAVE_WORLD:.0f} MiB in {args.tensors} tensors saved at world 2 by each tree, loaded at "
+        f"State: {cfg['mb_per_rank'] * SAVE_WORLD:.0f} MiB in {args.tensors} tensors saved at world 2 by each tree, loaded at "
         f"world 1; per round, the best of {args.repeat} warm loads then of {args.repeat} cold ones (ms wall / CPU), "
         f"this tree vs {args.versus}; each round a fresh process per tree.",
         "",
@@ -358,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     from flexshard.spawn import run_workers
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mb-per-rank", type=float, default=50.0, help="MiB of state per rank at the saving world 2 (default 50)")
+    p.add_argument("--mb-per-rank", type=float, nargs="+", default=[50.0],
+                   help="MiB of state per rank at the saving world 2 (default 50); several sizes (e.g. 25 100 400) add "
+                        "the table of restore against the limit by state size (the first size gives the headline)")
     p.add_argument("--tensors", type=int, default=200, help="tensors in the state (default 200)")
     p.add_argument("--load-worlds", type=int, nargs="+", default=[2, 1, 4], help="world sizes to load at (default: 2 1 4)")
     p.add_argument("--runs", type=int, default=3, help="runs (fresh rank processes per world); figures are medians (default 3)")
@@ -376,11 +387,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="--versus: loads per kind and round, best taken (default 5)")
     p.add_argument("--one-process", default=None, help=argparse.SUPPRESS)  # --versus's child: its folder
     args = p.parse_args(argv)
+    sizes = args.mb_per_rank
     if "flexckpt" not in args.libs:
         p.error(f"--libs {' '.join(args.libs)}: flexckpt must be one of them (its checkpoint is what the raw read reads)")
     if args.loads < 1 or args.runs < 1:
         p.error(f"--runs {args.runs} --loads {args.loads}: each must be at least 1")
-    cfg = {"mb_per_rank": args.mb_per_rank, "tensors": args.tensors, "read_threads": args.read_threads, "libs": args.libs,
+    if min(sizes) <= 0 or len(set(sizes)) < len(sizes):
+        p.error(f"--mb-per-rank {' '.join(f'{mb:g}' for mb in sizes)}: each size must be above 0 and given once")
+    if len(sizes) > 1 and (args.versus or args.one_process):
+        p.error(f"--mb-per-rank {' '.join(f'{mb:g}' for mb in sizes)}: --versus measures one size; give one")
+    cfg = {"mb_per_rank": sizes[0], "tensors": args.tensors, "read_threads": args.read_threads, "libs": args.libs,
            "loads": args.loads}
     if args.one_process:
         print(json.dumps(_one_process(args.one_process, cfg, args.repeat)))
@@ -392,32 +408,78 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(root, exist_ok=True)
     machine = H.machine_description(root)
     t_start = time.monotonic()
-    results: dict[int, list[dict]] = {}
+    folders = {mb: os.path.join(root, f"state-{mb:g}mib") for mb in sizes}  # each size's own checkpoints
+    state_mib: dict[float, float] = {}
+    results: dict[float, dict[int, list[list[dict]]]] = {mb: {} for mb in sizes}  # size -> world -> runs -> ranks
     try:
-        saved = run_workers(save_worker, SAVE_WORLD, cfg, root, timeout=600)
-        state_mib = sum(r["bytes"] for r in saved) / H.MIB
+        for mb in sizes:
+            os.makedirs(folders[mb], exist_ok=True)
+            saved = run_workers(save_worker, SAVE_WORLD, dict(cfg, mb_per_rank=mb), folders[mb], timeout=600)
+            state_mib[mb] = sum(r["bytes"] for r in saved) / H.MIB
         for run in range(args.runs):
             for world in args.load_worlds:
                 order = [lib for lib in ("flexckpt", "dcp") if lib in args.libs]
                 order = order if run % 2 == 0 else order[::-1]
-                ranks = run_workers(load_worker, world, cfg, root, order, timeout=600)
-                results.setdefault(world, []).append(ranks)
-                r = {k: v if k == "bad" else H.median(v) for k, v in _summ(ranks).items()}  # this run's medians
-                dcp = f"dcp cold {r['dcp_cold']:.3f} s warm {r['dcp_warm']:.3f} s; " if "dcp" in args.libs else ""
-                msg = (f"run {run + 1}/{args.runs} world {world}: flexckpt cold {r['flexckpt_cold']:.3f} s warm {r['flexckpt_warm']:.3f} s; "
-                       f"{dcp}raw cold {r['raw_cold']:.3f} s warm {r['raw_warm']:.3f} s; read+checksum cold "
-                       f"{r['lim_cold']:.3f} s warm {r['lim_warm']:.3f} s; {H.load_line()}")
-                print(msg + (f"  WRONG: {r['bad']}" if r["bad"] else ""), file=sys.stderr, flush=True)
+                for mb in (sizes if run % 2 == 0 else sizes[::-1]):  # the sizes take turns as the libraries do
+                    ranks = run_workers(load_worker, world, dict(cfg, mb_per_rank=mb), folders[mb], order, timeout=600)
+                    results[mb].setdefault(world, []).append(ranks)
+                    r = {k: v if k == "bad" else H.median(v) for k, v in _summ(ranks).items()}  # this run's medians
+                    dcp = f"dcp cold {r['dcp_cold']:.3f} s warm {r['dcp_warm']:.3f} s; " if "dcp" in args.libs else ""
+                    size = f" {mb:g} MiB a rank" if len(sizes) > 1 else ""
+                    msg = (f"run {run + 1}/{args.runs} world {world}{size}: flexckpt cold {r['flexckpt_cold']:.3f} s "
+                           f"warm {r['flexckpt_warm']:.3f} s; {dcp}raw cold {r['raw_cold']:.3f} s warm {r['raw_warm']:.3f} s; "
+                           f"read+checksum cold {r['lim_cold']:.3f} s warm {r['lim_warm']:.3f} s; {H.load_line()}")
+                    print(msg + (f"  WRONG: {r['bad']}" if r["bad"] else ""), file=sys.stderr, flush=True)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     wall = time.monotonic() - t_start
 
+    summs = {mb: {world: [_summ(r) for r in results[mb][world]] for world in args.load_worlds} for mb in sizes}
+    headline: dict[str, float] = {}  # the medians bench/compare_revisions.py compares (the first size's keys as before)
+    any_bad = False
+    sections = [
+        "## Restore (save at world 2, load at world 2, 1 and 4)",
+        "",
+        f"Command: `python3 dev.py bench restore {' '.join(sys.argv[1:])}`".rstrip() + f" ({wall / 60:.1f} min)",
+        "",
+        H.markdown_table(["machine", ""], [[k, v] for k, v in machine.items()] + [["load after", H.load_line()]]),
+        "",
+    ]
+    for i, mb in enumerate(sizes):
+        text, head, bad = size_report(args, state_mib[mb], results[mb], summs[mb])
+        headline.update({k + ("" if i == 0 else f" ({mb:g} MiB a rank)"): v for k, v in head.items()})
+        any_bad |= bad
+        if len(sizes) > 1:
+            sections += [f"### {mb:g} MiB a rank at world 2 ({state_mib[mb]:.0f} MiB of state)", ""]
+        sections += [text, ""]
+    if len(sizes) > 1:
+        text, head = by_size_report(args, state_mib, summs)
+        headline.update(head)
+        sections += [text, ""]
+    text = "\n".join(sections).rstrip()
+    print(text)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"restore-{time.strftime('%Y%m%d-%H%M%S')}.md")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(text + "\n")
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        by_size = {"results_by_size": {f"{mb:g}": {str(k): v for k, v in results[mb].items()} for mb in sizes}} if len(sizes) > 1 else {}
+        json.dump({"args": vars(args), "machine": machine, "headline": headline,
+                   "results": {str(k): v for k, v in results[sizes[0]].items()}, **by_size}, f, default=str)
+    print(f"\n(report written to {out})", file=sys.stderr)
+    return 1 if any_bad else 0
+
+
+def size_report(args: argparse.Namespace, state_mib: float, results: dict[int, list[list[dict]]],
+                summs: dict[int, list[dict]]) -> tuple[str, dict[str, float], bool]:
+    """One state size's tables (restore against dcp and the raw read, against the limit, where a
+    warm load's time went, the goals), its headline medians and whether a load came out wrong."""
     rows, goal_rows, limit_rows, phase_rows = [], [], [], []
-    headline: dict[str, float] = {}  # the medians bench/compare_revisions.py compares
+    headline: dict[str, float] = {}
     any_bad = False
     for world in args.load_worlds:
-        summ = [_summ(r) for r in results[world]]
+        summ = summs[world]
         limit, got = limit_row(world, summ)
         limit_rows.append(limit)
         phase_rows.append(phase_row(world, summ))
@@ -453,12 +515,6 @@ def main(argv: list[str] | None = None) -> int:
     resident = max(r["resident"] for rs in results.values() for ranks in rs for r in ranks)
     stats = results[args.load_worlds[0]][0][0].get("flexckpt_stats", {})
     text = "\n".join([
-        "## Restore (save at world 2, load at world 2, 1 and 4)",
-        "",
-        f"Command: `python3 dev.py bench restore {' '.join(sys.argv[1:])}`".rstrip() + f" ({wall / 60:.1f} min)",
-        "",
-        H.markdown_table(["machine", ""], [[k, v] for k, v in machine.items()] + [["load after", H.load_line()]]),
-        "",
         f"State: {state_mib:.1f} MiB in {args.tensors} tensors (Shard(0) pieces, fp32), saved once by each library at world 2; "
         f"{args.runs} runs of {args.loads} rounds each (a round: the raw read, then each library's load, cold then warm), "
         f"medians over every round; seconds of the slowest rank (MiB/s of the whole state in brackets); flexckpt CPU: the "
@@ -497,16 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         H.markdown_table(["load", "goal", "measured", "met"], goal_rows),
     ])
-    print(text)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"restore-{time.strftime('%Y%m%d-%H%M%S')}.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(text + "\n")
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump({"args": vars(args), "machine": machine, "headline": headline,
-                   "results": {str(k): v for k, v in results.items()}}, f, default=str)
-    print(f"\n(report written to {out})", file=sys.stderr)
-    return 1 if any_bad else 0
+    return text, headline, any_bad
 
 
 def _ok(b: bool) -> str:
@@ -532,9 +579,7 @@ def limit_row(world: int, summ: list[dict]) -> tuple[list[str], dict]:
     every run) and the median and p99 of the rounds' ratios restore / (read + checksum)."""
     row, got = [f"2 -> {world}"], {}
     for kind in ("cold", "warm"):
-        rest = [x for s in summ for x in s[f"flexckpt_{kind}"]]
-        lim = [x for s in summ for x in s[f"lim_{kind}"]]
-        ratios = [a / b for a, b in zip(rest, lim)]
+        rest, lim, ratios = _limit_rounds(summ, kind)
         read = H.median(x for s in summ for x in s[f"lim_read_{kind}"])
         sums = H.median(x for s in summ for x in s[f"lim_sum_{kind}"])
         got[kind] = (H.median(ratios), H.percentile(ratios, 99))
@@ -542,6 +587,82 @@ def limit_row(world: int, summ: list[dict]) -> tuple[list[str], dict]:
                 f"{H.median(lim):.3f} / {H.percentile(lim, 99):.3f} ({read:.3f} + {sums:.3f})",
                 f"**{got[kind][0]:.2f}** / {got[kind][1]:.2f}"]
     return row + [str(len(ratios))], got
+
+
+def _limit_rounds(summ: list[dict], kind: str) -> tuple[list[float], list[float], list[float]]:
+    """The restore's and the limit's seconds (slowest rank) in every round of every run, and
+    the rounds' ratios restore / limit."""
+    rest = [x for s in summ for x in s[f"flexckpt_{kind}"]]
+    lim = [x for s in summ for x in s[f"lim_{kind}"]]
+    return rest, lim, [a / b for a, b in zip(rest, lim)]
+
+
+class LimitFit(NamedTuple):
+    """restore = ``fixed_s`` + ``ratio`` x limit, fitted across state sizes."""
+
+    fixed_s: float  # F: what a load costs whatever its bytes (plan, agreements, waiting for the slowest rank)
+    ratio: float  # r: the restore's per-byte cost over the limit's (the ratio at a large state)
+    limit_mib_s: float  # the limit's throughput: MiB of state per second of limit, over every size
+    goal_state_mib: float | None  # the smallest state whose ratio F / limit + r is <= the goal; None: never
+
+
+def fit_against_limit(points: Sequence[tuple[float, float, float]], goal: float = LIMIT_GOAL) -> LimitFit:
+    """Least squares of restore = F + r x limit through ``points`` (state MiB, limit s,
+    restore s), one a state size: F, r, and the smallest state at which the ratio
+    restore / limit = F / limit + r is at most ``goal``: a limit of F / (goal - r) seconds,
+    in MiB of state at the limit's throughput (the points' MiB over their limit seconds,
+    summed); 0 when F <= 0 (every size), None (never) when r >= ``goal``."""
+    if len(points) < 2 or len({lim for _, lim, _ in points}) < 2:
+        raise ValueError(f"{len(points)} state sizes with limits {[lim for _, lim, _ in points]}: "
+                         f"a fit needs two sizes or more whose limits differ")
+    xs, ys = [lim for _, lim, _ in points], [rest for _, _, rest in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    r = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    f = my - r * mx
+    mib_s = sum(mib for mib, _, _ in points) / sum(xs)
+    goal_mib = None if r >= goal else 0.0 if f <= 0 else f / (goal - r) * mib_s
+    return LimitFit(f, r, mib_s, goal_mib)
+
+
+def by_size_report(args: argparse.Namespace, state_mib: dict[float, float],
+                   summs: dict[float, dict[int, list[dict]]]) -> tuple[str, dict[str, float]]:
+    """The table of restore against the limit by state size, with the fit of each load world
+    and kind (``fit_against_limit`` over the sizes' medians), and its headline figures."""
+    sizes = list(state_mib)
+    rows, headline = [], {}
+    for world in args.load_worlds:
+        for kind in ("cold", "warm"):
+            cells, points = [], []
+            for mb in sizes:
+                rest, lim, ratios = _limit_rounds(summs[mb][world], kind)
+                points.append((state_mib[mb], H.median(lim), H.median(rest)))
+                cells.append(f"{points[-1][2] * 1e3:.1f} / {points[-1][1] * 1e3:.1f} ({H.median(ratios):.2f}x)")
+            try:
+                fit = fit_against_limit(points)
+            except ValueError as e:
+                rows.append([f"2 -> {world}", kind, *cells, f"n/a: {e}", "", "", ""])
+                continue
+            headline[f"restore fixed s 2->{world} {kind}"] = fit.fixed_s
+            headline[f"restore per-byte/limit 2->{world} {kind}"] = fit.ratio
+            goal = ("never" if fit.goal_state_mib is None else "every size" if fit.goal_state_mib == 0 else
+                    f"{fit.goal_state_mib:.0f} MiB ({fit.goal_state_mib / SAVE_WORLD:.0f} a rank)")
+            rows.append([f"2 -> {world}", kind, *cells, f"{fit.fixed_s * 1e3:.1f}", f"{fit.ratio:.2f}",
+                         f"{fit.limit_mib_s:.0f}", goal])
+    return "\n".join([
+        "### Restore against the limit by state size: a fixed cost a load and a cost a byte (issue 29)",
+        "",
+        f"Per load and kind, at each state size: the restore's and the limit's medians (ms, slowest rank of each "
+        f"round, every round of every run, as above) and the median of the rounds' ratios. Then a least-squares line "
+        f"through the sizes' medians (one point a size, not each round's pair: a disturbed round moves it less; with "
+        f"two sizes the line goes through both), restore = F + r x limit: F is what a load costs whatever its bytes "
+        f"(ms; plan, agreements, the wait for the slowest rank), r the restore's cost a byte over the limit's (what "
+        f"the ratio tends to at a large state). The median ratio F / limit + r is at most {LIMIT_GOAL} from a limit "
+        f"of F / ({LIMIT_GOAL} - r) s on, given as MiB of state at the limit's throughput (the sizes' state MiB over "
+        f"their limit medians, summed); never where r >= {LIMIT_GOAL}.",
+        "",
+        H.markdown_table(["load", "kind", *(f"{mb:g} MiB a rank: restore / limit ms (ratio)" for mb in sizes),
+                          "F ms", "r", "limit MiB/s", f"ratio <= {LIMIT_GOAL} from"], rows),
+    ]), headline
 
 
 def _summ(ranks: list[dict]) -> dict:

@@ -54,8 +54,8 @@ import torch
 
 from flexckpt import ByLane, Checkpointer, PerRank, Storage
 from flexckpt.format.chunktable import _HEADER
-from flexckpt.format.manifest import GROUP, group_name, record_name, step_dir
 from flexckpt.format.manifest_parse import parse_manifest
+from flexckpt.format.names import GROUP, group_name, record_name, step_dir
 from flexckpt.format.write_plan import WritePlan, make_write_plan, part_of_world, sharded_loads
 from flexckpt.catalog import committed_attempt
 from flexckpt.save.commit import (

@@ -22,7 +22,7 @@ import time
 import torch
 
 from flexckpt import ByLane, Checkpointer, PerRank
-from flexckpt.format.manifest import step_dir
+from flexckpt.format.names import step_dir
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor, assign_owners
 from flexshard.spawn import run_workers
 

@@ -1,5 +1,6 @@
 """What the ranks agree on with a collective, outside the save path: at load, the step
-(rank 0 picks, everyone gets it) and whether any rank failed. With a process group, on its
+(rank 0 picks, everyone gets it), the manifest's bytes when the load fans out (rank 0
+reads them, everyone gets them) and whether any rank failed. With a process group, on its
 ranks. (At construction the ids go through the store, not a collective: see :mod:`flexckpt.save.savers`.)"""
 from __future__ import annotations
 
@@ -59,6 +60,38 @@ def agree_step(rank: int, world_size: int, group: "dist.ProcessGroup | None", st
             raise LoadError(f"could not list checkpoints under {url}: {why}") from failure
         raise LoadError(f"could not list checkpoints under {url} (see rank 0's error)")
     return value
+
+
+def share_bytes(rank: int, world_size: int, group: "dist.ProcessGroup | None", read: Callable[[], bytes],
+                what: str) -> bytes:
+    """Bytes rank 0 reads (``read()``), obtained by every rank: two broadcasts, the length and
+    then the bytes (rank 0's own read bounds them). Every rank of the group calls it. When
+    rank 0's read fails, it raises that error and every other rank a ``LoadError`` naming
+    rank 0 and ``what``; the bytes are untrusted all the same (each rank checks them)."""
+    if not distributed(world_size):
+        return read()
+    data, failure = b"", None
+    if rank == 0:
+        try:
+            data = read()
+        except Exception as exc:  # noqa: BLE001 - raised below, after the others know
+            failure = exc
+    device = collective_device(group)
+    n = torch.tensor([-1 if failure is not None else len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(n, src=global_rank(0, group), group=group)
+    size = int(n.item())
+    if size < 0:
+        if failure is not None:
+            raise failure
+        raise LoadError(f"rank 0 could not read {what} for the other ranks; see its error")
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 and size
+           else torch.empty(size, dtype=torch.uint8))
+    if size:
+        sent = buf.to(device)
+        dist.broadcast(sent, src=global_rank(0, group), group=group)
+        if rank != 0:
+            buf = sent.cpu()
+    return data if rank == 0 else buf.numpy().tobytes()
 
 
 def first_failed_rank(rank: int, world_size: int, group: "dist.ProcessGroup | None", failed: bool,

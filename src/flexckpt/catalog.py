@@ -31,16 +31,24 @@ def _committed_steps(storage: Storage) -> list[int]:
     return sorted(s for s in steps if s in with_manifest)
 
 
-def read_manifest(storage: Storage, step: int) -> Manifest:
+def read_manifest(storage: Storage, step: int, data: bytes | None = None) -> Manifest:
     """The step's manifest, validated; a version-2 manifest is bound to ``storage`` so that
-    its chunk tables are read on first use."""
+    its chunk tables are read on first use. ``data``: its bytes, already obtained (a
+    fanned-out load: rank 0 read them for every rank), checked all the same."""
     rel = f"{step_dir(step)}/{MANIFEST}"
-    manifest = parse_manifest(storage.read_bytes(rel, limit=MAX_MANIFEST_BYTES), where=f"manifest {rel}")
+    if data is None:
+        data = read_manifest_bytes(storage, step)
+    manifest = parse_manifest(data, where=f"manifest {rel}")
     if manifest.step != step:
         raise ManifestError(f"{rel} describes step {manifest.step}, not {step}")
     if manifest.version >= 2:
         manifest.files.bind(storage, step_dir(step))  # type: ignore[attr-defined]
     return manifest
+
+
+def read_manifest_bytes(storage: Storage, step: int) -> bytes:
+    """The bytes of the step's manifest, refused unread above :data:`MAX_MANIFEST_BYTES`."""
+    return storage.read_bytes(f"{step_dir(step)}/{MANIFEST}", limit=MAX_MANIFEST_BYTES)
 
 
 def committed_attempt(storage: Storage, step: int) -> str | None:

@@ -1,6 +1,6 @@
 """The bench pieces issues 28 and 29 added, without running a benchmark: restore's limit
-(the spans of the bytes a rank's load reads, the checksum pass), and compare_revisions'
-run order, headline figures and table."""
+(the spans of the bytes a rank's load reads, the checksum pass, the fit across state
+sizes), and compare_revisions' run order, headline figures and table."""
 from __future__ import annotations
 
 import sys
@@ -29,6 +29,24 @@ def test_the_checksum_pass_hashes_every_chunk_with_the_librarys_checksum(monkeyp
     monkeypatch.setattr(flexckpt.format.checksum, "checksum_int", lambda v: seen.append(bytes(v)) or 0)
     restore.checksum_pass(memoryview(bytes(range(10))), 4)
     assert seen == [bytes(range(4)), bytes(range(4, 8)), bytes([8, 9])]
+
+
+def test_the_fit_across_sizes_splits_a_fixed_cost_a_load_from_a_ratio_a_byte():
+    # (state MiB, limit s, restore s) at two sizes: restore = 0.5 + 1.0 x limit
+    fit = restore.fit_against_limit([(100.0, 0.25, 0.75), (400.0, 1.0, 1.5)])
+    assert fit == (0.5, 1.0, 400.0, 800.0)  # 500 MiB over 1.25 s; 0.5 / (1.25 - 1.0) = 2 s of limit = 800 MiB
+    # least squares through four sizes: r = 3.5 / 5, F = 3 - r x 2.5
+    fit = restore.fit_against_limit([(10.0, 1.0, 2.0), (20.0, 2.0, 2.5), (30.0, 3.0, 3.5), (40.0, 4.0, 4.0)])
+    assert fit.fixed_s == pytest.approx(1.25, abs=1e-12) and fit.ratio == pytest.approx(0.7, abs=1e-12)
+    assert fit.limit_mib_s == 10.0 and fit.goal_state_mib == pytest.approx(1.25 / 0.55 * 10.0, abs=1e-9)
+
+
+def test_the_fit_says_never_at_a_ratio_a_byte_over_the_goal_and_every_size_without_a_fixed_cost():
+    assert restore.fit_against_limit([(1.0, 1.0, 1.5), (2.0, 2.0, 3.0)]).goal_state_mib is None  # r = 1.5
+    assert restore.fit_against_limit([(1.0, 1.0, 1.25), (2.0, 2.0, 2.5)]).goal_state_mib is None  # r = 1.25: never below
+    assert restore.fit_against_limit([(1.0, 1.0, 0.5), (2.0, 2.0, 1.5)]).goal_state_mib == 0.0  # F = -0.5, r = 1
+    with pytest.raises(ValueError, match=r"2 state sizes with limits \[1.0, 1.0\]: a fit needs two sizes or more"):
+        restore.fit_against_limit([(1.0, 1.0, 2.0), (2.0, 1.0, 3.0)])
 
 
 def test_the_revisions_take_turns_their_order_flipping_each_round():

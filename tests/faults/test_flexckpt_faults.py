@@ -15,7 +15,7 @@ import torch
 
 from fault_proxy import FaultProxy
 from flexckpt import Checkpointer, SaveError
-from flexckpt.format.manifest import attempt_id, check_run_id, data_name, step_dir
+from flexckpt.format.names import attempt_id, check_run_id, data_name, step_dir
 from flexckpt.storage import OutsideRoot, Storage
 from flexckpt.storage_stall import StorageStalled
 from flexshard.spawn import run_workers

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from flexckpt import ByLane, Checkpointer, LoadError, ManifestError, PerRank
 from flexckpt.catalog import read_manifest
 from flexckpt.format.checksum import checksum
-from flexckpt.format.manifest import step_dir, values_name
+from flexckpt.format.names import step_dir, values_name
 from flexshard import Shard, ShardedTensor
 from flexshard.spawn import run_workers
 from manifest_edit import _edit_manifest

@@ -22,7 +22,8 @@ from flexckpt import ByLane, Checkpointer, CheckpointError, ManifestError
 from flexckpt.catalog import read_manifest
 from flexckpt.cli import main as cli
 from flexckpt.errors import MissingFile, TooLarge, TruncatedFile
-from flexckpt.format.manifest import MAX_MANIFEST_BYTES, SEAL_FIELD, seal, unseal
+from flexckpt.format.jsondoc import SEAL_FIELD, seal, unseal
+from flexckpt.format.manifest import MAX_MANIFEST_BYTES
 from flexckpt.storage import Storage
 from flexshard import HybridShard, Shard, ShardedTensor
 from manifest_edit import set_at

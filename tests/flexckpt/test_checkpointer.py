@@ -19,7 +19,7 @@ from flexckpt import (
     SaveError,
     StructureMismatch,
 )
-from flexckpt.format.manifest import MANIFEST, step_dir
+from flexckpt.format.names import MANIFEST, step_dir
 from flexckpt.storage import Storage
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor
 

@@ -29,7 +29,8 @@ def test_checksum_equals_xxh3_of_the_whole_and_streamed_in_pieces(n):
 
 def _copy(nbytes: int = 3 * PIECE + 100, chunk: int = PIECE):
     """A saved rank's files as a fast save writes them (data, table, values), and its marker."""
-    from flexckpt.format.manifest import StoredChunk, data_name, table_name, values_name
+    from flexckpt.format.manifest import StoredChunk
+    from flexckpt.format.names import data_name, table_name, values_name
     from flexckpt.save.writer import table_bytes, values_bytes
 
     data = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)

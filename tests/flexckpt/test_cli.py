@@ -8,7 +8,7 @@ from flexckpt import ByLane, Checkpointer
 from flexckpt.cli import main
 import orjson
 
-from flexckpt.format.manifest import MANIFEST, step_dir
+from flexckpt.format.names import MANIFEST, step_dir
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor
 
 GLOBAL = {"emb": torch.randn(300, 16), "norm": torch.randn(16), "w": torch.randn(64, 64), "m": torch.randn(1000)}

@@ -262,7 +262,7 @@ def test_import_dcp_in_more_batches_than_a_record_group_commits(tmp_path):
     # for before them: the import stalled until commit_timeout
     import torch.distributed.checkpoint as dcp
 
-    from flexckpt.format.manifest import GROUP
+    from flexckpt.format.names import GROUP
 
     model = {f"t{i}": torch.full((4,), float(i)) for i in range(GROUP + 6)}
     dcp.save(model, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer, ChecksumError, LoadError, PerRank
 from flexckpt.catalog import read_manifest
-from flexckpt.format.manifest import data_name, step_dir
+from flexckpt.format.names import data_name, step_dir
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor, assign_owners
 from flexshard.spawn import run_workers
 from scenario_group import run_scenarios

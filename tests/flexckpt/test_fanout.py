@@ -204,7 +204,7 @@ def _fanout_worker(rank: int, world: int, root: str) -> dict:
         ck.close()
         exact = all(torch.equal(_local(state[k]), _local(want[k])) for k in want)
         return {"exact": exact, "store": s.bytes_from_store - s.metadata_bytes, "peers": s.bytes_from_peers,
-                "reread": s.peer_chunks_reread}
+                "reread": s.peer_chunks_reread, "manifest": (s.manifest_bytes, s.manifest_from_peer)}
 
     for kind in KINDS:
         url = os.path.join(root, kind)
@@ -216,6 +216,25 @@ def _fanout_worker(rank: int, world: int, root: str) -> dict:
         m = read_manifest(Checkpointer(url, read_only=True).storage, 1)
         out[(kind, "needed")] = sum(int(m.files[f].lengths.sum()) for f in m.files)
         out[(kind, "chunk")] = max(int(m.files[f].lengths.max()) for f in m.files)
+    # the manifest read once too: a rank other than 0 that read it from the store would fail here
+    import flexckpt.load.committed as lc
+
+    def refused(*args):
+        raise AssertionError(f"rank {rank} read the manifest from the store")
+
+    def broken(*args):
+        raise OSError("manifest read failure injected")
+
+    real = lc.read_manifest_bytes
+    lc.read_manifest_bytes = real if rank == 0 else refused
+    out["manifest_once"] = load(os.path.join(root, "hsdp"), True)
+    lc.read_manifest_bytes = broken if rank == 0 else refused  # rank 0 fails to read it: every rank fails, naming it
+    try:
+        load(os.path.join(root, "hsdp"), True)
+        out["manifest_fail"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        out["manifest_fail"] = (type(exc).__name__, str(exc))
+    lc.read_manifest_bytes = real
     # a byte flipped in the first batch on its way: its receiver reads that chunk from the store
     ex._faults["corrupt"] = lambda r, k: k == 0
     out["corrupt"] = load(os.path.join(root, "hsdp"), True)
@@ -265,6 +284,15 @@ def test_fanned_out_loads_read_each_stored_byte_once_and_are_exact(tmp_path):
         # what one rank did not read it received; no rank reads much more than total / W
         assert [x["store"] + x["peers"] for x in on] == [x["store"] for x in off], kind
         assert max(x["store"] for x in on) <= needed / 4 + 4 * results[0][(kind, "chunk")], kind
+        # the manifest: every rank reads it without fan-out; with it, rank 0 reads it and the others receive it
+        size = off[0]["manifest"][0]
+        assert size > 0 and [x["manifest"] for x in off] == [(size, False)] * 4, kind
+        assert [x["manifest"] for x in on] == [(size, False)] + [(size, True)] * 3, kind
+    assert all(r["manifest_once"]["exact"] for r in results)
+    fails = [r["manifest_fail"] for r in results]
+    assert fails[0] == ("OSError", "manifest read failure injected"), fails
+    assert all(f is not None and f[0] == "LoadError" and "rank 0" in f[1] and "manifest of step 1" in f[1]
+               for f in fails[1:]), fails
     corrupt = [r["corrupt"] for r in results]
     assert all(x["exact"] for x in corrupt)
     assert sum(x["reread"] for x in corrupt) == 1  # the one chunk whose byte flipped
@@ -291,7 +319,8 @@ def _s3_worker(rank: int, world: int, url: str, opts: dict) -> dict:
     m = read_manifest(ck.storage, 1)
     ck.close()
     return {"exact": all(torch.equal(got[k], state[k]) for k in state), "store": s.bytes_from_store - s.metadata_bytes,
-            "peers": s.bytes_from_peers, "needed": sum(int(m.files[f].lengths.sum()) for f in m.files)}
+            "peers": s.bytes_from_peers, "needed": sum(int(m.files[f].lengths.sum()) for f in m.files),
+            "manifest_from_peer": s.manifest_from_peer}
 
 
 def test_a_load_from_s3_fans_out_by_default(s3_options):
@@ -302,6 +331,7 @@ def test_a_load_from_s3_fans_out_by_default(s3_options):
     assert all(r["exact"] for r in results)
     assert sum(r["store"] for r in results) == results[0]["needed"]  # read once, not twice
     assert sum(r["peers"] for r in results) == results[0]["needed"]
+    assert [r["manifest_from_peer"] for r in results] == [False, True]  # one GET of the manifest, not one a rank
 
 
 def _dying_reader(rank: int, world: int, store_path: str, root: str, results) -> None:

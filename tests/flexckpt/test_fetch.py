@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexckpt import Checkpointer, ChecksumError
-from flexckpt.format.manifest import step_dir
+from flexckpt.format.names import step_dir
 import flexckpt.load.pending as load_mod
 from flexckpt.storage import RangeReader
 from flexckpt.storage_stall import StorageStalled, bounded_all, progress

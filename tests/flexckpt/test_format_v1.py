@@ -52,7 +52,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from flexckpt import ManifestError  # noqa: E402
 from flexckpt.cli import main as cli_main  # noqa: E402
-from flexckpt.format.manifest import GROUP, MANIFEST, group_name, record_name, step_dir  # noqa: E402
+from flexckpt.format.names import GROUP, MANIFEST, group_name, record_name, step_dir  # noqa: E402
 from flexckpt.format.write_plan import PlanRules, WritePlan, make_write_plan, sharded_loads  # noqa: E402
 from flexckpt.save.commit import build_manifest, gather, lead_group, mark_failed, record_doc  # noqa: E402
 from flexckpt.state.structure import TensorSpec  # noqa: E402
@@ -181,9 +181,10 @@ def test_pieces_in_are_the_pieces_each_rank_wrote_that_hold_the_wanted_elements(
     every rank's own plan: a flat range, the same range as a part of the whole tensor, and
     a box (of a flat layout: the pieces holding the flat span from its first element to
     its last)."""
-    from flexckpt.format.manifest import PlanPieces, SavedPiece, data_name
+    from flexckpt.format.manifest import PlanPieces, SavedPiece
     from flexckpt.format.manifest_parse import _saved_tensor
     from flexckpt.format.manifest import SavedTensor
+    from flexckpt.format.names import data_name
     from flexshard import Box, Part
     from flexshard.box import whole
 

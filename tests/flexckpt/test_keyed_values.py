@@ -25,7 +25,7 @@ from flexckpt import (
     UnsupportedState,
 )
 from flexckpt.catalog import read_manifest
-from flexckpt.format.manifest import keyed_name, step_dir
+from flexckpt.format.names import keyed_name, step_dir
 from flexckpt.state.values import MAX_BYTES_VALUE
 from flexckpt.storage import Storage
 from flexshard import Shard, ShardedTensor

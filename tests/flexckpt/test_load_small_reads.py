@@ -1,4 +1,4 @@
-"""The load path over chunk columns (read_plan.plan_file_requests, PendingLoad.read),
+"""The load path over chunk columns (read_plan.file_plans and requests_of, PendingLoad.read),
 end to end through real Checkpointers: paths the column tests do not reach on their own.
 Loads in several threads at once (the structure's plan, part_of's and layout_from_json's
 answers shared between them); requests and read groups cut small, read as a store's file

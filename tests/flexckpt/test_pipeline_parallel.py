@@ -242,7 +242,7 @@ def test_group_records_carry_one_structure_per_stage_and_rank_0_builds_the_union
     structures of its ranks once per fingerprint (2, not 64), and the union rank 0 builds
     from them holds every stage's keys, with each element written by exactly one rank."""
     from flexckpt.save.commit import gather, keyed_entries, lead_group, record_doc
-    from flexckpt.format.manifest import GROUP, group_name, record_name, step_dir
+    from flexckpt.format.names import GROUP, group_name, record_name, step_dir
     from flexckpt.save.stage_union import union_structure
     from flexckpt.storage import Storage
     from flexckpt.state.structure import fingerprint

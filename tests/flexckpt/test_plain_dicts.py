@@ -313,7 +313,7 @@ def test_a_hostile_plain_value_in_a_manifest_is_refused_without_importing_or_cal
     import orjson
 
     from flexckpt import ManifestError
-    from flexckpt.format.manifest import SEAL_FIELD, seal
+    from flexckpt.format.jsondoc import SEAL_FIELD, seal
 
     with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
         ck.save(1, {"hp": {"v": 1}, "w": torch.ones(1)}).result(timeout=30)
@@ -336,7 +336,7 @@ def test_a_tree_leaf_the_manifest_does_not_save_is_a_damaged_manifest_not_a_miss
     import orjson
 
     from flexckpt import ManifestError
-    from flexckpt.format.manifest import SEAL_FIELD, seal
+    from flexckpt.format.jsondoc import SEAL_FIELD, seal
 
     with Checkpointer(str(tmp_path), rank=0, world_size=1, fsync=False) as ck:
         ck.save(1, {"w": torch.ones(1), "n": 2}).result(timeout=30)

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from flexckpt.errors import ManifestError
 from flexckpt.format.checksum import checksum
-from flexckpt.format.manifest import unseal
+from flexckpt.format.jsondoc import unseal
 from manifest_edit import set_at
 from flexckpt.format.manifest_parse import parse_manifest
 from flexckpt.format.write_plan import ALIGN, make_write_plan

@@ -1,4 +1,4 @@
-"""The read plan over columns (read_plan.file_plan, requests, read_groups, scatter) against
+"""The read plan over columns (read_plan.file_plan, requests_of: requests, read groups, scatter) against
 the computation it replaced, one object a chunk and a copy (the reference, in
 tests/helpers/read_plan_reference.py and below),
 over random plans: the same chunks, the same bytes to the same places, the same requests
@@ -16,7 +16,7 @@ from flexckpt.errors import ManifestError
 from flexckpt.format.checksum import digest, digest_parts
 from flexckpt.format.manifest import FileEntry, StoredChunk
 from flexckpt.format.manifest_parse import parse_manifest
-from flexckpt.load.read_plan import SINK, file_plan, gather_runs, plan_requests, read_groups, requests, scatter
+from flexckpt.load.read_plan import SINK, file_plan, gather_runs, plan_requests, requests_of
 from flexckpt.state.structure import TensorSpec
 from flexshard import BlockShard, FlatRange, Owned, Part, Replicate, Shard
 from flexshard.box import Box, box_part, whole
@@ -126,13 +126,28 @@ def test_requests_are_the_fetches_coalesce_makes(shapes, src_world, dst_world, d
 def test_read_groups_close_a_group_once_it_reaches_the_size_as_the_loop_did(lengths, cuts, group_bytes):
     stops = sorted({c for c in cuts if c < len(lengths)} | {len(lengths)})
     want = [[a + e for e in _reference_groups(lengths[a:b], group_bytes)] for a, b in zip([0, *stops], stops)]
-    assert read_groups(lengths, stops, group_bytes) == want
+    assert _read_groups(lengths, stops, group_bytes) == want
 
 
 def test_read_groups_of_the_load_loop_test():
     # 16 chunks of 128 KiB: 4 groups at 512 KiB; groups of 3 chunks (and a last of 1) at 300 KiB
-    assert read_groups([128 << 10] * 16, [16], 512 << 10) == [[4, 8, 12, 16]]
-    assert read_groups([128 << 10] * 16, [16], 300 << 10) == [[3, 6, 9, 12, 15, 16]]
+    assert _read_groups([128 << 10] * 16, [16], 512 << 10) == [[4, 8, 12, 16]]
+    assert _read_groups([128 << 10] * 16, [16], 300 << 10) == [[3, 6, 9, 12, 15, 16]]
+
+
+def _read_groups(lengths, stops, group_bytes):
+    """Each request's group ends as the load cuts them (requests_of), for a file of chunks
+    of stored ``lengths``, each wanted whole (one raw byte a chunk), cut into requests that
+    end at ``stops`` by the chunks' labels (as a fanned-out load's batches cut them)."""
+    n = len(lengths)
+    entry = FileEntry.from_columns("f", n, np.arange(n), np.ones(n, dtype=np.int64),
+                                   np.concatenate(([0], np.cumsum(lengths)[:-1])), np.array(lengths), "zstd",
+                                   np.zeros(n, dtype=np.uint64))
+    plan = file_plan("f", entry, [np.array([v], dtype=np.int64) for v in (0, n, 0, 0)])
+    labels = np.searchsorted(stops, np.arange(n), "right")  # request k's chunks: label k
+    reqs = requests_of([plan], 1 << 62, group_bytes, {"f": labels})
+    assert [r.stop for r in reqs] == stops
+    return [[end for end, _ in r.groups] for r in reqs]
 
 
 def _simulate(manifest, streams, targets, max_bytes, group_bytes):
@@ -212,8 +227,8 @@ def test_a_file_entry_from_columns_is_the_one_from_its_chunks():
     assert a != b  # the second chunk's codec differs
     b.codec_ids[1] = 0
     assert a == b and b.chunks == chunks and len(b) == 2
-    assert requests(file_plan("f", a, [np.array([v]) for v in (0, 128, 0, 0)]), 1 << 20)[0][3:5] == (0, 68)
-    assert scatter(file_plan("f", a, [np.array([], dtype=np.int64)] * 4), [], 1) == []
+    assert requests_of([file_plan("f", a, [np.array([v]) for v in (0, 128, 0, 0)])], 1 << 20)[0][3:5] == (0, 68)
+    assert requests_of([file_plan("f", a, [np.array([], dtype=np.int64)] * 4)], 1 << 20, 1) == []
 
 
 @settings(max_examples=150, deadline=None)

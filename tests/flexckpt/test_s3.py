@@ -5,7 +5,7 @@ import torch
 
 from flexckpt import Checkpointer, ChecksumError
 from flexckpt.catalog import read_manifest
-from flexckpt.format.manifest import MANIFEST, data_name, step_dir
+from flexckpt.format.names import MANIFEST, data_name, step_dir
 from flexckpt.storage import Storage
 from flexshard import BlockShard, Shard, ShardedTensor
 

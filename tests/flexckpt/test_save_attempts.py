@@ -13,7 +13,7 @@ import torch
 
 from flexckpt import Checkpointer, SaveError
 from flexckpt.catalog import read_manifest
-from flexckpt.format.manifest import seal, unseal
+from flexckpt.format.jsondoc import seal, unseal
 from flexckpt.storage import Storage
 from flexshard import Shard, ShardedTensor
 
@@ -376,7 +376,7 @@ def test_retention_never_removes_the_folder_a_save_is_creating(tmp_path, monkeyp
     import threading
 
     import flexckpt.save.committer as cpmod
-    from flexckpt.format.manifest import step_dir
+    from flexckpt.format.names import step_dir
 
     ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=2, commit_timeout=30)
     parent_made, retention_ran, held_off = threading.Event(), threading.Event(), threading.Event()
@@ -431,7 +431,7 @@ def test_retention_leaves_a_step_with_a_save_in_flight_alone(tmp_path, monkeypat
 
     import flexckpt.save.committer as cpmod
     import flexckpt.save.pipeline as pipemod
-    from flexckpt.format.manifest import step_dir
+    from flexckpt.format.names import step_dir
 
     ck = Checkpointer(str(tmp_path), rank=0, world_size=1, run_id="job", keep_last=1, commit_timeout=30)
     if first == 7:
@@ -478,7 +478,7 @@ def test_another_ranks_writer_survives_retention_removing_its_empty_step_folder(
     import threading
 
     import flexckpt.save.committer as cpmod
-    from flexckpt.format.manifest import step_dir
+    from flexckpt.format.names import step_dir
 
     cps = [Checkpointer(str(tmp_path), rank=r, world_size=W, run_id="job", keep_last=1, commit_timeout=30)
            for r in range(W)]

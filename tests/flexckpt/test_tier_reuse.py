@@ -11,7 +11,7 @@ import torch
 
 from flexckpt import Checkpointer
 from flexckpt.errors import SaveError
-from flexckpt.format.manifest import data_name, step_dir, table_name
+from flexckpt.format.names import data_name, step_dir, table_name
 from flexckpt.save.staging import BufferPool, HostCopies
 import flexckpt.save.writer as writer
 from flexckpt.tier import LocalTier

@@ -390,7 +390,7 @@ def test_a_failed_final_save_is_an_error_and_keeps_the_fast_tier(tmp_path, capsy
     """A run whose last (persistent) save fails ends without that step in the store: it
     says so in one line and exits 2 (saves before it may fail and training goes on), and
     the node's fast-tier folder, whose step 3 is newer than the store's step 2, stays."""
-    from flexckpt.format.manifest import MANIFEST, step_dir
+    from flexckpt.format.names import MANIFEST, step_dir
     from flexckpt.storage import Storage
     from flexckpt.tier.inventory import scan
     from flextrain.trainer import Trainer
@@ -427,7 +427,7 @@ def test_a_failed_final_save_is_an_error_and_keeps_the_fast_tier(tmp_path, capsy
 FULL_DISK_ON_RANK_1 = """
 import os
 if os.environ.get("RANK") == "1":  # this rank's files of the final step fail: the others' are written
-    from flexckpt.format.manifest import step_dir
+    from flexckpt.format.names import step_dir
     from flexckpt.storage import Storage
     put = Storage.put_atomic
 
@@ -515,7 +515,7 @@ def test_plan_of_a_run_whose_newest_checkpoint_is_damaged_follows_the_resume_to_
     ``flextrain plan`` plans that step too (it stopped with the newest step's error). A plan
     only reads: a stale attempt folder and an empty step folder, which a job's start
     removes, stay."""
-    from flexckpt.format.manifest import MANIFEST, step_dir
+    from flexckpt.format.names import MANIFEST, step_dir
 
     run = tmp_path / "run"
     tiny = ["--run-dir", str(run), *SHRINK, "--set", "data.lanes=2", "--set", "data.global_batch=2",

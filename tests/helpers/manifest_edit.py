@@ -4,7 +4,8 @@ import os
 
 import orjson
 
-from flexckpt.format.manifest import MANIFEST, SEAL_FIELD, seal, step_dir
+from flexckpt.format.jsondoc import SEAL_FIELD, seal
+from flexckpt.format.names import MANIFEST, step_dir
 
 
 def set_at(path, value):

@@ -9,7 +9,8 @@ import torch
 from hypothesis import strategies as st
 
 from flexckpt.format.checksum import ALGORITHM, checksum
-from flexckpt.format.manifest import FORMAT, FileEntry, Manifest, SavedPiece, SavedTensor, StoredChunk, seal
+from flexckpt.format.jsondoc import seal
+from flexckpt.format.manifest import FORMAT, FileEntry, Manifest, SavedPiece, SavedTensor, StoredChunk
 from flexckpt.format.write_plan import make_write_plan
 from flexckpt.state.structure import TensorSpec
 from flexshard import BlockShard, Owned, Replicate, Shard

@@ -9,7 +9,7 @@ Layout (little-endian)::
     stored_length[chunks]     u64 each: bytes of chunk i in the data file
     checksum[chunks]          u64 each: xxh3-64 of the stored bytes of chunk i
     per_rank                  per_rank_len bytes (0 as written now: per-rank values have a
-                              file of their own, see ``manifest.values_name``)
+                              file of their own, see ``names.values_name``)
 
 Raw chunk boundaries are not stored: the plan recomputes them. The manifest holds each
 table file's xxh3-64 and length, so a table is verified before it is parsed, and the

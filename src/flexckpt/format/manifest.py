@@ -14,8 +14,7 @@ loads. Version 3 adds mesh layouts; version 4 (written now) the state's containe
 The format's other ideas have their own modules: :mod:`flexckpt.format.names` (folder and file
 names), :mod:`flexckpt.format.jsondoc` (checked JSON fields, the seal), :mod:`flexckpt.format.tables`
 (the chunk tables), :mod:`flexckpt.format.manifest_parse` (reading a manifest or record back).
-The names of the first two are re-exported here for the callers that import them from
-this module.
+Import their names from those modules.
 """
 from __future__ import annotations
 
@@ -29,24 +28,8 @@ import orjson
 import torch
 
 from flexckpt.format.checksum import ALGORITHM
-from flexckpt.format.jsondoc import SEAL_FIELD, seal, unseal
-from flexckpt.format.names import (
-    GROUP,
-    MANIFEST,
-    attempt_id,
-    attempt_run_id,
-    check_run_id,
-    committed_name,
-    data_name,
-    failed_name,
-    group_name,
-    keyed_name,
-    parse_step_dir,
-    record_name,
-    step_dir,
-    table_name,
-    values_name,
-)
+from flexckpt.format.jsondoc import seal
+from flexckpt.format.names import data_name
 from flexckpt.format.write_plan import PlanRules, WritePlan
 from flexckpt.state.dtypes import dtype_name
 from flexshard import Box, FlatRange, Layout, Part
@@ -57,10 +40,6 @@ __all__ = [
     "CODECS", "FORMAT", "MAX_CHUNK_BYTES", "MAX_CHUNKS_PER_FILE", "MAX_FILE_BYTES", "MAX_MANIFEST_BYTES", "MAX_NUMEL",
     "MAX_RECORD_BYTES", "MAX_TIME", "MAX_WORLD", "MAX_ZSTD_RATIO", "READ_VERSIONS", "RECORD_FORMAT", "VERSION",
     "DataFiles", "FileEntry", "ListedFiles", "Manifest", "PlanPieces", "RankEntry", "SavedPiece", "SavedTensor", "StoredChunk",
-    # re-exported from flexckpt.format.names and flexckpt.format.jsondoc
-    "GROUP", "MANIFEST", "SEAL_FIELD", "attempt_id", "attempt_run_id", "check_run_id", "committed_name", "data_name",
-    "failed_name", "group_name", "keyed_name", "parse_step_dir", "record_name", "seal", "step_dir", "table_name",
-    "unseal", "values_name",
 ]
 
 FORMAT = "flexckpt"

@@ -8,8 +8,8 @@ import logging
 import time
 import torch.distributed as dist
 
-from flexckpt.agree import agree_step, first_failed_rank
-from flexckpt.catalog import committed_steps, read_manifest
+from flexckpt.agree import agree_step, first_failed_rank, share_bytes
+from flexckpt.catalog import committed_steps, read_manifest, read_manifest_bytes
 from flexckpt.errors import LoadError
 from flexckpt.load.exchange import PeerFailure, fanout_for
 from flexckpt.load.pending import LoadStats, PendingLoad, collection_paused
@@ -39,8 +39,15 @@ def load_committed(storage: Storage, w: Walk, *, rank: int, world_size: int, gro
         try:
             t0 = time.perf_counter()
             with collection_paused():  # the plan's allocations too (a collection here walks the trainer's heap)
-                manifest = read_manifest(storage, chosen)
+                if fan is None:
+                    data = read_manifest_bytes(storage, chosen)
+                else:  # read once, like the data: rank 0 reads the manifest, the others receive it
+                    data = share_bytes(rank, world_size, group, lambda: read_manifest_bytes(storage, chosen),
+                                       f"the manifest of step {chosen}")
+                manifest = read_manifest(storage, chosen, data)
                 pending = PendingLoad(storage, manifest, w, rank, world_size, strict, gone)
+                pending.stats.manifest_bytes = len(data)
+                pending.stats.manifest_from_peer = fan is not None and rank != 0
                 pending.stats.plan_s = time.perf_counter() - t0
                 pending.read(read_threads, fan)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below

@@ -6,7 +6,7 @@ the chunk ids each rank needs, no processes, no I/O.
 The unit fanned out is the checksummed chunk; chunks travel in *batches*: consecutive,
 byte-adjacent chunks of one file with the same reader and the same receivers, at most
 ``max_batch`` stored bytes (one chunk may be more). A batch is exactly one read request
-in the load of every rank that needs it (:func:`flexckpt.load.read_plan.requests` cuts a rank's
+in the load of every rank that needs it (:func:`flexckpt.load.read_plan.requests_of` cuts a rank's
 requests where the chunks' labels change: :meth:`FanoutPlan.labels`).
 
 Who reads: a chunk one rank needs, that rank. The chunks a set of ranks share are given

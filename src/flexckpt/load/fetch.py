@@ -1,4 +1,4 @@
-"""The fetch loop of a load: the requests of a read plan (:func:`flexckpt.load.read_plan.plan_file_requests`)
+"""The fetch loop of a load: the requests of a read plan (:func:`flexckpt.load.read_plan.requests_of`)
 turned into bytes placed in the targets, every chunk verified against its checksum first.
 
 The steps, each a name of its own:

@@ -6,12 +6,13 @@ contiguous in both the saved piece and the target is one run; a chunk is fetched
 whatever the runs in it, and adjacent chunks in one request. Pure: no processes, no I/O
 (the chunk entries come in, read by :func:`flexckpt.format.tables.file_entries`).
 
-A load plans over columns (:func:`plan_requests`: a file's chunks, the runs cut at their
-bounds, each touched chunk tiled by segments, the fetch loop's plain lists), never one
-object a chunk or a copy. It is the one read planner: the load (:func:`gather_runs`, then
-:func:`plan_file_requests` over the entries it read), the fast tier's range planning
-(:mod:`flexckpt.tier.peer_ranges`) and the restore prediction (:mod:`flexckpt.restore_plan`)
-all plan through :func:`plan_file_requests`. :func:`plan_requests`, the short form, takes
+A load plans over columns (a file's chunks, the runs cut at their bounds, each touched
+chunk tiled by segments, the fetch loop's plain lists), never one object a chunk or a copy.
+It is the one read planner, in three steps: :func:`gather_runs`, :func:`file_plans` over
+the chunk entries, :func:`requests_of`. The load takes them one by one (the entries it read
+in between; a fanned-out load exchanges its file plans before it cuts its requests); the
+fast tier's range planning (:mod:`flexckpt.tier.peer_ranges`) and the restore prediction
+(:mod:`flexckpt.restore_plan`) through :func:`plan_requests`, the short form, which takes
 the entries from ``manifest.files`` (give it a mapping that holds them, as the tier's
 planning-only view does: a version-2 manifest's own reads any table it lacks)."""
 from __future__ import annotations
@@ -375,29 +376,23 @@ def plan_requests(manifest: Manifest, targets: list[tuple[SavedTensor, FlatRange
     """The reads a load of ``targets`` makes (a saved tensor and the part of it wanted,
     stored contiguously in the target; or a flat range of it; every wanted element must be
     in the checkpoint exactly once): the chunks it touches, each once, in file order,
-    merged into ranged reads (:func:`requests`), without an object a chunk. With
-    ``group_bytes``, each request also carries its :class:`Scatter` and its read groups
-    (:func:`read_groups`)."""
-    return plan_file_requests(gather_runs(targets), manifest.files, max_bytes, group_bytes)
-
-
-def plan_file_requests(by_file: dict[str, list[np.ndarray]], entries: Mapping[str, FileEntry], max_bytes: int,
-                       group_bytes: int | None = None) -> list[Request]:
-    """:func:`plan_requests` of the runs :func:`gather_runs` gave, over ``entries``, the
-    chunk entries of (at least) the files in ``by_file``."""
-    return requests_of(file_plans(by_file, entries), max_bytes, group_bytes)
+    merged into ranged reads (:func:`requests_of`), without an object a chunk. With
+    ``group_bytes``, each request also carries its :class:`Scatter` and its read groups."""
+    return requests_of(file_plans(gather_runs(targets), manifest.files), max_bytes, group_bytes)
 
 
 def file_plans(by_file: dict[str, list[np.ndarray]], entries: Mapping[str, FileEntry]) -> list[FilePlan]:
-    """The :class:`FilePlan` of each file of ``by_file``, in file order: the first half of
-    :func:`plan_file_requests` (a fanned-out load learns every rank's chunks from them
-    before it cuts its requests)."""
+    """The :class:`FilePlan` of each file of ``by_file`` (:func:`gather_runs`' runs), in file
+    order, over ``entries``, the chunk entries of (at least) those files (a fanned-out load
+    learns every rank's chunks from them before it cuts its requests)."""
     return [file_plan(file, entries[file], by_file[file]) for file in sorted(by_file)]
 
 
 def requests_of(plans: list[FilePlan], max_bytes: int, group_bytes: int | None = None,
                 labels: "dict[str, np.ndarray] | None" = None) -> list[Request]:
-    """The second half of :func:`plan_file_requests`. ``labels``: per file, a label for
+    """The requests of ``plans`` (:func:`file_plans`): each file's touched chunks merged
+    into ranged reads (:func:`_reads`); with ``group_bytes``, each also carries its
+    :class:`Scatter` and its read groups (:func:`_scatter`). ``labels``: per file, a label for
     each touched chunk; a request never holds chunks of two labels (a fanned-out load labels
     each chunk with the batch it comes in, :mod:`flexckpt.load.fanout`)."""
     out: list[Request] = []
@@ -407,15 +402,11 @@ def requests_of(plans: list[FilePlan], max_bytes: int, group_bytes: int | None =
     return out
 
 
-def requests(plan: FilePlan, max_bytes: int, labels: np.ndarray | None = None) -> list[Request]:
+def _reads(plan: FilePlan, max_bytes: int, labels: np.ndarray | None) -> list[tuple[int, int, int, int]]:
     """``plan``'s touched chunks merged into ranged reads: runs of chunks touching in the
     file (and of one label, where ``labels`` gives each touched chunk one), cut where a
-    request would pass ``max_bytes`` (one chunk may)."""
-    return [Request(plan, *r) for r in _reads(plan, max_bytes, labels)]
-
-
-def _reads(plan: FilePlan, max_bytes: int, labels: np.ndarray | None) -> list[tuple[int, int, int, int]]:
-    """:func:`requests` as tuples: first and stop touched chunk, stored offset, length."""
+    request would pass ``max_bytes`` (one chunk may). Each a tuple: first and stop touched
+    chunk, stored offset, length."""
     if not len(plan.ids):
         return []
     offsets = plan.entry.offsets[plan.ids]
@@ -443,19 +434,13 @@ def _reads(plan: FilePlan, max_bytes: int, labels: np.ndarray | None) -> list[tu
     return out
 
 
-def read_groups(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes: int) -> list[list[int]]:
+def _group_ends(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes: int) -> tuple[list[int], list[int]]:
     """Where a local read cuts requests of chunks of stored ``lengths`` (consecutive
     requests from chunk 0, ending at ``stops``) into groups: after the first chunk that
-    brings a group to ``group_bytes``, and after a request's last. Each request's group ends
-    (indices into ``lengths``)."""
-    ends, bounds = _group_ends(lengths, stops, group_bytes)
-    return [ends[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def _group_ends(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes: int) -> tuple[list[int], list[int]]:
-    """:func:`read_groups` flat: every group's end, in order, and where each request's
-    ends begin in them (one more entry). Where a group from each chunk would end is one
-    array call; then one step a group, in the requests longer than one group."""
+    brings a group to ``group_bytes``, and after a request's last. Every group's end (an
+    index into ``lengths``), in order, and where each request's ends begin in them (one
+    more entry). Where a group from each chunk would end is one array call; then one step a
+    group, in the requests longer than one group."""
     n = len(lengths)
     cum = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     after = np.searchsorted(cum, cum[:-1] + group_bytes, "left")  # a group from chunk k ends after chunk after[k] - 1
@@ -480,14 +465,10 @@ def _group_ends(lengths: "list[int] | np.ndarray", stops: list[int], group_bytes
     return ends, bounds
 
 
-def scatter(plan: FilePlan, reqs: list[Request], group_bytes: int) -> list[Request]:
-    """``reqs`` (of ``plan``, in order) with their read groups and the file's
-    :class:`Scatter`: every list the fetch loop needs, built in one vectorized pass."""
-    return _scatter(plan, [(r.first, r.stop, r.offset, r.length) for r in reqs], group_bytes)
-
-
 def _scatter(plan: FilePlan, reads: list[tuple[int, int, int, int]], group_bytes: int) -> list[Request]:
-    """:func:`scatter` of the reads :func:`_reads` gives."""
+    """The requests of ``reads`` (of ``plan``, in order, as :func:`_reads` gives them) with
+    their read groups (:func:`_group_ends`) and the file's :class:`Scatter`: every list the
+    fetch loop needs, built in one vectorized pass."""
     if not reads:
         return []
     entry, ids = plan.entry, plan.ids
