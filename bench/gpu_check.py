@@ -472,7 +472,7 @@ def _fanout_rank(rank: int, world: int, root: str) -> dict:
     """One rank of ``fanout``'s W=2 NCCL load: a replicated state (HSDP's replicate dim) saved
     from cuda:rank, loaded back into zeros there with ``fanout="nccl"``."""
     from flexckpt import Checkpointer
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)

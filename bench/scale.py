@@ -57,11 +57,11 @@ from flexckpt.format.chunktable import _HEADER
 from flexckpt.format.manifest_parse import parse_manifest
 from flexckpt.format.names import GROUP, group_name, record_name, step_dir
 from flexckpt.format.write_plan import WritePlan, make_write_plan, part_of_world, sharded_loads
+from flexckpt.catalog import committed_attempt
 from flexckpt.save.commit import (
     build_manifest,
     check_fingerprints,
     commit,
-    committed_attempt,
     gather,
     lead_group,
     other_live_job,

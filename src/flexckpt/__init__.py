@@ -16,6 +16,7 @@ import importlib.metadata
 
 __version__ = importlib.metadata.version("flexckpt")  # the distribution's, from pyproject.toml
 
+from flexckpt.catalog import committed_steps, read_manifest
 from flexckpt.checkpointer import Checkpointer, SaveHandle
 from flexckpt.errors import (
     CheckpointError,
@@ -31,7 +32,6 @@ from flexckpt.errors import (
     UnsupportedState,
 )
 from flexckpt.load.pending import subset_load
-from flexckpt.save.commit import committed_steps, read_manifest
 from flexckpt.state.structure import check_state
 from flexckpt.state.values import ByLane, PerRank
 from flexckpt.storage import Storage

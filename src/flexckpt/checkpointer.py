@@ -7,7 +7,7 @@ This module is the facade: construction, ``save``/``save_local``/``load``/``chec
                    and writing threads, attempt numbering (``Attempts``);
   save.committer - ``Committer``: the commit thread of rank 0 and the group leaders, records,
                    failure reports, the other ranks' wait for the commit (pure steps in
-                   ``save.commit``);
+                   ``save.commit``, retention and reclaim in ``save.cleanup``);
   save.job       - the settings both share, and the job a save is on its way;
   save.handle    - ``SaveHandle``, what a save returns, and ``InFlight``, the saves not yet done;
   save.savers    - who saves (``ranks=``), and the ids they agree on at construction, through
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flexckpt.catalog import committed_steps, read_manifest
 from flexckpt.contents import Contents, read_contents
 from flexckpt.errors import LoadError
 from flexckpt.format.codec import parse_compression
@@ -38,7 +39,6 @@ from flexckpt.load.committed import load_committed
 from flexckpt.load.fetch import read_threads_for
 from flexckpt.load.pending import LoadStats
 from flexckpt.load.rebuild import load_dict
-from flexckpt.save.commit import committed_steps, read_manifest
 from flexckpt.save.committer import Committer
 from flexckpt.save.handle import InFlight, SaveHandle
 from flexckpt.save.job import SaveSettings

@@ -40,6 +40,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Iterator, NoReturn
 
+from flexckpt.catalog import committed_steps, read_manifest
 from flexckpt.closed_pipe import reader_gone
 from flexckpt.convert.cli import add_parsers as add_convert_parsers
 from flexckpt.convert.reshard import checked_layouts, cmd_reshard, no_checkpoint, parse_mesh, pick_step, read_step
@@ -50,7 +51,6 @@ from flexckpt.format.manifest import MAX_WORLD, Manifest
 from flexckpt.format.names import step_dir
 from flexckpt.load.pending import read_bytes_values
 from flexckpt.restore_plan import restore_plan
-from flexckpt.save.commit import committed_steps, read_manifest
 from flexckpt.state.dtypes import dtype_name
 from flexckpt.state.structure import decode_plain
 from flexckpt.state.tree import name_path, walk_tree

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from flexckpt.catalog import read_manifest
 from flexckpt.errors import ManifestError
 from flexckpt.format.manifest import Manifest
-from flexckpt.save.commit import read_manifest
 from flexckpt.state.plain import decode_plain
 from flexckpt.state.tree import KeyPath, name_path, walk_tree
 from flexckpt.storage import Storage

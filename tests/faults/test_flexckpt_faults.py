@@ -313,7 +313,7 @@ def test_s3_an_endpoint_that_always_fails_fails_the_save_after_bounded_retries(p
 
 
 def _relaunch(rank, world, root, version):
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
 
     ck = Checkpointer(root)  # run id from FLEXCKPT_RUN_ID, the world from torch.distributed
     state = {"w": torch.full((1000,), float(version)), "v": version}

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer, LoadError, ManifestError, PerRank
+from flexckpt.catalog import read_manifest
 from flexckpt.format.checksum import checksum
 from flexckpt.format.names import step_dir, values_name
-from flexckpt.save.commit import read_manifest
 from flexshard import Shard, ShardedTensor
 from flexshard.spawn import run_workers
 from manifest_edit import _edit_manifest

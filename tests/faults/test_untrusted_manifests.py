@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from flexckpt import ByLane, Checkpointer, CheckpointError, ManifestError
+from flexckpt.catalog import read_manifest
 from flexckpt.cli import main as cli
 from flexckpt.errors import MissingFile, TooLarge, TruncatedFile
 from flexckpt.format.jsondoc import SEAL_FIELD, seal, unseal
 from flexckpt.format.manifest import MAX_MANIFEST_BYTES
-from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
 from flexshard import HybridShard, Shard, ShardedTensor
 from manifest_edit import set_at

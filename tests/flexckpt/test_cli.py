@@ -60,7 +60,7 @@ def test_reshard_rewrites_for_a_new_world_that_loads_without_resharding(tmp_path
     _save(tmp_path / "src")
     assert main(["reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--world", "3", "--layout", "model/norm=shard"]) == 0
     with Checkpointer(str(tmp_path / "dst")) as ck:
-        from flexckpt.save.commit import read_manifest
+        from flexckpt.catalog import read_manifest
 
         m = read_manifest(ck.storage, 5)
     assert m.world_size == 3 and m.tensors["model/norm"].layout == Shard(0)

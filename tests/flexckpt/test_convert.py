@@ -194,7 +194,7 @@ def test_import_dcp_onto_a_mesh_target_loads_bit_exact_and_a_bad_target_is_one_l
     # issue 15 point 6: import-dcp lays the tensors out as --world/--mesh/--layout say
     import torch.distributed.checkpoint as dcp
 
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
     from flexckpt.storage import Storage
     from flexshard import MeshLayout, ShardedTensor
 
@@ -235,7 +235,7 @@ def test_import_dcp_onto_a_target_honours_the_budget_or_refuses_before_writing(t
     # rank's whole share (at --world 1, the whole checkpoint) whatever the budget said
     import torch.distributed.checkpoint as dcp
 
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
     from flexckpt.storage import Storage
 
     a, b = torch.arange(2**18, dtype=torch.float32), -torch.arange(2**18, dtype=torch.float32)  # 1 MiB each

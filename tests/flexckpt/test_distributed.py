@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from flexckpt import ByLane, Checkpointer, ChecksumError, LoadError, PerRank
+from flexckpt.catalog import read_manifest
 from flexckpt.format.names import data_name, step_dir
-from flexckpt.save.commit import read_manifest
 from flexshard import BlockShard, Owned, Replicate, Shard, ShardedTensor, assign_owners
 from flexshard.spawn import run_workers
 from scenario_group import run_scenarios

@@ -99,7 +99,7 @@ def test_import_dcp_onto_a_full_disk_fails_at_once_in_one_line_and_leaves_nothin
 
 def test_an_error_raised_by_load_is_not_also_logged(tmp_path, caplog):
     from flexckpt import ChecksumError
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
     from flexckpt.format.names import data_name, step_dir
 
     with Checkpointer(str(tmp_path), chunk_bytes=256) as ck:

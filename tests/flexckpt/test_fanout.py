@@ -191,7 +191,7 @@ def _fanout_worker(rank: int, world: int, root: str) -> dict:
 
     import flexckpt.load.exchange as ex
     from flexckpt import Checkpointer
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
 
     out: dict = {}
 
@@ -308,7 +308,7 @@ def _s3_worker(rank: int, world: int, url: str, opts: dict) -> dict:
     import torch
 
     from flexckpt import Checkpointer
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
 
     state = _state("ddp", rank, world, zero=False)
     ck = Checkpointer(url, storage_options=opts, chunk_bytes=512)  # fanout="auto": a remote store, gloo

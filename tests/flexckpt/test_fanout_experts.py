@@ -42,7 +42,7 @@ def _experts_worker(rank: int, world: int, url: str) -> dict:
     import torch
 
     from flexckpt import Checkpointer
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
 
     ck = Checkpointer(url, chunk_bytes=512)
     ck.save(1, _moe_state(rank, world, zero=False)).result(60)

@@ -24,8 +24,8 @@ from flexckpt import (
     TruncatedFile,
     UnsupportedState,
 )
+from flexckpt.catalog import read_manifest
 from flexckpt.format.names import keyed_name, step_dir
-from flexckpt.save.commit import read_manifest
 from flexckpt.state.values import MAX_BYTES_VALUE
 from flexckpt.storage import Storage
 from flexshard import Shard, ShardedTensor

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flexckpt import Checkpointer
-from flexckpt.save.commit import read_manifest
+from flexckpt.catalog import read_manifest
 from flexckpt.storage import Storage
 from flexshard import Replicate, Shard, ShardedTensor
 

@@ -173,7 +173,7 @@ def test_random_box_and_flat_targets_of_random_shapes_load_exact_through_small_r
 
 def test_a_files_chunk_columns_are_read_only_so_no_load_changes_the_next(tmp_path):
     # issue 29: a file's raw chunk bounds are the plan's, shared by every load of the structure
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
     from flexckpt.storage import Storage
 
     url = str(tmp_path / "ck")

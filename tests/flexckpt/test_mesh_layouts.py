@@ -343,7 +343,7 @@ def test_sharded_tensor_with_a_mesh_layout_holds_its_box():
 # -- the tools take a mesh and placements as a target -------------------------------------------
 def test_plan_and_reshard_take_a_target_mesh_and_placements(tmp_path, capsys):
     from flexckpt.cli import main
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
     from flexckpt.restore_plan import restore_plan
     from flexckpt.storage import Storage
 

@@ -4,8 +4,8 @@ import s3fs
 import torch
 
 from flexckpt import Checkpointer, ChecksumError
+from flexckpt.catalog import read_manifest
 from flexckpt.format.names import MANIFEST, data_name, step_dir
-from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
 from flexshard import BlockShard, Shard, ShardedTensor
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flexckpt import Checkpointer, SaveError
+from flexckpt.catalog import read_manifest
 from flexckpt.format.jsondoc import seal, unseal
-from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
 from flexshard import Shard, ShardedTensor
 
@@ -267,7 +267,7 @@ def test_the_live_job_check_lists_only_the_step_folders_it_has_not_listed_before
 
 
 def test_retention_removes_only_this_runs_failed_saves_and_stale_folders(tmp_path):
-    from flexckpt.save.commit import apply_retention
+    from flexckpt.save.cleanup import apply_retention
 
     root = tmp_path
     with Checkpointer(str(root), rank=0, world_size=1, run_id="me", commit_timeout=60) as ck:

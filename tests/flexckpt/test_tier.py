@@ -546,7 +546,7 @@ def test_asked_ranges_are_the_chunks_the_ordinary_load_reads_and_land_in_their_t
     """A step saved by 1 rank, read as rank 1 of 2: the ranges asked of each data file are
     what the ordinary load reads of it (counted through the storage layer), and each lands
     whole in one stretch of the target, so it can be received there directly."""
-    from flexckpt.save.commit import read_manifest
+    from flexckpt.catalog import read_manifest
     from flexckpt.load.pending import PendingLoad
     from flexckpt.state.structure import walk
     from flexckpt.tier.peer_ranges import ranges_needed

@@ -217,7 +217,7 @@ def test_two_machines_under_one_node_name_are_named_and_their_steps_set_aside_on
 # -- 5: a restart's start-up housekeeping ------------------------------------------------------------
 def test_a_restart_reads_no_manifest_of_a_step_holding_only_its_committed_attempt_and_never_waits_for_reclaim(
         tmp_path, monkeypatch):
-    import flexckpt.save.commit as commit
+    import flexckpt.catalog as catalog
     import flexckpt.save.committer as committer
 
     ck = _ck(tmp_path)
@@ -231,8 +231,8 @@ def test_a_restart_reads_no_manifest_of_a_step_holding_only_its_committed_attemp
     for p in (stale / "r00000.data", stale):
         os.utime(p, (time.time() - 3600, time.time() - 3600))
     reads = []
-    real_read = commit.read_manifest
-    monkeypatch.setattr(commit, "read_manifest", lambda storage, step: reads.append(step) or real_read(storage, step))
+    real_read = catalog.read_manifest  # what the reclaim's committed_attempt calls
+    monkeypatch.setattr(catalog, "read_manifest", lambda storage, step: reads.append(step) or real_read(storage, step))
     gate = threading.Event()  # the store's housekeeping is slow (a large store): it waits for the gate
     real_reclaim = committer.reclaim_at_start
     monkeypatch.setattr(committer, "reclaim_at_start", lambda *a, **k: (gate.wait(120), real_reclaim(*a, **k))[1])

@@ -13,10 +13,10 @@ import torch
 import flexckpt.tier
 
 from flexckpt import Checkpointer, PerRank
+from flexckpt.catalog import read_manifest
 from flexckpt.format.jsondoc import unseal
 from flexckpt.format.manifest_parse import parse_manifest
 from flexckpt.format.names import MANIFEST, step_dir, table_name, values_name
-from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
 from flexckpt.tier import LocalTier
 from flexckpt.tier.fast import FastTier

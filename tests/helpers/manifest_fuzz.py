@@ -35,9 +35,9 @@ import torch
 
 from flexckpt import ByLane, Checkpointer, CheckpointError, PerRank
 from flexckpt import cli, storage as storage_module
+from flexckpt.catalog import read_manifest
 from flexckpt.format.checksum import checksum
 from flexckpt.format.jsondoc import seal, unseal
-from flexckpt.save.commit import read_manifest
 from flexckpt.storage import Storage
 from flexshard import BlockShard, HybridShard, Owned, Replicate, Shard, ShardedTensor
 

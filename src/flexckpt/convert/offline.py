@@ -10,7 +10,7 @@ import contextlib
 import os
 from types import TracebackType
 
-from flexckpt.save.commit import remove_attempt
+from flexckpt.save.cleanup import remove_attempt
 from flexckpt.save.handle import SaveHandle
 from flexckpt.storage import Storage
 

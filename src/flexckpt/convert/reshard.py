@@ -14,13 +14,13 @@ import re
 import uuid
 from typing import Any
 
+from flexckpt.catalog import committed_steps, read_manifest
 from flexckpt.checkpointer import Checkpointer
 from flexckpt.convert.offline import OfflineSave
 from flexckpt.errors import CheckpointError
 from flexckpt.format.manifest import Manifest
 from flexckpt.load.pending import subset_load
 from flexckpt.restore_plan import restore_plan
-from flexckpt.save.commit import committed_steps, read_manifest
 from flexckpt.state.dtypes import itemsize
 from flexckpt.state.values import ByLane, PerRank
 from flexckpt.storage import Storage

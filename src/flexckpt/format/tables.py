@@ -54,7 +54,7 @@ class TableFiles(DataFiles):
         self._entries: dict[int, FileEntry] = {}
         self._tables: dict[int, ChunkTable] = {}
         self._lock = threading.Lock()
-        self.storage: Any = None  # bound by commit.read_manifest
+        self.storage: Any = None  # bound by catalog.read_manifest
         self.folder = ""
         self.bytes_read = 0  # metadata read through this mapping (table and values files)
         self.peer_bytes_read = 0  # the part of it received from peers (a fast tier's recovery)

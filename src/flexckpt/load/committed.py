@@ -9,10 +9,10 @@ import time
 import torch.distributed as dist
 
 from flexckpt.agree import agree_step, first_failed_rank, share_bytes
+from flexckpt.catalog import committed_steps, read_manifest, read_manifest_bytes
 from flexckpt.errors import LoadError
 from flexckpt.load.exchange import PeerFailure, fanout_for
 from flexckpt.load.pending import LoadStats, PendingLoad, collection_paused
-from flexckpt.save.commit import committed_steps, read_manifest, read_manifest_bytes
 from flexckpt.state.structure import Excluder, Walk
 from flexckpt.storage import Storage
 

@@ -1,6 +1,8 @@
 """The commit side of a save: records gathered through storage, checked against each
-other, the manifest written (the commit), then cleanup and retention. No collective and
-no barrier: ranks meet only through storage.
+other, the manifest written (the commit), and a failure announced to the attempt's other
+ranks. No collective and no barrier: ranks meet only through storage. What is committed
+is read back through :mod:`flexckpt.catalog`; retention and reclaim are in
+:mod:`flexckpt.save.cleanup`.
 
 Every file of a save attempt lives in the attempt's folder (``step-N/RUN.SESSION.K/``), so
 records, failure markers and data of another attempt (an earlier try of the same step, a
@@ -17,37 +19,33 @@ import base64
 import binascii
 import errno
 import logging
-import os
 import threading
 import time
-from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import orjson
 
-from flexckpt.errors import ManifestError, SaveError, expected_failure
+from flexckpt.errors import SaveError, expected_failure
 from flexckpt.format.checksum import checksum
-from flexckpt.format.manifest import MAX_MANIFEST_BYTES, RECORD_FORMAT, VERSION, Manifest, RankEntry, SavedTensor
-from flexckpt.format.manifest_parse import parse_manifest, parse_record
+from flexckpt.format.manifest import RECORD_FORMAT, VERSION, Manifest, RankEntry, SavedTensor
+from flexckpt.format.manifest_parse import parse_record
 from flexckpt.format.names import (
     GROUP,
     MANIFEST,
     attempt_run_id,
     committed_name,
-    data_name,
     failed_name,
     group_name,
     keyed_name,
     parse_step_dir,
     record_name,
     step_dir,
-    table_name,
 )
 from flexckpt.format.write_plan import PlanRules, WritePlan
+from flexckpt.save.cleanup import launch_of, written_since
 from flexckpt.state.structure import TensorSpec
 from flexckpt.storage import Storage
-from flexckpt.storage_stall import bounded
 
 log = logging.getLogger("flexckpt")
 
@@ -344,16 +342,6 @@ def write_keyed(storage: Storage, step: int, attempt: str, keyed: dict[str, list
 
 
 # -- the commit --------------------------------------------------------------------------------
-def _written_since(storage: Storage, rel: str, since: float) -> bool:
-    age = storage.age(rel)
-    return age is not None and time.time() - age >= since
-
-
-def _launch(name: str) -> str:
-    """``RUN.SESSION`` of an attempt folder's name: one job launch."""
-    return name.rsplit(".", 1)[0]
-
-
 def other_live_job(storage: Storage, attempt: str, since: float, step: int, listed: set[str]) -> str | None:
     """An attempt folder of another job launch (another run id, or the same run id
     launched again) written to after ``since`` (when this job started): two jobs are
@@ -363,7 +351,7 @@ def other_live_job(storage: Storage, attempt: str, since: float, step: int, list
     not in ``listed`` (those an earlier check of this job listed; the folders listed now are
     added when nothing is found): one listing of the root, one per such folder, and one age
     per other launch's folder in them; not one listing per step kept at every commit."""
-    ours, current = _launch(attempt), step_dir(step)
+    ours, current = launch_of(attempt), step_dir(step)
     names = [n for n in storage.list_names("") if parse_step_dir(n) is not None]
     listed.intersection_update(names)  # a folder removed since (retention) is listed again if it comes back
     checked = []
@@ -371,9 +359,9 @@ def other_live_job(storage: Storage, attempt: str, since: float, step: int, list
         if step_name in listed and step_name != current:
             continue
         for name in storage.list_names(step_name):
-            if attempt_run_id(name) is None or _launch(name) == ours:
+            if attempt_run_id(name) is None or launch_of(name) == ours:
                 continue
-            if _written_since(storage, f"{step_name}/{name}", since):
+            if written_since(storage, f"{step_name}/{name}", since):
                 return f"{step_name}/{name}"
         checked.append(step_name)
     listed.update(checked)
@@ -386,14 +374,6 @@ def commit(storage: Storage, manifest: Manifest, fsync: bool) -> None:
     folder = step_dir(manifest.step)
     storage.put_atomic(f"{folder}/{MANIFEST}", manifest.to_bytes(), fsync=fsync)
     storage.put_atomic(f"{folder}/{committed_name(manifest.attempt)}", b"", fsync=False)
-
-
-def committed_attempt(storage: Storage, step: int) -> str | None:
-    """The attempt the step's manifest names now (None: no manifest, or version 1)."""
-    try:
-        return read_manifest(storage, step).attempt
-    except (OSError, ValueError):
-        return None
 
 
 # failures announced by a writer of this process: (filesystem, root, step, attempt) -> message.
@@ -443,210 +423,3 @@ def failure_message(storage: Storage, step: int, attempt: str) -> str | None:
     except OSError:
         msg = "(the marker could not be read)"
     return f"save of step {step} failed on another rank: {msg or '(its message did not fit on the disk)'}"
-
-
-def committed_steps(storage: Storage) -> list[int]:
-    """Steps whose manifest exists, ascending (listings are never served from a cache). Its
-    storage calls (the listing, a check a step) run under one stall watch: one hand-off to a
-    helper thread, not one a step."""
-    return bounded(storage.stall_timeout, f"listing the committed steps on {storage.url}",
-                   lambda: _committed_steps(storage))
-
-
-def _committed_steps(storage: Storage) -> list[int]:
-    steps = [s for s in (parse_step_dir(n) for n in storage.list_names("")) if s is not None]
-    if storage.local:
-        return [s for s in steps if storage.exists(f"{step_dir(s)}/{MANIFEST}")]
-    found = storage.glob(f"step-*/{MANIFEST}")
-    with_manifest = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
-    return sorted(s for s in steps if s in with_manifest)
-
-
-def read_manifest(storage: Storage, step: int, data: bytes | None = None) -> Manifest:
-    """The step's manifest, validated; a version-2 manifest is bound to ``storage`` so that
-    its chunk tables are read on first use. ``data``: its bytes, already obtained (a
-    fanned-out load: rank 0 read them for every rank), checked all the same."""
-    rel = f"{step_dir(step)}/{MANIFEST}"
-    if data is None:
-        data = read_manifest_bytes(storage, step)
-    manifest = parse_manifest(data, where=f"manifest {rel}")
-    if manifest.step != step:
-        raise ManifestError(f"{rel} describes step {manifest.step}, not {step}")
-    if manifest.version >= 2:
-        manifest.files.bind(storage, step_dir(step))  # type: ignore[attr-defined]
-    return manifest
-
-
-def read_manifest_bytes(storage: Storage, step: int) -> bytes:
-    """The bytes of the step's manifest, refused unread above :data:`MAX_MANIFEST_BYTES`."""
-    return storage.read_bytes(f"{step_dir(step)}/{MANIFEST}", limit=MAX_MANIFEST_BYTES)
-
-
-def apply_retention(
-    storage: Storage, keep_last: int | None, newest: int, attempt: str, since: float, stale_after: float,
-    in_flight: Collection[tuple[int, str]] = (), pinned: Collection[int] = (),
-) -> None:
-    """After the commit of step ``newest`` by ``attempt``: delete committed checkpoints
-    beyond the newest ``keep_last`` (manifest first, then data), never a ``pinned`` step
-    (a trainer's best one), never the step just
-    committed and never another job launch's step committed after ``since`` (when this job
-    started: a live job's); then the leftovers of uncommitted saves in older steps (see
-    :func:`remove_leftovers`), and the just-committed step's attempt folders that its
-    manifest does not name (see :func:`remove_other_attempts`). A step with a save of this
-    job in flight (``in_flight``: its ``(step, attempt)`` pairs, saves not yet reported done)
-    is left alone whole: it goes, if it must, at a later commit."""
-    busy = {s for s, _ in in_flight}
-    steps = committed_steps(storage)
-    doomed = [s for s in (steps[:-keep_last] if keep_last else []) if s != newest and s not in pinned]
-    for s in doomed:
-        if s in busy:
-            log.info("retention: kept step %d, a save of it is in flight; it goes at a later commit", s)
-            continue
-        if _committed_by_live_job(storage, s, attempt, since):
-            log.warning("retention: kept step %d, committed by another job after this one started", s)
-            continue
-        storage.remove(f"{step_dir(s)}/{MANIFEST}")
-        storage.remove_tree(step_dir(s))
-        log.info("retention: removed step %d", s)
-    if keep_last and newest in steps[:-keep_last]:
-        log.warning("retention: step %d is not among the newest keep_last=%d steps (newer: %s); it goes at the next "
-                    "commit", newest, keep_last, [s for s in steps if s > newest][:10])
-    committed = set(steps)
-    for name in storage.list_names(""):
-        s = parse_step_dir(name)
-        if s is not None and s < newest and s not in committed and s not in busy:
-            remove_leftovers(storage, s, attempt, stale_after)
-    remove_other_attempts(storage, newest, attempt, since, keep={a for s, a in in_flight if s == newest})
-
-
-def _committed_by_live_job(storage: Storage, step: int, attempt: str, since: float) -> bool:
-    if not _written_since(storage, f"{step_dir(step)}/{MANIFEST}", since):
-        return False
-    try:
-        manifest = read_manifest(storage, step)
-    except (OSError, ValueError):
-        return True  # unreadable, and written since this job started: not this job's to judge
-    return manifest.attempt is None or _launch(manifest.attempt) != _launch(attempt)
-
-
-def remove_leftovers(storage: Storage, step: int, attempt: str, stale_after: float) -> None:
-    """In the folder of uncommitted ``step`` (older than the step just committed): attempt
-    folders of this run id whose save failed (they hold its failure marker), and anything
-    untouched for ``stale_after`` seconds (commit_timeout). Never a save in flight, of this
-    job (a smaller step saved while a larger one commits) or of another: the folder goes
-    when it is empty."""
-    folder = step_dir(step)
-    run_id = attempt_run_id(attempt)
-    for name in storage.list_names(folder):
-        rel = f"{folder}/{name}"
-        owner = attempt_run_id(name)
-        failed = owner == run_id and storage.exists(f"{folder}/{failed_name(name)}")
-        age = storage.age(rel)
-        if failed or (age is not None and age >= stale_after):
-            if owner is not None:
-                storage.remove_tree(rel)
-            else:
-                storage.remove(rel)
-            log.info("removed the leftovers of an unfinished save: %s", rel)
-    _remove_if_empty(storage, folder)
-
-
-def _remove_if_empty(storage: Storage, folder: str) -> None:
-    """A local folder, if empty (rmdir: a save that creates a folder in it meanwhile keeps
-    it). On an object store a prefix with no objects does not exist."""
-    if storage.local:
-        try:
-            os.rmdir(storage.path(folder))
-        except OSError:
-            pass
-
-
-def remove_other_attempts(storage: Storage, step: int, attempt: str, since: float,
-                          keep: Collection[str] = ()) -> None:
-    """Attempt folders of the just-committed step other than the committed ``attempt``:
-    this job launch's own earlier attempts, and those of jobs that ended before it started
-    (``since``); never a folder written to since then (another live job's: its files stay,
-    whatever happens to its saves), never one in ``keep`` (this job's saves of the step still
-    in flight). The manifest just written names only ``attempt``. Version-1 files of earlier
-    jobs go too."""
-    folder = step_dir(step)
-    session = attempt.rsplit(".", 1)[0]
-    for name in storage.list_names(folder):
-        if name in (MANIFEST, attempt) or name in keep or name.startswith("."):
-            continue
-        owner = attempt_run_id(name)
-        if owner is not None and name.rsplit(".", 1)[0] != session and _written_since(storage, f"{folder}/{name}", since):
-            continue
-        if owner is not None:
-            storage.remove_tree(f"{folder}/{name}")
-        else:
-            storage.remove(f"{folder}/{name}")
-
-
-def remove_attempt(storage: Storage, step: int, attempt: str) -> None:
-    """All of a failed attempt (an offline tool's, see :mod:`flexckpt.convert.offline`): its folder
-    with data, tables, records and marker, and the step's folder when that leaves it empty.
-    Never the attempt the step's manifest names."""
-    if committed_attempt(storage, step) == attempt:
-        return
-    storage.remove_tree(f"{step_dir(step)}/{attempt}")
-    _remove_if_empty(storage, step_dir(step))
-
-
-# -- reclaiming the files of failed saves (a full disk must not stop every later save) ---------
-def reclaim_failed(storage: Storage, step: int, attempt: str, rank: int | None) -> None:
-    """Delete a failed attempt's files at once: rank ``rank``'s data file and chunk table,
-    or (``rank`` None: the coordinator, whose commit failed) every data file and table in
-    the attempt's folder. The failure marker and records stay (small; the other ranks read
-    the marker). Nothing is deleted if the step's manifest names this attempt."""
-    if committed_attempt(storage, step) == attempt:
-        return
-    folder = f"{step_dir(step)}/{attempt}"
-    if rank is not None:
-        doomed = [f"{step_dir(step)}/{data_name(attempt, rank)}", f"{step_dir(step)}/{table_name(attempt, rank)}"]
-    else:
-        doomed = [f"{folder}/{n}" for n in storage.list_names(folder) if n.endswith((".data", ".table", ".tmp"))]
-    for rel in doomed:
-        storage.remove(rel)
-
-
-def reclaim_at_start(storage: Storage, run_id: str, stale_after: float, since: float, launch: str = "") -> list[str]:
-    """At start-up (the coordinator): remove attempt folders that no manifest names and no
-    live save can still need, i.e. those of an earlier launch of this run id in steps older
-    than the newest commit, and any (of any job) untouched for ``stale_after`` seconds
-    (commit_timeout). Never a folder written since ``since`` (when this job started: another
-    live job's), never one of this launch (``launch``, ``RUN.SESSION``: the batches of one
-    import are ranks that start one after another, each a Checkpointer of its own), never
-    the attempt a step's manifest names, never version-1 files. Step folders left empty and
-    without a manifest go too. A step whose folder holds only the attempt its ``committed``
-    marker names costs its listing and that marker's check, no manifest read. Returns what
-    was removed."""
-    removed: list[str] = []
-    steps = sorted(s for s in (parse_step_dir(n) for n in storage.list_names("")) if s is not None)
-    committed = set(committed_steps(storage))
-    newest = max(committed, default=-1)
-    now = time.time()
-    for s in steps:
-        folder = step_dir(s)
-        names = storage.list_names(folder)
-        keep = None
-        if MANIFEST in names:
-            attempts = [n for n in names if attempt_run_id(n) is not None]
-            if len(attempts) == 1 and storage.exists(f"{folder}/{committed_name(attempts[0])}"):
-                continue  # only the attempt the step's commit marked: nothing to reclaim, no manifest read
-            keep = committed_attempt(storage, s)
-            if keep is None:  # version 1, or a manifest that does not parse: touch nothing here
-                continue
-        for name in names:
-            owner = attempt_run_id(name)
-            if owner is None or name == keep or _launch(name) == launch:
-                continue
-            age = storage.age(f"{folder}/{name}")
-            if age is None or now - age >= since:
-                continue  # written since this job started: another live job's
-            if age >= stale_after or (owner == run_id and s < newest):
-                storage.remove_tree(f"{folder}/{name}")
-                removed.append(f"{folder}/{name}")
-        if s not in committed and not storage.list_names(folder):
-            storage.remove_tree(folder)
-    return removed

@@ -1,7 +1,8 @@
 """The commit side of a save. ``Committer`` runs on the commit thread of a group leader:
 rank 0 gathers the records by reading storage, writes the manifest and applies retention
-(the pure steps are in :mod:`flexckpt.save.commit`: gather, build, commit, retention); another
-group leader (every GROUP-th rank) gathers its group's records into one. It also makes this
+(the pure steps are in :mod:`flexckpt.save.commit`: gather, build, commit; retention and
+reclaim are in :mod:`flexckpt.save.cleanup`); another group leader (every GROUP-th rank)
+gathers its group's records into one. It also makes this
 rank's record (``record``; a rank that leads no group writes it, ``hand_in``), reports any
 rank's failure to the attempt's other ranks (``report_failure``), lets the other ranks wait
 for the commit through storage (``wait_for_commit``), and removes the files of saves cut
@@ -13,24 +14,22 @@ import logging
 import threading
 import time
 
+from flexckpt.catalog import committed_attempt
 from flexckpt.errors import SaveError, expected_failure
 from flexckpt.format.names import GROUP, attempt_run_id, committed_name, group_name, record_name, step_dir, table_name
 from flexckpt.format.write_plan import WritePlan
+from flexckpt.save.cleanup import apply_retention, reclaim_at_start, reclaim_failed
 from flexckpt.save.commit import (
     AnnouncedFailure,
-    apply_retention,
     build_manifest,
     check_fingerprints,
     commit,
-    committed_attempt,
     failure_message,
     gather,
     keyed_entries,
     lead_group,
     mark_failed,
     other_live_job,
-    reclaim_at_start,
-    reclaim_failed,
     record_doc,
     write_keyed,
 )
@@ -235,7 +234,7 @@ class Committer:
 
     def reclaim(self) -> None:
         """Files of saves that failed or were cut short before this launch (see
-        :func:`flexckpt.save.commit.reclaim_at_start`): a restarted job on a full disk saves again.
+        :func:`flexckpt.save.cleanup.reclaim_at_start`): a restarted job on a full disk saves again.
         The coordinator runs it on a thread of its own, started at construction (a load, a
         fast tier's recovery included, never waits for it; the first save makes its folders
         once it is done, ``close()`` waits for it)."""

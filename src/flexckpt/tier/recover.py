@@ -24,12 +24,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from flexckpt.catalog import committed_steps, read_manifest
 from flexckpt.format.manifest import Manifest
 from flexckpt.format.manifest_parse import parse_manifest
 from flexckpt.format.names import keyed_name, step_dir, table_name, values_name
 from flexckpt.format.write_plan import PlanRules
 from flexckpt.load.pending import PendingLoad
-from flexckpt.save.commit import SavedPlan, build_manifest, committed_steps, read_manifest, write_keyed
+from flexckpt.save.commit import SavedPlan, build_manifest, write_keyed
 from flexckpt.save.stage_union import union_structure
 from flexckpt.state.dtypes import dtype_from_name
 from flexckpt.state.structure import TensorSpec, Walk, excluder, walk
