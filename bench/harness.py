@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import datetime as _dt
+import json
 import math
 import mmap
 import os
@@ -20,6 +21,7 @@ import platform
 import resource
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -378,6 +380,19 @@ def median(values: Iterable[float]) -> float:
 
 
 # -- reporting ---------------------------------------------------------------------------------
+def write_report(bench: str, text: str, doc: dict, out: str | None) -> str:
+    """The report's markdown (``out``, else ``bench/out/BENCH-<time>.md``) and, beside it,
+    ``doc`` as JSON (values JSON lacks written as their ``str``); the markdown's path."""
+    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}.md")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(text + "\n")
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(doc, f, default=str)
+    print(f"\n(report written to {out})", file=sys.stderr)
+    return out
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     for r in rows:

@@ -459,15 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         sections += [text, ""]
     text = "\n".join(sections).rstrip()
     print(text)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"restore-{time.strftime('%Y%m%d-%H%M%S')}.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(text + "\n")
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        by_size = {"results_by_size": {f"{mb:g}": {str(k): v for k, v in results[mb].items()} for mb in sizes}} if len(sizes) > 1 else {}
-        json.dump({"args": vars(args), "machine": machine, "headline": headline,
-                   "results": {str(k): v for k, v in results[sizes[0]].items()}, **by_size}, f, default=str)
-    print(f"\n(report written to {out})", file=sys.stderr)
+    by_size = {"results_by_size": {f"{mb:g}": {str(k): v for k, v in results[mb].items()} for mb in sizes}} if len(sizes) > 1 else {}
+    H.write_report("restore", text, {"args": vars(args), "machine": machine, "headline": headline,
+                                     "results": {str(k): v for k, v in results[sizes[0]].items()}, **by_size}, args.out)
     return 1 if any_bad else 0
 
 

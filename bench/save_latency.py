@@ -503,13 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     text = "\n".join(report)
     print(text)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"save_latency-{time.strftime('%Y%m%d-%H%M%S')}.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(text + "\n")
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump({"args": vars(args), "machine": machine, "results": {str(w): r for w, r in results.items()}, "log": log}, f, default=str)
-    print(f"\n(report written to {out})", file=sys.stderr)
+    H.write_report("save_latency", text, {"args": vars(args), "machine": machine,
+                                          "results": {str(w): r for w, r in results.items()}, "log": log}, args.out)
     bad = any(m.get("bad") for d in per_world.values() for m in d["med"].values())
     return 1 if bad else 0
 
