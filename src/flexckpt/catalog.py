@@ -6,6 +6,8 @@ recovery, the offline tools and the CLI all ask here; this module imports nothin
 """
 from __future__ import annotations
 
+import time
+
 from flexckpt.errors import ManifestError
 from flexckpt.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from flexckpt.format.manifest_parse import parse_manifest
@@ -49,6 +51,13 @@ def read_manifest(storage: Storage, step: int, data: bytes | None = None) -> Man
 def read_manifest_bytes(storage: Storage, step: int) -> bytes:
     """The bytes of the step's manifest, refused unread above :data:`MAX_MANIFEST_BYTES`."""
     return storage.read_bytes(f"{step_dir(step)}/{MANIFEST}", limit=MAX_MANIFEST_BYTES)
+
+
+def written_since(storage: Storage, rel: str, since: float) -> bool:
+    """Whether ``rel`` was written to after ``since`` (when this job started): a live job's
+    (the save's check for another live job and the cleanup both ask)."""
+    age = storage.age(rel)
+    return age is not None and time.time() - age >= since
 
 
 def committed_attempt(storage: Storage, step: int) -> str | None:

@@ -51,6 +51,11 @@ def attempt_run_id(attempt: str) -> str | None:
     return m.group(1) if m else None
 
 
+def launch_of(attempt: str) -> str:
+    """``RUN.SESSION`` of an attempt folder's name: one job launch."""
+    return attempt.rsplit(".", 1)[0]
+
+
 def data_name(attempt: str, rank: int) -> str:
     return f"{attempt}/r{rank:05d}.data"
 

@@ -12,13 +12,14 @@ import os
 import time
 from collections.abc import Collection
 
-from flexckpt.catalog import committed_attempt, committed_steps, read_manifest
+from flexckpt.catalog import committed_attempt, committed_steps, read_manifest, written_since
 from flexckpt.format.names import (
     MANIFEST,
     attempt_run_id,
     committed_name,
     data_name,
     failed_name,
+    launch_of,
     parse_step_dir,
     step_dir,
     table_name,
@@ -26,17 +27,6 @@ from flexckpt.format.names import (
 from flexckpt.storage import Storage
 
 log = logging.getLogger("flexckpt")
-
-
-def written_since(storage: Storage, rel: str, since: float) -> bool:
-    """Whether ``rel`` was written to after ``since`` (when this job started): a live job's."""
-    age = storage.age(rel)
-    return age is not None and time.time() - age >= since
-
-
-def launch_of(name: str) -> str:
-    """``RUN.SESSION`` of an attempt folder's name: one job launch."""
-    return name.rsplit(".", 1)[0]
 
 
 def apply_retention(
@@ -127,12 +117,12 @@ def remove_other_attempts(storage: Storage, step: int, attempt: str, since: floa
     in flight). The manifest just written names only ``attempt``. Version-1 files of earlier
     jobs go too."""
     folder = step_dir(step)
-    session = attempt.rsplit(".", 1)[0]
+    session = launch_of(attempt)
     for name in storage.list_names(folder):
         if name in (MANIFEST, attempt) or name in keep or name.startswith("."):
             continue
         owner = attempt_run_id(name)
-        if owner is not None and name.rsplit(".", 1)[0] != session and written_since(storage, f"{folder}/{name}", since):
+        if owner is not None and launch_of(name) != session and written_since(storage, f"{folder}/{name}", since):
             continue
         if owner is not None:
             storage.remove_tree(f"{folder}/{name}")

@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 
 import orjson
 
+from flexckpt.catalog import written_since
 from flexckpt.errors import SaveError, expected_failure
 from flexckpt.format.checksum import checksum
 from flexckpt.format.manifest import RECORD_FORMAT, VERSION, Manifest, RankEntry, SavedTensor
@@ -38,16 +39,17 @@ from flexckpt.format.names import (
     failed_name,
     group_name,
     keyed_name,
+    launch_of,
     parse_step_dir,
     record_name,
     step_dir,
 )
 from flexckpt.format.write_plan import PlanRules, WritePlan
-from flexckpt.save.cleanup import launch_of, written_since
 from flexckpt.state.structure import TensorSpec
 from flexckpt.storage import Storage
 
 log = logging.getLogger("flexckpt")
+
 
 class AnnouncedFailure(SaveError):
     """Another rank announced (by the attempt's failure marker) that this save failed."""
