@@ -189,6 +189,7 @@ def _restart(rank, world, url, root, nodes, oracle_step=None):
     exact = all(torch.equal(state[n].local, want[n].local) for n in SHAPES)
     rec = ck.tier.last_recovery
     from_peers = ck.last_load_stats.bytes_from_peers if rec.source == "tier" else None
+    manifest = (ck.last_load_stats.manifest_bytes, ck.last_load_stats.manifest_from_peer)
     store_bytes, store_files, oracle = read[0], dict(by_file), None
     if oracle_step is not None:
         by_file.clear()
@@ -203,7 +204,7 @@ def _restart(rank, world, url, root, nodes, oracle_step=None):
             "want_lanes": want["data"].values, "meta": state["meta"], "source": rec.source, "reason": rec.reason,
             "parts": rec.parts, "seconds": seconds, "tier_left": os.path.exists(ck.tier.root),
             "fetched": rec.fetched, "sent": rec.sent_bytes, "received": rec.fetched_bytes, "store_files": store_files,
-            "oracle": oracle, "from_peers": from_peers}
+            "oracle": oracle, "from_peers": from_peers, "manifest": manifest}
 
 
 def _copy_nodes(root: str, dst: str, lose: list[str], drop_steps: tuple[int, ...] = ()) -> str:
@@ -318,6 +319,10 @@ def test_both_copies_of_a_rank_lost_takes_only_its_parts_from_the_stores_same_st
         assert all(p.startswith(("own node", "node ")) for s, p in r["parts"].items() if s != 0), r["parts"]
         assert set(r["store_files"]) <= {"r00000.data"}, r["store_files"]  # only the missing rank's data
     assert set().union(*[r["store_files"] for r in res]) == {"r00000.data"}
+    # the store's manifest read once: by rank 0, received by rank 1
+    url = killed[0]("four nodes")[0]
+    size = os.path.getsize(os.path.join(url, "step-000000000008", "manifest.json"))
+    assert [r["manifest"] for r in res] == [(size, False), (size, True)]
     # 4 -> 2 ranks: rank 0 (on n2) reads saved ranks 0 and 1 (its shards) and 3 (who saved the
     # replicated tensor): 0 from the store, 1 from its node (the copy), 3 from rank 1's node
     assert res[0]["parts"] == {0: "persistent store step 8", 1: "own node n2", 3: "node n3 via rank 1"}
@@ -326,7 +331,6 @@ def test_both_copies_of_a_rank_lost_takes_only_its_parts_from_the_stores_same_st
     fetched = {os.path.basename(rel): n for rel, n in res[0]["fetched"].items() if rel.endswith(".data")}
     assert list(fetched) == ["r00003.data"] and fetched["r00003.data"] == res[0]["oracle"]["r00003.data"], (
         fetched, res[0]["oracle"])
-    url = killed[0]("four nodes")[0]
     whole = os.path.getsize(os.path.join(url, "step-000000000008",
                                          *[f for f in _files(url, 8) if f.endswith("r00003.data")]))
     assert 0 < fetched["r00003.data"] < whole

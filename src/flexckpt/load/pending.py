@@ -58,8 +58,10 @@ class LoadStats:
     # or received from peers (a fast tier's recovery: the ranges it asked of other nodes)
     bytes_from_store: int = 0
     bytes_from_peers: int = 0  # with fan-out (Checkpointer(fanout=)) also the chunks other ranks read for this one
-    # the manifest (a load from the persistent store; not in the counts above): its bytes, read
-    # by this rank, or, in a fanned-out load, by rank 0 for every rank (``manifest_from_peer``)
+    # the manifest read from the persistent store (not in the counts above; also a fast tier's
+    # recovery that takes missing ranks from the store's step, 0 in one from the tier alone): its
+    # bytes, read by this rank, or by rank 0 for every rank (``manifest_from_peer``: a fanned-out
+    # load, or that recovery)
     manifest_bytes: int = 0
     manifest_from_peer: bool = False
     peer_chunks_reread: int = 0  # fan-out: chunks received from a peer that failed their check, read from the store

@@ -24,7 +24,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from flexckpt.catalog import committed_steps, read_manifest
+from flexckpt.agree import share_bytes
+from flexckpt.catalog import committed_steps, read_manifest, read_manifest_bytes
 from flexckpt.format.manifest import Manifest
 from flexckpt.format.manifest_parse import parse_manifest
 from flexckpt.format.names import keyed_name, step_dir, table_name, values_name
@@ -213,10 +214,18 @@ class StepRecovery:
         pending = None
         asks: dict[int, list[Ask]] = {}
         try:
+            data = None
+            if d.missing:  # the store's manifest, read once (rank 0 reads it): a collective, so first
+                data = share_bytes(tier.rank, tier.world, tier.group,
+                                   lambda: read_manifest_bytes(self.host.storage, d.step),
+                                   f"the persistent store's manifest of step {d.step}")
             assert c.w is not None and c.full is not None
-            manifest = self.store_manifest(d) if d.missing else tier_manifest(tier.storage, d)
+            manifest = self.store_manifest(d, data) if d.missing else tier_manifest(tier.storage, d)
             manifest.files.bind(self.view, step_dir(d.step))
             pending = PendingLoad(self.view, manifest, c.full, tier.rank, tier.world, strict, c.gone)
+            if data is not None:
+                pending.stats.manifest_bytes = len(data)
+                pending.stats.manifest_from_peer = tier.rank != 0 and tier.world > 1
             asks, report.parts = self.plan_sources(d, manifest, pending, c.gathered)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
             error, asks = exc, {}
@@ -282,12 +291,13 @@ class StepRecovery:
         mine = w.structure_json() if fps.index(fps[rank]) == rank else None
         return compat_union([st for st in self.tier.all_gather(mine) if st is not None])
 
-    def store_manifest(self, d: Decision) -> Manifest:
+    def store_manifest(self, d: Decision, data: bytes | None = None) -> Manifest:
         """The persistent store's manifest of step ``d.step``, when it is the very save the
         tier holds part of: the same attempt, world size and plan, uncompressed, and each
         saved rank the tier holds with the same table, data and values (lengths and xxh3):
-        its files then stand in for the ranks no node holds."""
-        m = read_manifest(self.host.storage, d.step)
+        its files then stand in for the ranks no node holds. ``data``: its bytes, already read
+        (by rank 0, for every rank)."""
+        m = read_manifest(self.host.storage, d.step, data)
         first = next(iter(d.docs.values()))
         why = ""
         if m.version < 2 or m.attempt != d.attempt:
