@@ -60,12 +60,14 @@ class Received:
             at += hi - lo
         progress()
 
-    def read_scatter(self, offset: int, outs: list[memoryview]) -> None:
+    def read_scatter(self, offset: int, outs: list[memoryview]) -> int:
+        """As ``RangeReader.read_scatter``: fills ``outs`` one after the other, returns the bytes read."""
         pos = offset
         for out in outs:
             if memoryview(out).nbytes:
                 self.read_into(pos, out)
             pos += memoryview(out).nbytes
+        return pos - offset
 
     def read_bytes(self) -> bytes:
         out = bytearray(self.size)
