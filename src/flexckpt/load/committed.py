@@ -8,7 +8,7 @@ import logging
 import time
 import torch.distributed as dist
 
-from flexckpt.agree import agree_step, first_failed_rank, share_bytes
+from flexckpt.agree import agree_step, distributed, first_failed_rank, share_bytes
 from flexckpt.catalog import committed_steps, read_manifest, read_manifest_bytes
 from flexckpt.errors import LoadError
 from flexckpt.load.exchange import PeerFailure, fanout_for
@@ -17,6 +17,19 @@ from flexckpt.state.structure import Excluder, Walk
 from flexckpt.storage import Storage
 
 log = logging.getLogger("flexckpt")
+
+
+def manifest_bytes(storage: Storage, step: int, rank: int, world_size: int, group: "dist.ProcessGroup | None",
+                   once: bool) -> tuple[bytes, bool]:
+    """The bytes of ``step``'s manifest on ``storage`` and whether they came from a peer: read
+    by this rank, or with ``once`` (every rank of the group calls it then: a collective) read
+    by rank 0 and received by the others (:func:`flexckpt.agree.share_bytes`), as a fanned-out
+    load and a fast tier's recovery that takes ranks from the store read it."""
+    if not once:
+        return read_manifest_bytes(storage, step), False
+    data = share_bytes(rank, world_size, group, lambda: read_manifest_bytes(storage, step),
+                       f"the manifest of step {step} on {storage.url}")
+    return data, distributed(world_size) and rank != 0
 
 
 def load_committed(storage: Storage, w: Walk, *, rank: int, world_size: int, group: "dist.ProcessGroup | None",
@@ -39,15 +52,10 @@ def load_committed(storage: Storage, w: Walk, *, rank: int, world_size: int, gro
         try:
             t0 = time.perf_counter()
             with collection_paused():  # the plan's allocations too (a collection here walks the trainer's heap)
-                if fan is None:
-                    data = read_manifest_bytes(storage, chosen)
-                else:  # read once, like the data: rank 0 reads the manifest, the others receive it
-                    data = share_bytes(rank, world_size, group, lambda: read_manifest_bytes(storage, chosen),
-                                       f"the manifest of step {chosen}")
+                data, from_peer = manifest_bytes(storage, chosen, rank, world_size, group, once=fan is not None)
                 manifest = read_manifest(storage, chosen, data)
                 pending = PendingLoad(storage, manifest, w, rank, world_size, strict, gone)
-                pending.stats.manifest_bytes = len(data)
-                pending.stats.manifest_from_peer = fan is not None and rank != 0
+                pending.stats.manifest_bytes, pending.stats.manifest_from_peer = len(data), from_peer
                 pending.stats.plan_s = time.perf_counter() - t0
                 pending.read(read_threads, fan)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below

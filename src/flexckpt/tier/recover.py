@@ -24,12 +24,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from flexckpt.agree import share_bytes
-from flexckpt.catalog import committed_steps, read_manifest, read_manifest_bytes
+from flexckpt.catalog import committed_steps, read_manifest
 from flexckpt.format.manifest import Manifest
 from flexckpt.format.manifest_parse import parse_manifest
 from flexckpt.format.names import keyed_name, step_dir, table_name, values_name
 from flexckpt.format.write_plan import PlanRules
+from flexckpt.load.committed import manifest_bytes
 from flexckpt.load.pending import PendingLoad
 from flexckpt.save.commit import SavedPlan, build_manifest, write_keyed
 from flexckpt.save.stage_union import union_structure
@@ -214,18 +214,16 @@ class StepRecovery:
         pending = None
         asks: dict[int, list[Ask]] = {}
         try:
-            data = None
+            data, from_peer = None, False
             if d.missing:  # the store's manifest, read once (rank 0 reads it): a collective, so first
-                data = share_bytes(tier.rank, tier.world, tier.group,
-                                   lambda: read_manifest_bytes(self.host.storage, d.step),
-                                   f"the persistent store's manifest of step {d.step}")
+                data, from_peer = manifest_bytes(self.host.storage, d.step, tier.rank, tier.world, tier.group,
+                                                 once=True)
             assert c.w is not None and c.full is not None
             manifest = self.store_manifest(d, data) if d.missing else tier_manifest(tier.storage, d)
             manifest.files.bind(self.view, step_dir(d.step))
             pending = PendingLoad(self.view, manifest, c.full, tier.rank, tier.world, strict, c.gone)
             if data is not None:
-                pending.stats.manifest_bytes = len(data)
-                pending.stats.manifest_from_peer = tier.rank != 0 and tier.world > 1
+                pending.stats.manifest_bytes, pending.stats.manifest_from_peer = len(data), from_peer
             asks, report.parts = self.plan_sources(d, manifest, pending, c.gathered)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
             error, asks = exc, {}
